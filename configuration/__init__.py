@@ -1,0 +1,3 @@
+from .configuration_hybrid_indexpool import HybridIndexPoolConfig
+
+__all__ = ["HybridIndexPoolConfig"]

@@ -1,0 +1,212 @@
+"""Configuration of the HybridIndexPool model: Gated DeltaNet layers interleaved with IndexPool sparse attention."""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+LAYER_TYPES = ("linear_attention", "indexpool_attention")
+POOL_WEIGHTINGS = ("learned", "mean")
+
+
+@strict
+class HybridIndexPoolConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`HybridIndexPoolModel`].
+
+    The decoder interleaves Gated DeltaNet linear-attention layers (`"linear_attention"`) with IndexPool sparse
+    attention layers (`"indexpool_attention"`). An IndexPool layer is gated GQA attention whose keys are chosen per
+    query by a lightweight indexer; the indexer keeps one *pooled* key per window of `index_pool_size` consecutive
+    tokens, so its cache is `1 / index_pool_size` of a per-token indexer's.
+
+    Args:
+        vocab_size (`int`): Vocabulary size.
+        hidden_size (`int`): Width of the residual stream.
+        intermediate_size (`int`): Inner width of the dense SwiGLU MLP (used when `num_experts == 0`).
+        num_hidden_layers (`int`): Number of decoder layers.
+        layer_types (`list[str]`, *optional*): Mixer of each layer, `"linear_attention"` or `"indexpool_attention"`.
+            Defaults to three linear layers then one IndexPool layer, repeating.
+        num_attention_heads (`int`): Query heads of the IndexPool attention.
+        num_key_value_heads (`int`): Key/value heads of the IndexPool attention (GQA).
+        head_dim (`int`): Width of one attention head.
+        partial_rotary_factor (`float`): Fraction of each head (and of each indexer head) rotated by RoPE.
+        rope_parameters (`dict`, *optional*): RoPE settings (`rope_type`, `rope_theta`, ...), as in transformers.
+        attention_output_gate (`bool`): Multiply the attention output by `sigmoid(gate)`, the gate being a second
+            half of the query projection (Qwen3-Next style).
+        attention_bias (`bool`): Bias on the attention projections.
+        attention_dropout (`float`): Dropout on the attention probabilities during training.
+        index_n_heads (`int`): Query heads of the indexer.
+        index_head_dim (`int`): Width of one indexer head (and of the single shared indexer key).
+        index_topk (`int`): Token budget B: each query attends to `index_topk // index_pool_size` selected windows
+            plus the open tail of its own window. Must be a multiple of `index_pool_size`.
+        index_pool_size (`int`): Tokens per pooled indexer key (r). `1` means no pooling (plain DSA).
+        index_pool_weighting (`str`): `"learned"` (softmax-gated weighted pooling, initialised to the mean) or
+            `"mean"`.
+        index_head_weights (`bool`): Weight the indexer heads by learned, input-dependent weights (DeepSeek style)
+            instead of summing them.
+        linear_num_key_heads (`int`): Query/key heads of Gated DeltaNet.
+        linear_num_value_heads (`int`): Value heads of Gated DeltaNet (a multiple of the key heads).
+        linear_key_head_dim (`int`): Width of a Gated DeltaNet query/key head.
+        linear_value_head_dim (`int`): Width of a Gated DeltaNet value head.
+        linear_conv_kernel_dim (`int`): Kernel size of the causal depthwise convolution in Gated DeltaNet.
+        num_experts (`int`): Routed experts per MoE block; `0` means a dense MLP in every layer.
+        num_experts_per_tok (`int`): Experts each token is routed to.
+        moe_intermediate_size (`int`): Inner width of one routed expert.
+        shared_expert_intermediate_size (`int`): Inner width of the shared expert (`0` for none).
+        norm_topk_prob (`bool`): Renormalise the top-k router probabilities to sum to one.
+        hidden_act (`str`): Activation of the MLPs and of the Gated DeltaNet convolution.
+        rms_norm_eps (`float`): Epsilon of the RMS norms.
+        max_position_embeddings (`int`): Longest context the RoPE settings are meant for.
+        initializer_range (`float`): Standard deviation of the normal weight initialisation.
+        tie_word_embeddings (`bool`): Share the input embedding and the language-model head.
+        use_cache (`bool`): Return a [`HybridIndexPoolCache`] by default.
+        pad_token_id, bos_token_id, eos_token_id (`int`, *optional*): Special token ids.
+    """
+
+    model_type = "hybrid_indexpool"
+    keys_to_ignore_at_inference = ["cache"]
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_hidden_layers: int = 8
+    layer_types: list[str] | None = None
+    # IndexPool attention
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 128
+    partial_rotary_factor: float = 0.25
+    rope_parameters: RopeParameters | dict | None = None
+    attention_output_gate: bool = True
+    attention_bias: bool = False
+    attention_dropout: float | int = 0.0
+    # indexer
+    index_n_heads: int = 4
+    index_head_dim: int = 64
+    index_topk: int = 2048
+    index_pool_size: int = 4
+    index_pool_weighting: str = "learned"
+    index_head_weights: bool = False
+    # Gated DeltaNet
+    linear_num_key_heads: int = 8
+    linear_num_value_heads: int = 16
+    linear_key_head_dim: int = 64
+    linear_value_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    # MLP / MoE
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    # the usual
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.layer_types is None:
+            self.layer_types = [
+                "indexpool_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 10000000.0)}
+        self.rope_parameters.setdefault("partial_rotary_factor", self.partial_rotary_factor)
+        super().__post_init__(**kwargs)
+        self.check_settings()
+
+    def validate_layer_type(self):
+        """Layer types are checked by `check_settings` (transformers' generic list does not know ours)."""
+
+    def check_settings(self):
+        """Raise a `ValueError` naming the field and the fix for every invalid combination of settings.
+
+        Runs at construction and again when a model is built, so settings changed after construction are checked.
+        (It is not a strict-dataclass `validate_*` hook because those wrap the error in a non-`ValueError`.)
+        """
+
+        def fail(message: str):
+            raise ValueError(f"HybridIndexPoolConfig: {message}")
+
+        if len(self.layer_types) != self.num_hidden_layers:
+            fail(
+                f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
+                f"{self.num_hidden_layers}; give one entry per layer."
+            )
+        for index, layer_type in enumerate(self.layer_types):
+            if layer_type not in LAYER_TYPES:
+                fail(f"`layer_types[{index}]` is {layer_type!r}; each entry must be one of {list(LAYER_TYPES)}.")
+        for name in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "index_n_heads", "index_head_dim", "index_pool_size", "index_topk",
+                     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            if getattr(self, name) < 1:
+                fail(f"`{name}` is {getattr(self, name)}; it must be a positive integer.")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            fail(
+                f"`num_attention_heads` ({self.num_attention_heads}) is not a multiple of `num_key_value_heads` "
+                f"({self.num_key_value_heads}); choose head counts where the key/value heads divide the query heads."
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads != 0:
+            fail(
+                f"`linear_num_value_heads` ({self.linear_num_value_heads}) is not a multiple of "
+                f"`linear_num_key_heads` ({self.linear_num_key_heads}); choose counts where the key heads divide "
+                "the value heads."
+            )
+        if self.index_topk % self.index_pool_size != 0:
+            fail(
+                f"`index_topk` ({self.index_topk}) is not a multiple of `index_pool_size` ({self.index_pool_size}); "
+                f"the budget is spent in whole windows, so use e.g. "
+                f"{max(self.index_pool_size, self.index_topk // self.index_pool_size * self.index_pool_size)}."
+            )
+        if self.index_pool_weighting not in POOL_WEIGHTINGS:
+            fail(
+                f"`index_pool_weighting` is {self.index_pool_weighting!r}; it must be one of {list(POOL_WEIGHTINGS)}."
+            )
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            fail(f"`partial_rotary_factor` is {self.partial_rotary_factor}; it must lie in (0, 1].")
+        rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        if rotary_dim % 2 != 0:
+            fail(
+                f"`head_dim * partial_rotary_factor` is {rotary_dim}, an odd number of rotated channels; "
+                "choose values whose product is even."
+            )
+        if self.index_head_dim < rotary_dim:
+            fail(
+                f"`index_head_dim` ({self.index_head_dim}) is smaller than the rotated width "
+                f"`head_dim * partial_rotary_factor` ({rotary_dim}) that the indexer shares with the attention; "
+                "raise `index_head_dim` or lower `partial_rotary_factor`."
+            )
+        if self.num_experts < 0:
+            fail(f"`num_experts` is {self.num_experts}; use 0 for a dense MLP or a positive number of experts.")
+        if self.num_experts > 0 and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            fail(
+                f"`num_experts_per_tok` ({self.num_experts_per_tok}) must lie between 1 and `num_experts` "
+                f"({self.num_experts})."
+            )
+        if not 0.0 <= float(self.attention_dropout) < 1.0:
+            fail(f"`attention_dropout` is {self.attention_dropout}; it must lie in [0, 1).")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each attention head (and indexer head) that RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def index_topk_windows(self) -> int:
+        """Windows each query selects: the token budget divided by the pool size."""
+        return self.index_topk // self.index_pool_size
+
+
+__all__ = ["HybridIndexPoolConfig"]

@@ -1,0 +1,83 @@
+"""PyTorch reference of the pooled index score and top-k window selection.
+
+For query `t` with indexer queries `q[t, h]` and pooled keys `kbar[c]`:
+
+    s[t, c] = sum_h a[t, h] * relu(q[t, h] . kbar[c]) / sqrt(d)
+
+over the windows `c < num_visible_windows[t]`; the `topk` best are kept. Ties go to the lower window id, so the
+result does not depend on how the candidates are split into chunks. Queries and windows are processed in
+chunks with a running top-k, so memory stays bounded by the chunk sizes, never `[T, N / r]`.
+"""
+
+import torch
+
+# Elements of one `[batch, query_chunk, heads, window_chunk]` float32 score block (64 MiB).
+SCORE_BLOCK_ELEMENTS = 1 << 24
+
+
+def _chunk_sizes(batch_size: int, num_queries: int, num_heads: int, num_windows: int) -> tuple[int, int]:
+    window_chunk = max(1, min(num_windows, 4096))
+    query_chunk = max(1, min(num_queries, SCORE_BLOCK_ELEMENTS // max(1, batch_size * num_heads * window_chunk)))
+    return query_chunk, window_chunk
+
+
+def pooled_index_scores_torch(
+    index_queries: torch.Tensor, pooled_index_keys: torch.Tensor, head_weights: torch.Tensor | None
+) -> torch.Tensor:
+    """Scores of every query against every given window, `[batch, queries, windows]` in float32 (no masking)."""
+    scale = index_queries.shape[-1] ** -0.5
+    # [b, t, h, d] x [b, c, d] -> [b, t, h, c]
+    per_head = torch.einsum("bthd,bcd->bthc", index_queries.float(), pooled_index_keys.float()).relu_()
+    if head_weights is None:
+        return per_head.sum(dim=2) * scale
+    return torch.einsum("bthc,bth->btc", per_head, head_weights.float()) * scale
+
+
+def pooled_index_topk_torch(
+    index_queries: torch.Tensor,
+    pooled_index_keys: torch.Tensor,
+    num_visible_windows: torch.Tensor,
+    topk: int,
+    head_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Select the `topk` best-scoring visible windows of every query.
+
+    Args:
+        index_queries: `[batch, queries, index_heads, index_head_dim]`, after norm and RoPE.
+        pooled_index_keys: `[batch, windows, index_head_dim]`, window `c` at index `c`.
+        num_visible_windows: `[batch, queries]` integer: query `t` may select windows `0 .. n - 1`.
+        topk: windows to keep per query.
+        head_weights: `[batch, queries, index_heads]` or None (all heads weigh 1).
+
+    Returns:
+        `[batch, queries, topk]` int64 window ids in ascending order, `-1` after the last one where fewer than
+        `topk` windows are visible.
+    """
+    batch_size, num_queries, num_heads, _ = index_queries.shape
+    num_windows = pooled_index_keys.shape[1]
+    device = index_queries.device
+    selected = torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=device)
+    if num_windows == 0 or num_queries == 0 or topk == 0:
+        return selected
+    query_chunk, window_chunk = _chunk_sizes(batch_size, num_queries, num_heads, num_windows)
+    for query_start in range(0, num_queries, query_chunk):
+        query_end = min(query_start + query_chunk, num_queries)
+        queries = index_queries[:, query_start:query_end]
+        weights = None if head_weights is None else head_weights[:, query_start:query_end]
+        visible = num_visible_windows[:, query_start:query_end, None]
+        best_scores = torch.full((batch_size, query_end - query_start, 0), float("-inf"), device=device)
+        best_ids = torch.zeros((batch_size, query_end - query_start, 0), dtype=torch.long, device=device)
+        for window_start in range(0, num_windows, window_chunk):
+            window_end = min(window_start + window_chunk, num_windows)
+            scores = pooled_index_scores_torch(queries, pooled_index_keys[:, window_start:window_end], weights)
+            ids = torch.arange(window_start, window_end, device=device).expand_as(scores)
+            scores = scores.masked_fill(ids >= visible, float("-inf"))
+            # Running top-k: the kept entries come first, so a stable sort prefers them (lower ids) on ties.
+            scores, ids = torch.cat([best_scores, scores], dim=-1), torch.cat([best_ids, ids], dim=-1)
+            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
+            best_scores, best_ids = scores.gather(-1, order), ids.gather(-1, order)
+        best_ids = best_ids.masked_fill(best_scores == float("-inf"), num_windows)
+        best_ids = best_ids.sort(dim=-1).values
+        best_ids = best_ids.masked_fill(best_ids == num_windows, -1)
+        selected[:, query_start:query_end, : best_ids.shape[-1]] = best_ids
+    return selected

@@ -1,0 +1,730 @@
+"""HybridIndexPool: a hybrid decoder of Gated DeltaNet linear attention and IndexPool sparse attention.
+
+An IndexPool layer is gated GQA attention whose key/value set is chosen per query by a lightweight indexer. The
+indexer keeps one pooled key per window of `r = index_pool_size` consecutive tokens (weighted pooling, then norm,
+then RoPE at the window's first position), scores the complete windows a query may see, and the query attends to
+the raw keys/values of its best `index_topk // r` windows plus its own open window (the tail).
+"""
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import PreTrainedModel
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import can_return_tuple
+
+from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
+from ..kernels.gated_delta_rule import gated_delta_rule
+from ..kernels.pooled_index_topk import pooled_index_topk
+from ..kernels.sparse_attention import masked_softmax, sparse_attention
+from ..kernels.weighted_pool import weighted_pool
+from .cache_hybrid_indexpool import HybridIndexPoolCache, IndexPoolLayerCache, LinearAttentionLayerCache
+
+
+class HybridIndexPoolRMSNorm(nn.Module):
+    """Zero-centred RMSNorm: `x / rms(x) * (1 + weight)`, computed in float32 (the Qwen3-Next convention)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        normed = hidden_states.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(hidden_states)
+
+
+class HybridIndexPoolRMSNormGated(nn.Module):
+    """RMSNorm followed by a SiLU gate, on each Gated DeltaNet value head: `weight * norm(x) * silu(gate)`."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        normed = hidden_states.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = self.weight * normed.to(input_dtype)
+        return (normed * F.silu(gate.float())).to(input_dtype)
+
+
+class HybridIndexPoolRotaryEmbedding(nn.Module):
+    """Partial, non-interleaved RoPE shared by the attention heads and the indexer heads.
+
+    `forward(x, position_ids [batch, seq])` returns `cos, sin` of shape `[batch, seq, rotary_dim]`.
+    """
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        init_fn = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init_fn(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: HybridIndexPoolConfig, device=None, **kwargs):
+        """Inverse frequencies of plain RoPE over the rotated channels."""
+        base = config.rope_parameters["rope_theta"]
+        dim = config.rotary_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """`[x1, x2] -> [-x2, x1]` over the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` channels of `x`; `cos`/`sin` must broadcast against them."""
+    rotary_dim = cos.shape[-1]
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    rotated = rotated * cos + rotate_half(rotated) * sin
+    return torch.cat([rotated, passed], dim=-1)
+
+
+class HybridIndexPoolGatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (the linear-attention layer of Qwen3-Next / Qwen3.5), Qwen3.5 weight layout.
+
+    Causal depthwise convolution over the fused q/k/v projection, then the gated delta rule (chunked for prefill,
+    recurrent for decode), then a gated RMSNorm and the output projection. Padding tokens are zeroed before the
+    convolution and neither decay nor write the recurrent state.
+    """
+
+    def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_key_heads = config.linear_num_key_heads
+        self.num_value_heads = config.linear_num_value_heads
+        self.key_head_dim = config.linear_key_head_dim
+        self.value_head_dim = config.linear_value_head_dim
+        self.key_dim = self.num_key_heads * self.key_head_dim
+        self.value_dim = self.num_value_heads * self.value_head_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.activation = config.hidden_act
+
+        self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False,
+            padding=self.conv_kernel_size - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_value_heads).uniform_(1, 16).log_())
+        self.norm = HybridIndexPoolRMSNormGated(self.value_head_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        token_is_real: torch.Tensor,
+        layer_cache: LinearAttentionLayerCache | None = None,
+    ) -> torch.Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        real = token_is_real[..., None].to(hidden_states.dtype)
+        hidden_states = hidden_states * real
+
+        # Causal depthwise convolution, continuing from the cached last `kernel - 1` inputs.
+        mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [batch, conv_dim, seq]
+        conv_state = None if layer_cache is None else layer_cache.conv_state
+        if conv_state is None:
+            conv_state = mixed.new_zeros(batch_size, self.conv_dim, self.conv_kernel_size - 1)
+        conv_input = torch.cat([conv_state.to(mixed.dtype), mixed], dim=-1)
+        mixed = F.conv1d(conv_input, self.conv1d.weight, groups=self.conv_dim)
+        mixed = ACT2FN[self.activation](mixed).transpose(1, 2)
+
+        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(batch_size, seq_len, self.num_key_heads, self.key_head_dim)
+        key = key.reshape(batch_size, seq_len, self.num_key_heads, self.key_head_dim)
+        value = value.reshape(batch_size, seq_len, self.num_value_heads, self.value_head_dim)
+        beta = self.in_proj_b(hidden_states).sigmoid() * real
+        log_decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+        log_decay = log_decay * real
+
+        initial_state = None if layer_cache is None else layer_cache.recurrent_state
+        mode = "recurrent" if initial_state is not None and seq_len == 1 else "chunk"
+        core, final_state = gated_delta_rule(query, key, value, log_decay, beta, initial_state, mode=mode)
+        if layer_cache is not None:
+            layer_cache.update(conv_input[..., -(self.conv_kernel_size - 1):], final_state, seq_len)
+
+        gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, self.num_value_heads, self.value_head_dim)
+        core = self.norm(core, gate).reshape(batch_size, seq_len, self.value_dim)
+        return self.out_proj(core)
+
+
+class HybridIndexPoolIndexer(nn.Module):
+    """The IndexPool indexer: per-token queries, one shared raw key per token, weighted pooling of windows.
+
+    Queries: `RoPE(norm(W_q x))`, `[index_n_heads, index_head_dim]` per token. Keys: `W_k x` per token, pooled per
+    window of `r` tokens with weights `softmax_j(G x_j + b_{p_j mod r})` (learned; `G` and `b` start at zero, i.e. at
+    the mean) or `1 / r` (mean), then normed and rotated at the window's first position.
+    """
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        super().__init__()
+        self.num_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.pool_size = config.index_pool_size
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.q_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.learned_pooling = config.index_pool_weighting == "learned"
+        if self.learned_pooling:
+            self.pool_gate_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+            self.pool_slot_bias = nn.Parameter(torch.zeros(self.pool_size, self.head_dim))
+        self.head_weights_proj = None
+        if config.index_head_weights:
+            self.head_weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Project new tokens.
+
+        Returns:
+            index_queries `[batch, seq, heads, head_dim]`, raw_keys `[batch, seq, head_dim]`, gate_logits
+            `[batch, seq, head_dim]` float32 (None with mean pooling), head_weights `[batch, seq, heads]` or None.
+        """
+        batch_size, seq_len, _ = hidden_states.shape
+        queries = self.q_proj(hidden_states).view(batch_size, seq_len, self.num_heads, self.head_dim)
+        queries = apply_rotary(self.q_norm(queries), cos[:, :, None], sin[:, :, None])
+        raw_keys = self.k_proj(hidden_states)
+        gate_logits = self.pool_gate_proj(hidden_states).float() if self.learned_pooling else None
+        head_weights = None
+        if self.head_weights_proj is not None:
+            head_weights = self.head_weights_proj(hidden_states).float() * self.num_heads**-0.5
+        return queries, raw_keys, gate_logits, head_weights
+
+    def pool_windows(
+        self,
+        window_keys: torch.Tensor,
+        window_gate_logits: torch.Tensor | None,
+        window_ids: torch.Tensor,
+        rotary_emb: HybridIndexPoolRotaryEmbedding,
+    ) -> torch.Tensor:
+        """Pool `[batch, windows, r, head_dim]` raw keys into normed, rotated `[batch, windows, head_dim]` keys."""
+        if window_gate_logits is not None:
+            window_gate_logits = window_gate_logits + self.pool_slot_bias.float()
+        pooled = weighted_pool(window_keys, window_gate_logits).to(window_keys.dtype)
+        pooled = self.k_norm(pooled)
+        cos, sin = rotary_emb(pooled, window_ids * self.pool_size)
+        return apply_rotary(pooled, cos, sin)
+
+
+class HybridIndexPoolAttention(nn.Module):
+    """IndexPool sparse attention: gated GQA attention over the windows its indexer selects plus the tail.
+
+    With q/k RMSNorm, partial RoPE and a sigmoid output gate (Qwen3-Next style). While every query can see at most
+    `index_topk // r` complete windows the selection is everything, and the layer runs dense causal attention.
+    """
+
+    def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = float(config.attention_dropout)
+        self.output_gate = config.attention_output_gate
+        self.pool_size = config.index_pool_size
+        self.topk_windows = config.index_topk_windows
+        query_width = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
+        self.q_proj = nn.Linear(config.hidden_size, query_width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.indexer = HybridIndexPoolIndexer(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        token_is_real: torch.Tensor,
+        rotary_emb: HybridIndexPoolRotaryEmbedding,
+        layer_cache: IndexPoolLayerCache | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch_size, seq_len, _ = hidden_states.shape
+        cos, sin = position_embeddings
+        query = self.q_proj(hidden_states).view(batch_size, seq_len, self.num_heads, -1)
+        gate = None
+        if self.output_gate:
+            query, gate = query.chunk(2, dim=-1)
+            gate = gate.reshape(batch_size, seq_len, -1)
+        query = self.q_norm(query).transpose(1, 2)  # [batch, heads, seq, head_dim]
+        key = self.k_norm(self.k_proj(hidden_states).view(batch_size, seq_len, self.num_kv_heads, self.head_dim))
+        key = key.transpose(1, 2)
+        value = self.v_proj(hidden_states).view(batch_size, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        query = apply_rotary(query, cos[:, None], sin[:, None])
+        key = apply_rotary(key, cos[:, None], sin[:, None])
+
+        # Without a cache, a fresh per-call state does the same bookkeeping.
+        state = layer_cache if layer_cache is not None else IndexPoolLayerCache(self.pool_size)
+        past_slots = state.num_slots
+        key, value = state.update(key, value)  # every slot: [batch, kv_heads, slots, head_dim]
+        index_queries, raw_index_keys, gate_logits, head_weights = self.indexer(hidden_states, cos, sin)
+        pooled_index_keys, _ = state.update_index(
+            raw_index_keys, gate_logits, positions, token_is_real,
+            partial(self.indexer.pool_windows, rotary_emb=rotary_emb),
+        )
+
+        query_slots = past_slots + torch.arange(seq_len, device=hidden_states.device).expand(batch_size, -1)
+        # A padding query sees only its own slot: finite output, never read.
+        num_visible = torch.where(token_is_real, (positions + 1) // self.pool_size, 0)
+        tail_length = torch.where(token_is_real, (positions + 1) % self.pool_size, 1)
+        # Slot of each row's position 0 (positions are contiguous from the first real token).
+        window_slot_offset = (query_slots - positions).masked_fill(~token_is_real, -1).amax(dim=1).clamp(min=0)
+
+        if int(num_visible.max()) <= self.topk_windows:
+            output, weights = self._dense_attention(
+                query, key, value, query_slots, window_slot_offset, token_is_real, output_attentions
+            )
+        else:
+            selected = pooled_index_topk(
+                index_queries, pooled_index_keys, num_visible, self.topk_windows, head_weights
+            )
+            output, weights = sparse_attention(
+                query, key, value, selected, window_slot_offset, query_slots, tail_length, self.pool_size,
+                self.scaling, self.attention_dropout, self.training, output_attentions,
+            )
+        output = output.reshape(batch_size, seq_len, -1)
+        if gate is not None:
+            output = output * torch.sigmoid(gate)
+        return self.o_proj(output), weights
+
+    def _dense_attention(self, query, key, value, query_slots, window_slot_offset, token_is_real, output_attentions):
+        """Causal attention over every real slot up to the query's own (the selection when nothing is pruned)."""
+        slots = torch.arange(key.shape[-2], device=key.device)
+        visible = (slots >= window_slot_offset[:, None, None]) & (slots <= query_slots[..., None])
+        visible = torch.where(token_is_real[..., None], visible, slots == query_slots[..., None])
+        visible = visible[:, None]  # [batch, 1, queries, slots]
+        dropout = self.attention_dropout if self.training else 0.0
+        if not output_attentions:
+            output = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=visible, dropout_p=dropout, scale=self.scaling,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            return output.transpose(1, 2), None
+        group = self.num_heads // self.num_kv_heads
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        weights = masked_softmax((query.float() @ key.float().transpose(-1, -2)) * self.scaling, visible)
+        probs = F.dropout(weights, p=dropout, training=self.training)
+        return (probs @ value.float()).to(query.dtype).transpose(1, 2), weights
+
+
+class HybridIndexPoolMLP(nn.Module):
+    """SwiGLU MLP: `down(act(gate(x)) * up(x))`."""
+
+    def __init__(self, config: HybridIndexPoolConfig, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+class HybridIndexPoolExperts(nn.Module):
+    """The routed SwiGLU experts as fused weights: `gate_up_proj [experts, 2 * inner, hidden]`,
+    `down_proj [experts, hidden, inner]`."""
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        inner = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inner, config.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, inner))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor):
+        """`hidden_states [tokens, hidden]`, `expert_ids`/`expert_weights [tokens, k]` -> `[tokens, hidden]`."""
+        output = torch.zeros_like(hidden_states)
+        for expert in expert_ids.unique().tolist():
+            token_index, slot = torch.nonzero(expert_ids == expert, as_tuple=True)
+            gate, up = F.linear(hidden_states[token_index], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            weighted = expert_out * expert_weights[token_index, slot, None].to(expert_out.dtype)
+            output.index_add_(0, token_index, weighted.to(output.dtype))
+        return output
+
+
+class HybridIndexPoolSparseMoeBlock(nn.Module):
+    """Mixture of experts: softmax router with top-k (renormalised when `norm_topk_prob`), routed experts, and an
+    optional shared expert scaled by a sigmoid gate."""
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = HybridIndexPoolExperts(config)
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = HybridIndexPoolMLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        probs = self.gate(flat).float().softmax(dim=-1)
+        expert_weights, expert_ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            expert_weights = expert_weights / expert_weights.sum(dim=-1, keepdim=True)
+        output = self.experts(flat, expert_ids, expert_weights.to(flat.dtype))
+        if self.shared_expert is not None:
+            output = output + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return output.reshape(shape)
+
+
+class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm residual block: token mixer (Gated DeltaNet or IndexPool attention), then MLP or MoE."""
+
+    def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = HybridIndexPoolGatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = HybridIndexPoolAttention(config, layer_idx)
+        if config.num_experts > 0:
+            self.mlp = HybridIndexPoolSparseMoeBlock(config)
+        else:
+            self.mlp = HybridIndexPoolMLP(config, config.intermediate_size)
+        self.input_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        token_is_real: torch.Tensor,
+        rotary_emb: HybridIndexPoolRotaryEmbedding,
+        cache: HybridIndexPoolCache | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        layer_cache = None if cache is None else cache.layers[self.layer_idx]
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        weights = None
+        if self.layer_type == "linear_attention":
+            hidden_states = self.linear_attn(hidden_states, token_is_real, layer_cache)
+        else:
+            hidden_states, weights = self.self_attn(
+                hidden_states, position_embeddings, positions, token_is_real, rotary_emb, layer_cache,
+                output_attentions,
+            )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states, weights
+
+
+class HybridIndexPoolPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and the Hugging Face plumbing shared by the HybridIndexPool models."""
+
+    config_class = HybridIndexPoolConfig
+    config: HybridIndexPoolConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["HybridIndexPoolDecoderLayer"]
+    _skip_keys_device_placement = ["cache"]
+    _supports_sdpa = True
+    _is_stateful = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, HybridIndexPoolRMSNorm):
+            init.zeros_(module.weight)  # zero-centred: the scale is 1 + weight
+        elif isinstance(module, HybridIndexPoolGatedDeltaNet):
+            init.ones_(module.dt_bias)
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log_())
+        elif isinstance(module, HybridIndexPoolIndexer) and module.learned_pooling:
+            # Zero gate and slot bias: pooling starts exactly at the mean.
+            init.zeros_(module.pool_gate_proj.weight)
+            init.zeros_(module.pool_slot_bias)
+        elif isinstance(module, HybridIndexPoolExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+
+
+class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
+    """The decoder stack without a head; returns the final normed hidden states and the cache."""
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        config.check_settings()
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [HybridIndexPoolDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = HybridIndexPoolRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: HybridIndexPoolCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """Run the decoder.
+
+        Args:
+            input_ids: `[batch, seq]` token ids (or give `inputs_embeds` `[batch, seq, hidden]`).
+            attention_mask: `[batch, past + seq]` with 1 for real tokens and 0 for (left) padding.
+            position_ids: `[batch, seq]`; by default each row counts its real tokens from 0.
+            cache: a [`HybridIndexPoolCache`] to continue from and update (`past_key_values` is accepted too).
+            use_cache: create a cache when none is given (default `config.use_cache`).
+            output_attentions: also return the attention weights of the IndexPool layers, dense `[b, h, t, slots]`.
+            output_hidden_states: also return the hidden states entering each layer and the final ones.
+        """
+        output_attentions = bool(output_attentions if output_attentions is not None else self.config.output_attentions)
+        output_hidden_states = bool(
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache, cache = False, None  # the recomputation would update a cache twice
+        if cache is not None and not isinstance(cache, HybridIndexPoolCache):
+            raise ValueError(
+                f"`cache` is a {type(cache).__name__}; this model needs a HybridIndexPoolCache "
+                "(leave it empty and one is created, or build one with HybridIndexPoolCache(model.config))."
+            )
+        if use_cache and cache is None:
+            cache = HybridIndexPoolCache(self.config)
+
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        past_slots = cache.get_seq_length() if cache is not None else 0
+        token_is_real, positions = self._real_tokens_and_positions(
+            attention_mask, position_ids, cache, batch_size, seq_len, past_slots, inputs_embeds.device
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, positions)
+
+        all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for decoder_layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states, weights = decoder_layer(
+                hidden_states, position_embeddings, positions, token_is_real, self.rotary_emb, cache=cache,
+                output_attentions=output_attentions,
+            )
+            if output_attentions and decoder_layer.layer_type == "indexpool_attention":
+                all_attentions += (weights,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+
+    @staticmethod
+    def _real_tokens_and_positions(attention_mask, position_ids, cache, batch_size, seq_len, past_slots, device):
+        """Which new tokens are real (not padding), and their positions (each row counts from its first real one)."""
+        if attention_mask is None:
+            token_is_real = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
+        else:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"`attention_mask` has {attention_mask.dim()} dimensions; give the 2-D padding mask "
+                    "`[batch, past + new tokens]` (1 = token, 0 = padding): the sparse selection builds its own."
+                )
+            if attention_mask.shape != (batch_size, past_slots + seq_len):
+                raise ValueError(
+                    f"`attention_mask` has shape {tuple(attention_mask.shape)} but the cache holds {past_slots} "
+                    f"tokens and {seq_len} new ones arrive for {batch_size} rows; it must be "
+                    f"({batch_size}, {past_slots + seq_len})."
+                )
+            token_is_real = attention_mask[:, past_slots:].to(device=device, dtype=torch.bool)
+        if position_ids is not None:
+            if position_ids.shape != (batch_size, seq_len):
+                position_ids = position_ids.expand(batch_size, seq_len) if position_ids.shape[0] == 1 else position_ids
+            if position_ids.shape != (batch_size, seq_len):
+                raise ValueError(
+                    f"`position_ids` has shape {tuple(position_ids.shape)}; it must be ({batch_size}, {seq_len})."
+                )
+            return token_is_real, position_ids.to(device=device, dtype=torch.long)
+        if cache is not None and cache.num_positions() is not None:
+            seen = cache.num_positions().to(device)
+        elif attention_mask is not None:
+            seen = attention_mask[:, :past_slots].to(device=device, dtype=torch.long).sum(dim=1)
+        else:
+            seen = torch.full((batch_size,), past_slots, dtype=torch.long, device=device)
+        positions = seen[:, None] + token_is_real.long().cumsum(dim=1) - 1
+        return token_is_real, positions.clamp(min=0)
+
+
+class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin):
+    """HybridIndexPool with a language-modelling head; `generate()` uses a [`HybridIndexPoolCache`]."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        super().__init__(config)
+        self.model = HybridIndexPoolModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: HybridIndexPoolCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss."""
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
+        """`generate()` gets a HybridIndexPoolCache (the default DynamicCache cannot hold pooled windows)."""
+        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if generation_config.cache_implementation not in (None, "dynamic", "hybrid_indexpool"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
+                "HybridIndexPool; leave it unset (a HybridIndexPoolCache is built) or pass `cache=`."
+            )
+        model_kwargs["cache"] = HybridIndexPoolCache(self.config)
+
+
+class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
+    """HybridIndexPool with a classification head on the last non-padding token (the transformers convention)."""
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = HybridIndexPoolModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: HybridIndexPoolCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast:
+        """Class logits `[batch, num_labels]` of the last real token of each row and, given `labels`, the loss."""
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        logits = self.score(outputs.last_hidden_state)
+        batch_size = logits.shape[0]
+        if self.config.pad_token_id is None and batch_size != 1:
+            raise ValueError("Cannot classify batches of more than one row without `config.pad_token_id`.")
+        if self.config.pad_token_id is None or input_ids is None:
+            last_real = torch.full((batch_size,), -1, device=logits.device)
+        else:
+            # The rightmost non-pad token, for left and right padding alike.
+            not_pad = (input_ids != self.config.pad_token_id).to(logits.device, torch.int32)
+            last_real = (torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32) * not_pad).argmax(-1)
+        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last_real]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
+        return SequenceClassifierOutputWithPast(
+            loss=loss, logits=pooled_logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = [
+    "HybridIndexPoolPreTrainedModel",
+    "HybridIndexPoolModel",
+    "HybridIndexPoolForCausalLM",
+    "HybridIndexPoolForSequenceClassification",
+]
