@@ -593,8 +593,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 )
             token_is_real = attention_mask[:, past_slots:].to(device=device, dtype=torch.bool)
         if position_ids is not None:
-            if position_ids.shape != (batch_size, seq_len):
-                position_ids = position_ids.expand(batch_size, seq_len) if position_ids.shape[0] == 1 else position_ids
+            if position_ids.shape == (1, seq_len):
+                position_ids = position_ids.expand(batch_size, seq_len)
             if position_ids.shape != (batch_size, seq_len):
                 raise ValueError(
                     f"`position_ids` has shape {tuple(position_ids.shape)}; it must be ({batch_size}, {seq_len})."

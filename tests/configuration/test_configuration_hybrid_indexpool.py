@@ -1,0 +1,53 @@
+import pytest
+
+from hybrid_indexpool import HybridIndexPoolConfig
+
+
+def test_defaults_interleave_three_linear_then_one_indexpool():
+    config = HybridIndexPoolConfig(num_hidden_layers=8)
+    assert config.layer_types == ["linear_attention"] * 3 + ["indexpool_attention"] + \
+        ["linear_attention"] * 3 + ["indexpool_attention"]
+    assert config.index_pool_size == 4 and config.index_pool_weighting == "learned"
+    assert config.index_topk_windows == config.index_topk // 4
+    assert config.rope_parameters["partial_rotary_factor"] == config.partial_rotary_factor
+
+
+def test_save_and_load_round_trip(tmp_path):
+    config = HybridIndexPoolConfig(num_hidden_layers=2, layer_types=["indexpool_attention", "linear_attention"],
+                                   index_topk=64, index_pool_size=8, index_head_weights=True)
+    config.save_pretrained(tmp_path)
+    loaded = HybridIndexPoolConfig.from_pretrained(tmp_path)
+    assert loaded.to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(index_topk=10, index_pool_size=4), "`index_topk` (10) is not a multiple of `index_pool_size` (4)"),
+        (dict(num_attention_heads=6, num_key_value_heads=4), "`num_attention_heads` (6) is not a multiple"),
+        (dict(linear_num_key_heads=3, linear_num_value_heads=4), "`linear_num_value_heads` (4) is not a multiple"),
+        (dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+         "`layer_types[1]` is 'full_attention'"),
+        (dict(num_hidden_layers=3, layer_types=["linear_attention"] * 2), "`layer_types` has 2 entries"),
+        (dict(index_pool_weighting="max"), "`index_pool_weighting` is 'max'"),
+        (dict(index_pool_size=0), "`index_pool_size` is 0"),
+        (dict(head_dim=64, partial_rotary_factor=1.0, index_head_dim=32), "`index_head_dim` (32) is smaller"),
+        (dict(head_dim=10, partial_rotary_factor=0.5), "odd number of rotated channels"),
+        (dict(num_experts=4, num_experts_per_tok=5), "`num_experts_per_tok` (5) must lie between 1"),
+        (dict(attention_dropout=1.5), "`attention_dropout` is 1.5"),
+        (dict(partial_rotary_factor=0.0), "`partial_rotary_factor` is 0.0"),
+    ],
+)
+def test_invalid_settings_raise_value_error_naming_field(settings, message):
+    with pytest.raises(ValueError) as error:
+        HybridIndexPoolConfig(**settings)
+    assert message in str(error.value)
+
+
+def test_settings_changed_after_construction_are_checked_when_a_model_is_built():
+    from hybrid_indexpool import HybridIndexPoolModel
+
+    config = HybridIndexPoolConfig(num_hidden_layers=1, hidden_size=32, layer_types=["indexpool_attention"])
+    config.index_topk = 6
+    with pytest.raises(ValueError, match="not a multiple of `index_pool_size`"):
+        HybridIndexPoolModel(config)

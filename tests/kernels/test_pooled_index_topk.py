@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from hybrid_indexpool.kernels.pooled_index_topk import pooled_index_topk, reference
+
+
+def slow_topk(index_queries, pooled_keys, num_visible, topk, head_weights):
+    """One query at a time: score every visible window, best first, ties to the lower id."""
+    batch, queries, heads, dim = index_queries.shape
+    result = torch.full((batch, queries, topk), -1, dtype=torch.long)
+    for b in range(batch):
+        for t in range(queries):
+            visible = int(num_visible[b, t])
+            scored = []
+            for c in range(visible):
+                per_head = [max(0.0, float(index_queries[b, t, h] @ pooled_keys[b, c])) for h in range(heads)]
+                weights = [1.0] * heads if head_weights is None else head_weights[b, t].tolist()
+                scored.append((-sum(w * s for w, s in zip(weights, per_head)) / dim**0.5, c))
+            chosen = sorted(c for _, c in sorted(scored)[:topk])
+            result[b, t, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
+    return result
+
+
+@pytest.mark.parametrize("with_head_weights", [False, True])
+@pytest.mark.parametrize("topk", [1, 3, 8])
+def test_matches_one_query_at_a_time(with_head_weights, topk):
+    generator = torch.Generator().manual_seed(topk)
+    batch, queries, heads, dim, windows = 2, 9, 3, 8, 12
+    index_queries = torch.randn(batch, queries, heads, dim, generator=generator, dtype=torch.float64)
+    pooled_keys = torch.randn(batch, windows, dim, generator=generator, dtype=torch.float64)
+    num_visible = torch.randint(0, windows + 1, (batch, queries), generator=generator)
+    head_weights = torch.randn(batch, queries, heads, generator=generator) if with_head_weights else None
+    ours = pooled_index_topk(index_queries, pooled_keys, num_visible, topk, head_weights)
+    assert torch.equal(ours, slow_topk(index_queries, pooled_keys, num_visible, topk, head_weights))
+
+
+def test_chunked_candidates_and_queries_give_the_same_selection(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    index_queries = torch.randn(2, 40, 2, 8, generator=generator)
+    pooled_keys = torch.randn(2, 300, 8, generator=generator)
+    num_visible = torch.randint(0, 301, (2, 40), generator=generator)
+    whole = pooled_index_topk(index_queries, pooled_keys, num_visible, 16)
+    monkeypatch.setattr(reference, "_chunk_sizes", lambda *args: (7, 33))
+    chunked = pooled_index_topk(index_queries, pooled_keys, num_visible, 16)
+    assert torch.equal(whole, chunked)
+
+
+def test_ties_go_to_the_lower_window_and_invisible_windows_are_never_chosen():
+    # Every score is zero (ReLU of negative products): the lowest ids win.
+    index_queries = -torch.ones(1, 2, 1, 4)
+    pooled_keys = torch.ones(1, 10, 4)
+    num_visible = torch.tensor([[10, 2]])
+    selected = pooled_index_topk(index_queries, pooled_keys, num_visible, 3)
+    assert selected.tolist() == [[[0, 1, 2], [0, 1, -1]]]
