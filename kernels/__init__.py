@@ -1,8 +1,7 @@
-"""Kernels of HybridIndexPool: one folder per operation, each with its PyTorch reference and one entry point."""
+"""Kernels of HybridIndexPool, one subpackage per operation, each with its PyTorch reference and one entry point:
 
-from .gated_delta_rule import gated_delta_rule
-from .pooled_index_topk import pooled_index_topk
-from .sparse_attention import sparse_attention
-from .weighted_pool import weighted_pool
-
-__all__ = ["gated_delta_rule", "pooled_index_topk", "sparse_attention", "weighted_pool"]
+- `gated_delta_rule.gated_delta_rule`: chunked and recurrent gated delta rule (Gated DeltaNet).
+- `pooled_index_topk.pooled_index_topk`: pooled index scores and top-k window selection.
+- `sparse_attention.sparse_attention`: attention over the selected windows plus the tail.
+- `weighted_pool.weighted_pool`: weighted pooling of completed indexer windows.
+"""

@@ -1,54 +1,9 @@
-"""Shared helpers: tiny random configs and models (no downloads)."""
-
 import pytest
 import torch
-
-from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
-
-
-def tiny_config(**overrides) -> HybridIndexPoolConfig:
-    """A 4-layer model (3 Gated DeltaNet + 1 IndexPool) small enough for CPU tests; budget 8 tokens, r = 4."""
-    settings = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        partial_rotary_factor=0.5,
-        index_n_heads=3,
-        index_head_dim=16,
-        index_topk=8,
-        index_pool_size=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    settings.update(overrides)
-    return HybridIndexPoolConfig(**settings)
-
-
-def randomize_indexer(model: torch.nn.Module, seed: int = 0) -> None:
-    """Give the pooling gates, slot biases and norms non-trivial values (they start at zero)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("pool_gate_proj.weight", "pool_slot_bias")) or "norm" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
-
-
-def tiny_model(seed: int = 0, **overrides) -> HybridIndexPoolForCausalLM:
-    torch.manual_seed(seed)
-    model = HybridIndexPoolForCausalLM(tiny_config(**overrides)).eval()
-    randomize_indexer(model, seed)
-    return model
 
 
 @pytest.fixture(autouse=True)
 def _deterministic():
+    """Every test starts from the same random state."""
     torch.manual_seed(1234)
     yield

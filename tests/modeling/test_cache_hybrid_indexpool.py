@@ -6,7 +6,7 @@ import torch
 from hybrid_indexpool import HybridIndexPoolCache
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
 
-from ..conftest import tiny_model
+from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

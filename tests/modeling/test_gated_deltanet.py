@@ -6,7 +6,7 @@ import torch
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import LinearAttentionLayerCache
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolGatedDeltaNet
 
-from ..conftest import tiny_config
+from model_factory import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

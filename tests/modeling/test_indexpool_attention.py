@@ -9,7 +9,7 @@ import torch
 from hybrid_indexpool.modeling import modeling_hybrid_indexpool as modeling
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import apply_rotary
 
-from ..conftest import randomize_indexer, tiny_config
+from model_factory import randomize_indexer, tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -12,7 +12,7 @@ from hybrid_indexpool import (
     HybridIndexPoolModel,
 )
 
-from ..conftest import tiny_config, tiny_model
+from model_factory import tiny_config, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -212,3 +212,32 @@ def test_unsupported_cache_implementation_is_rejected():
     model = tiny_model()
     with pytest.raises(ValueError, match="not supported by HybridIndexPool"):
         model.generate(torch.randint(1, 97, (1, 5)), max_new_tokens=2, cache_implementation="static")
+
+
+def test_long_input_never_builds_a_tokens_by_tokens_tensor(monkeypatch):
+    """Record every tensor the forward creates: beyond the budget none grows with the square of the length."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hybrid_indexpool.kernels.pooled_index_topk import reference as topk_reference
+    from hybrid_indexpool.kernels.sparse_attention import reference as attention_reference
+
+    # Small blocks so that the test's modest length already exceeds them.
+    monkeypatch.setattr(topk_reference, "SCORE_BLOCK_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(attention_reference, "GATHER_BLOCK_ELEMENTS", 1 << 16)
+
+    class LargestTensor(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for tensor in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(tensor, torch.Tensor):
+                    LargestTensor.largest = max(LargestTensor.largest, tensor.numel())
+            return result
+
+    model = tiny_model(index_topk=16)
+    tokens = 3000
+    with torch.no_grad(), LargestTensor():
+        model(torch.randint(1, 97, (1, tokens)), logits_to_keep=1)
+    # Linear in the length (the Gated DeltaNet chunk matrices are tokens x 64 x heads), far below tokens^2.
+    assert LargestTensor.largest <= 512 * tokens < tokens * tokens // 4

@@ -1,0 +1,20 @@
+import pytest
+
+from hybrid_indexpool.scripts import demo
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_demo_generates_and_reports_a_quarter_size_indexer_cache(capsys):
+    demo.main(["--prompt-length", "160", "--new-tokens", "4", "--topk", "32", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert "generated 4 tokens after a 160-token prompt" in printed
+    for component in ("key_value", "pooled_index_keys", "open_window", "conv_state", "recurrent_state", "total"):
+        assert component in printed
+    # 163 positions were cached: 40 pooled windows against 163 unpooled keys.
+    assert "24.5% of the unpooled size" in printed
+
+
+def test_demo_refuses_a_prompt_within_the_budget():
+    with pytest.raises(SystemExit):
+        demo.main(["--prompt-length", "16", "--topk", "32"])
