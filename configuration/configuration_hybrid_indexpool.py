@@ -1,11 +1,27 @@
 """Configuration of the HybridIndexPool model: Gated DeltaNet layers interleaved with IndexPool sparse attention."""
 
 from huggingface_hub.dataclasses import strict
+from transformers import configuration_utils
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
 POOL_WEIGHTINGS = ("learned", "mean")
+
+
+def register_layer_type() -> None:
+    """Add `"indexpool_attention"` to the layer types transformers accepts in any config.
+
+    Tools that read a `config.json` through the base `PreTrainedConfig` (the Trainer does when it resumes from a
+    checkpoint) validate `layer_types` against transformers' own list, which does not know ours. Like the Auto-class
+    registration, this is done once when the configuration module is imported.
+    """
+    if "indexpool_attention" not in configuration_utils.ALLOWED_ATTN_LAYER_TYPES:
+        configuration_utils.ALLOWED_ATTN_LAYER_TYPES += ("indexpool_attention",)
+        configuration_utils.ALLOWED_LAYER_TYPES += ("indexpool_attention",)
+
+
+register_layer_type()
 
 
 @strict
@@ -125,9 +141,6 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         self.rope_parameters.setdefault("partial_rotary_factor", self.partial_rotary_factor)
         super().__post_init__(**kwargs)
         self.check_settings()
-
-    def validate_layer_type(self):
-        """Layer types are checked by `check_settings` (transformers' generic list does not know ours)."""
 
     def check_settings(self):
         """Raise a `ValueError` naming the field and the fix for every invalid combination of settings.

@@ -6,6 +6,7 @@ then RoPE at the window's first position), scores the complete windows a query m
 the raw keys/values of its best `index_topk // r` windows plus its own open window (the tail).
 """
 
+import os
 from functools import partial
 
 import torch
@@ -31,6 +32,7 @@ from ..kernels.pooled_index_topk import pooled_index_topk
 from ..kernels.sparse_attention import masked_softmax, sparse_attention
 from ..kernels.weighted_pool import weighted_pool
 from .cache_hybrid_indexpool import HybridIndexPoolCache, IndexPoolLayerCache, LinearAttentionLayerCache
+from .hub_export import AUTO_MAP, write_model_card, write_remote_code
 
 
 class HybridIndexPoolRMSNorm(nn.Module):
@@ -467,6 +469,19 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _is_stateful = True
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save as usual, plus what makes the folder a self-contained Hub checkpoint: flat remote code, `auto_map`
+        in the config, and a `README.md` model card (a card the user wrote is never replaced).
+
+        The code and card are written first, so that `push_to_hub=True` uploads them with the weights.
+        """
+        if kwargs.get("is_main_process", True):
+            os.makedirs(save_directory, exist_ok=True)
+            write_remote_code(save_directory)
+            write_model_card(self, save_directory)
+        self.config.auto_map = dict(AUTO_MAP)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)

@@ -1,0 +1,217 @@
+"""Causal-LM fine-tuning with `transformers.Trainer` on local text or JSON files (the library behind
+`scripts/finetune.py`).
+
+Works on one process or under `accelerate launch` (DDP, FSDP, DeepSpeed: the Trainer reads the launcher's setup),
+with packing or padding, gradient checkpointing, resuming, and LoRA through `peft`.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+)
+
+from .configuration import HybridIndexPoolConfig
+from .modeling import HybridIndexPoolForCausalLM
+from .tokenization import byte_level_tokenizer
+
+# Linear layers LoRA adapts by default. IndexPool attention: q/k/v/o projections (the indexer's q_proj/k_proj match
+# too); Gated DeltaNet: the fused q/k/v input projection, the output-gate projection and the output projection;
+# MLP and shared expert: gate/up/down projections. Routed experts are fused tensors, not Linear layers.
+LORA_TARGET_MODULES = [
+    "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj", "up_proj", "down_proj",
+]
+
+
+@dataclass
+class FinetuneArguments:
+    """What to train and on which data (the Trainer's own options come from `TrainingArguments`)."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Checkpoint folder or Hub id of a HybridIndexPool model to fine-tune."}
+    )
+    init_config: str | None = field(
+        default=None,
+        metadata={"help": "Instead of a checkpoint: a JSON file or JSON string of HybridIndexPoolConfig settings; "
+                          "trains a freshly initialised model."},
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Any Hugging Face tokenizer folder or Hub id. Default: the model's own, else the offline "
+                          "byte-level tokenizer."},
+    )
+    train_files: list[str] = field(
+        default_factory=list, metadata={"help": "Local training files: .txt (one example per paragraph) or .json/.jsonl "
+                                                "(one example per record, see --text_field)."}
+    )
+    validation_files: list[str] = field(default_factory=list, metadata={"help": "Local validation files."})
+    text_field: str = field(default="text", metadata={"help": "Field holding the text in JSON files."})
+    block_size: int = field(default=512, metadata={"help": "Tokens per training sequence."})
+    packing: bool = field(
+        default=True,
+        metadata={"help": "Concatenate examples (separated by EOS) into full blocks; --packing False pads each "
+                          "example to the batch's longest instead."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Allow writing into a non-empty --output_dir (never needed to resume)."}
+    )
+    lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of all weights."})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(LORA_TARGET_MODULES),
+        metadata={"help": "Linear layers to adapt (names or suffixes)."},
+    )
+    merge_lora: bool = field(
+        default=True, metadata={"help": "Merge the adapters into the weights for the final checkpoint."}
+    )
+
+
+def load_tokenizer(args: FinetuneArguments) -> PreTrainedTokenizerBase:
+    """The tokenizer asked for, else the checkpoint's own, else (for a new model) the offline byte-level one."""
+    if args.tokenizer_name_or_path is not None:
+        return AutoTokenizer.from_pretrained(args.tokenizer_name_or_path)
+    if args.model_name_or_path is not None:
+        try:
+            return AutoTokenizer.from_pretrained(args.model_name_or_path)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{args.model_name_or_path} has no tokenizer; pass --tokenizer_name_or_path.") from error
+    return byte_level_tokenizer()
+
+
+def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool, text_field: str = "text"):
+    """A `datasets.Dataset` of token blocks from local .txt / .json / .jsonl files.
+
+    Packing: every text plus EOS is concatenated and cut into `block_size` blocks (the remainder is dropped).
+    Padding: each text is truncated to `block_size` and the collator pads the batch.
+    """
+    from datasets import load_dataset
+
+    if not files:
+        raise ValueError("No data files given: pass --train_files with local .txt, .json or .jsonl files.")
+    missing = [name for name in files if not Path(name).is_file()]
+    if missing:
+        raise ValueError(f"Data files not found: {missing}.")
+    suffixes = {Path(name).suffix for name in files}
+    if suffixes <= {".txt", ".text", ".md", ".py"}:
+        dataset = load_dataset("text", data_files=files, split="train", sample_by="paragraph")
+        text_field = "text"
+    elif suffixes <= {".json", ".jsonl"}:
+        dataset = load_dataset("json", data_files=files, split="train")
+        if text_field not in dataset.column_names:
+            raise ValueError(f"The JSON files have no field {text_field!r} (fields: {dataset.column_names}); "
+                             "choose it with --text_field.")
+    else:
+        raise ValueError(f"Unsupported data file types {sorted(suffixes)}: use .txt or .json/.jsonl files.")
+    dataset = dataset.filter(lambda example: bool(example[text_field] and example[text_field].strip()))
+
+    if not packing:
+        return dataset.map(
+            lambda batch: tokenizer(batch[text_field], truncation=True, max_length=block_size),
+            batched=True, remove_columns=dataset.column_names,
+        )
+
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def pack(batch):
+        stream = [token for ids in tokenizer(batch[text_field])["input_ids"] for token in ids + eos]
+        usable = len(stream) // block_size * block_size
+        blocks = [stream[start:start + block_size] for start in range(0, usable, block_size)]
+        return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks]}
+
+    packed = dataset.map(pack, batched=True, batch_size=1000, remove_columns=dataset.column_names)
+    if len(packed) == 0:
+        raise ValueError(f"The data holds fewer than --block_size ({block_size}) tokens; give more text or a "
+                         "smaller block size.")
+    return packed
+
+
+def build_model(args: FinetuneArguments, tokenizer) -> HybridIndexPoolForCausalLM:
+    """Load the checkpoint, or build a fresh model from `--init_config`; optionally wrap it with LoRA."""
+    if (args.model_name_or_path is None) == (args.init_config is None):
+        raise ValueError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) or --init_config "
+                         "(train a new model).")
+    if args.model_name_or_path is not None:
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+    else:
+        text = args.init_config
+        if not text.lstrip().startswith("{"):
+            text = Path(text).read_text()
+        settings = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                    "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        settings.update(json.loads(text))
+        model = HybridIndexPoolForCausalLM(HybridIndexPoolConfig(**settings))
+    if model.config.vocab_size < len(tokenizer):
+        raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size} "
+                         "embeddings; use the checkpoint's tokenizer.")
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora_config = LoraConfig(
+            r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules, task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora_config)
+    return model
+
+
+def check_output_dir(args: FinetuneArguments, training_args: TrainingArguments) -> None:
+    """Refuse to write into a non-empty output folder unless resuming from it or told to overwrite."""
+    output_dir = Path(training_args.output_dir)
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not training_args.resume_from_checkpoint \
+            and not args.overwrite_output_dir:
+        raise ValueError(
+            f"Output folder {output_dir} exists and is not empty. Choose a new --output_dir, resume with "
+            "--resume_from_checkpoint last (or a checkpoint path), or pass --overwrite_output_dir."
+        )
+
+
+def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> dict:
+    """Train, save the final model (LoRA merged unless `--merge_lora False`) and tokenizer, return the metrics."""
+    check_output_dir(args, training_args)
+    if training_args.ddp_find_unused_parameters is None:
+        # Within the token budget the indexer's scores are not needed, so its parameters get no gradient.
+        training_args.ddp_find_unused_parameters = True
+    tokenizer = load_tokenizer(args)
+    model = build_model(args, tokenizer)
+    train_dataset = build_lm_dataset(args.train_files, tokenizer, args.block_size, args.packing, args.text_field)
+    eval_dataset = None
+    if args.validation_files:
+        eval_dataset = build_lm_dataset(args.validation_files, tokenizer, args.block_size, args.packing,
+                                        args.text_field)
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), processing_class=tokenizer,
+    )
+    resume = training_args.resume_from_checkpoint
+    if resume == "last":
+        resume = True
+    result = trainer.train(resume_from_checkpoint=resume)
+    metrics = dict(result.metrics)
+    metrics["log_history"] = trainer.state.log_history
+    if eval_dataset is not None:
+        metrics.update(trainer.evaluate())
+
+    final = trainer.model
+    if args.lora and args.merge_lora:
+        final = final.merge_and_unload()
+    if trainer.is_world_process_zero():
+        final.save_pretrained(training_args.output_dir)
+        tokenizer.save_pretrained(training_args.output_dir)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    print(f"finetune: process {rank} of {world} finished after {trainer.state.global_step} steps "
+          f"(trainer world size {trainer.args.world_size}, {trainer.args.parallel_mode})", flush=True)
+    return metrics

@@ -1,0 +1,51 @@
+"""The fine-tuning script from the command line, alone and under `accelerate launch` with two CPU processes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_indexpool.scripts import finetune
+
+TINY = json.dumps(dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=16, linear_num_key_heads=1,
+    linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+))
+
+
+def command_line(tmp_path, max_steps=3):
+    data = tmp_path / "train.txt"
+    data.write_text(Path(json.__file__).read_text() * 3)
+    return ["--init_config", TINY, "--train_files", str(data), "--block_size", "64", "--output_dir",
+            str(tmp_path / "out"), "--max_steps", str(max_steps), "--per_device_train_batch_size", "2",
+            "--logging_steps", "1", "--save_steps", "100", "--report_to", "none"]
+
+
+def test_help_lists_the_script_and_trainer_options(capsys):
+    with pytest.raises(SystemExit):
+        finetune.main(["--help"])
+    printed = capsys.readouterr().out
+    for option in ("--train_files", "--packing", "--lora", "--overwrite_output_dir", "--learning_rate",
+                   "--gradient_checkpointing", "--resume_from_checkpoint", "--bf16"):
+        assert option in printed
+
+
+def test_main_trains_and_writes_a_checkpoint(tmp_path, capsys):
+    finetune.main(command_line(tmp_path))
+    assert "process 0 of 1 finished after 3 steps" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "out" / "tokenizer.json").exists()
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_accelerate_launch_with_two_cpu_processes(tmp_path):
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "-m", "hybrid_indexpool.scripts.finetune"]
+    result = subprocess.run(launch + command_line(tmp_path, max_steps=4), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"process {rank} of 2 finished after 4 steps (trainer world size 2" in result.stdout

@@ -1,0 +1,23 @@
+from transformers import AutoTokenizer
+
+from hybrid_indexpool.tokenization import byte_level_tokenizer, train_bpe_tokenizer
+
+
+def test_byte_level_tokenizer_round_trips_any_text_and_reloads(tmp_path):
+    tokenizer = byte_level_tokenizer()
+    text = "naïve café — 数学 🙂\n\ttabs"
+    ids = tokenizer(text).input_ids
+    assert len(tokenizer) == 259 and max(ids) < 259 and tokenizer.decode(ids) == text
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path)(text).input_ids == ids
+
+
+def test_bpe_trained_on_local_text_compresses_it():
+    import json
+
+    text = open(json.__file__.replace("__init__.py", "decoder.py")).read()
+    tokenizer = train_bpe_tokenizer([text], vocab_size=400)
+    ids = tokenizer(text).input_ids
+    assert len(tokenizer) == 400 and len(ids) < len(text.encode()) / 2
+    assert tokenizer.decode(ids) == text
