@@ -1,11 +1,20 @@
 """Pooled index score + top-k window selection behind one entry point."""
 
+from ..dispatch import use_fast_path
 from .reference import pooled_index_scores_torch, pooled_index_topk_torch
+
+try:
+    from .triton_impl import pooled_index_topk_triton
+except ImportError:  # no Triton: the PyTorch path serves every device
+    pooled_index_topk_triton = None
 
 
 def pooled_index_topk(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights=None):
-    """Select each query's `topk` best visible windows; see `pooled_index_topk_torch` for shapes."""
+    """Select each query's `topk` best visible windows (Triton on CUDA, PyTorch elsewhere); see
+    `pooled_index_topk_torch` for shapes."""
+    if pooled_index_topk_triton is not None and use_fast_path(index_queries, pooled_index_keys):
+        return pooled_index_topk_triton(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights)
     return pooled_index_topk_torch(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights)
 
 
-__all__ = ["pooled_index_topk", "pooled_index_topk_torch", "pooled_index_scores_torch"]
+__all__ = ["pooled_index_topk", "pooled_index_topk_torch", "pooled_index_topk_triton", "pooled_index_scores_torch"]
