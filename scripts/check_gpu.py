@@ -1,0 +1,250 @@
+"""GPU check of the IndexPool kernels: correctness against the PyTorch reference and benchmark tables.
+
+On a CUDA machine (about 5-8 minutes on an H100/H200):
+
+    python -m hybrid_indexpool.scripts.check_gpu            # add --json results.json to keep the numbers
+
+1. Kernel vs reference in float32 and bfloat16: identical selections (float32), selection agreement (bfloat16),
+   output and gradient errors of the sparse attention.
+2. Decode step of one IndexPool layer's kernels (index top-k + sparse attention) at 32K-1M tokens of context:
+   pooled r = 4 against r = 1 against dense attention over every key, same widths.
+3. Achieved memory bandwidth of the decode index kernel and of the sparse decode attention, as a fraction of the
+   device's peak (a large device copy measures what the device actually reaches; the nominal peak is listed where
+   known).
+4. Prefill throughput of the kernels at 32K tokens.
+
+`TRITON_INTERPRET=1 python -m hybrid_indexpool.scripts.check_gpu --smoke` runs tiny sizes on the CPU (kernels in
+Triton's interpreter) to check the script itself.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def parse_arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="32768,131072,524288,1048576", help="decode contexts (tokens)")
+    parser.add_argument("--topk", type=int, default=2048, help="token budget (default 2048)")
+    parser.add_argument("--index-heads", type=int, default=8)
+    parser.add_argument("--index-head-dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=16, help="attention query heads")
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--prefill", type=int, default=32768, help="prefill length (tokens)")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, to test the script")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.contexts, args.topk, args.index_heads, args.index_head_dim = "128,256", 32, 2, 16
+        args.heads, args.kv_heads, args.head_dim, args.prefill = 4, 2, 16, 32
+    return args
+
+
+def timed(fn, device, repeats: int) -> float:
+    """Median milliseconds of `fn()` over `repeats` calls after a warm-up."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(samples)
+
+
+def measured_copy_bandwidth(device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    size = (1 << 30) if device.type == "cuda" else (1 << 24)
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    milliseconds = timed(lambda: target.copy_(source), device, 10)
+    return 2 * size / (milliseconds / 1e3)
+
+
+def check_kernels(device, args, kernels, dtype) -> dict:
+    """Selections and attention (with gradients) of the Triton kernels against the reference, one dtype."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    results = {}
+    # Index top-k: a decode step and a prefill tile with left-padded rows.
+    batch, heads, dim, num_windows, topk = 2, args.index_heads, args.index_head_dim, 4096 // (4 if not args.smoke else 32), args.topk // 4
+    agree = []
+    for queries in (1, 64 if not args.smoke else 8):
+        index_queries = torch.randn(batch, queries, heads, dim, generator=generator).to(device, dtype)
+        pooled = torch.randn(batch, num_windows, dim, generator=generator).to(device, dtype)
+        visible = torch.randint(num_windows // 2, num_windows + 1, (batch, queries), generator=generator).to(device)
+        weights = torch.randn(batch, queries, heads, generator=generator).to(device)
+        expected = kernels["topk_torch"](index_queries, pooled, visible, topk, weights)
+        got = kernels["topk_triton"](index_queries, pooled, visible, topk, weights)
+        same = [set(a.tolist()) == set(b.tolist()) for a, b in zip(expected.flatten(0, 1), got.flatten(0, 1))]
+        agree.append(sum(same) / len(same))
+    results["topk_identical_fraction"] = min(agree)
+
+    # Sparse attention, prefill-sized with gradients, and a split decode step.
+    pool, kv_heads, group, head_dim = 4, args.kv_heads, args.heads // args.kv_heads, args.head_dim
+    context, queries, windows = (2048, 64, 16) if not args.smoke else (64, 6, 4)
+    offsets = torch.tensor([0, 3])
+    positions = torch.arange(context - queries, context).expand(2, queries) - offsets[:, None]
+    query_slots = torch.arange(context - queries, context).expand(2, queries)
+    selected = torch.stack([
+        torch.stack([torch.randperm(int(p + 1) // pool, generator=generator)[:windows].sort().values for p in row])
+        for row in positions
+    ])
+    tail = (positions + 1) % pool
+    index_args = [t.to(device) for t in (selected, offsets, query_slots, tail)]
+    tensors = [torch.randn(2, n, s, head_dim, generator=generator).to(device, dtype)
+               for n, s in ((kv_heads * group, queries), (kv_heads, context), (kv_heads, context))]
+    leaves = [t.float().requires_grad_() for t in tensors]
+    expected, _ = kernels["attention_torch"](*leaves, *index_args, pool, head_dim**-0.5)
+    grad_output = torch.randn(expected.shape, generator=generator).to(device)
+    expected_grads = torch.autograd.grad(expected, leaves, grad_output)
+    kernel_leaves = [t.clone().requires_grad_() for t in tensors]
+    got = kernels["attention_triton"](*kernel_leaves, *index_args, pool, head_dim**-0.5)
+    got_grads = torch.autograd.grad(got, kernel_leaves, grad_output.to(dtype))
+    results["attention_max_error"] = (got.float() - expected).abs().max().item()
+    results["attention_grad_max_error"] = max((g.float() - e).abs().max().item()
+                                              for g, e in zip(got_grads, expected_grads))
+    with torch.no_grad():
+        split = kernels["attention_triton"](*tensors, *index_args, pool, head_dim**-0.5, num_splits=4)
+    results["split_decode_max_error"] = (split.float() - expected.detach()).abs().max().item()
+    return results
+
+
+def bench_decode(device, args, kernels, dtype, context: int) -> dict:
+    """Milliseconds of one decode step of the layer's kernels: index top-k + sparse attention (r = 4, r = 1),
+    and dense attention over every key; plus bytes moved by the index kernel."""
+    generator = torch.Generator(device="cpu").manual_seed(context)
+    heads, dim = args.index_heads, args.index_head_dim
+    key = torch.randn(1, args.kv_heads, context, args.head_dim, generator=generator).to(device, dtype)
+    value = torch.randn_like(key)
+    query = torch.randn(1, args.heads, 1, args.head_dim, generator=generator).to(device, dtype)
+    index_query = torch.randn(1, 1, heads, dim, generator=generator).to(device, dtype)
+    row = {"context": context}
+    repeats = 20 if device.type == "cuda" else 1
+    for pool in (4, 1):
+        pooled = torch.randn(1, context // pool, dim, generator=generator).to(device, dtype)
+        visible = torch.tensor([[context // pool]], device=device)
+        topk = args.topk // pool
+        selected = kernels["topk_triton"](index_query, pooled, visible, topk)
+        attention_args = (selected, torch.zeros(1, dtype=torch.long, device=device),
+                          torch.tensor([[context - 1]], device=device), torch.zeros(1, 1, dtype=torch.long,
+                                                                                    device=device))
+        index_ms = timed(lambda: kernels["topk_triton"](index_query, pooled, visible, topk), device, repeats)
+        attention_ms = timed(lambda: kernels["attention_triton"](query, key, value, *attention_args, pool,
+                                                                args.head_dim**-0.5), device, repeats)
+        row[f"r{pool}_index_ms"] = index_ms
+        row[f"r{pool}_attention_ms"] = attention_ms
+        row[f"r{pool}_step_ms"] = index_ms + attention_ms
+        row[f"r{pool}_index_bytes"] = pooled.numel() * pooled.element_size()
+        row[f"r{pool}_attention_bytes"] = 2 * args.kv_heads * args.topk * args.head_dim * key.element_size()
+    with torch.no_grad():
+        row["dense_ms"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, enable_gqa=args.heads != args.kv_heads), device, repeats)
+    return row
+
+
+def bench_prefill(device, args, kernels, dtype) -> dict:
+    """Tokens per second of the kernels over a whole prompt: index top-k then sparse attention, r = 4 and r = 1."""
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    length = args.prefill
+    results = {"tokens": length}
+    query = torch.randn(1, args.heads, length, args.head_dim, generator=generator).to(device, dtype)
+    key = torch.randn(1, args.kv_heads, length, args.head_dim, generator=generator).to(device, dtype)
+    value = torch.randn_like(key)
+    index_queries = torch.randn(1, length, args.index_heads, args.index_head_dim, generator=generator).to(device,
+                                                                                                         dtype)
+    positions = torch.arange(length, device=device)[None]
+    for pool in (4, 1):
+        pooled = torch.randn(1, length // pool, args.index_head_dim, generator=generator).to(device, dtype)
+        visible = (positions + 1) // pool
+        tail = (positions + 1) % pool
+        offset = torch.zeros(1, dtype=torch.long, device=device)
+
+        def step():
+            selected = kernels["topk_triton"](index_queries, pooled, visible, args.topk // pool)
+            return kernels["attention_triton"](query, key, value, selected, offset, positions, tail, pool,
+                                               args.head_dim**-0.5)
+
+        milliseconds = timed(step, device, 3 if device.type == "cuda" else 1)
+        results[f"r{pool}_tokens_per_second"] = length / (milliseconds / 1e3)
+    return results
+
+
+def main(argv=None):
+    args = parse_arguments(argv)
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it when the kernels are first imported
+            sys.exit("--smoke runs the kernels in Triton's interpreter: run it with TRITON_INTERPRET=1 set.")
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        sys.exit("check_gpu needs a CUDA device (or --smoke for a CPU run of the script itself).")
+    else:
+        device = torch.device("cuda")
+    from hybrid_indexpool.kernels.pooled_index_topk import pooled_index_topk_torch, pooled_index_topk_triton
+    from hybrid_indexpool.kernels.sparse_attention import sparse_attention_torch, sparse_attention_triton
+
+    if pooled_index_topk_triton is None or sparse_attention_triton is None:
+        sys.exit("Triton is not installed: pip install -e '.[triton]'.")
+    kernels = {"topk_torch": pooled_index_topk_torch, "topk_triton": pooled_index_topk_triton,
+               "attention_torch": sparse_attention_torch, "attention_triton": sparse_attention_triton}
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
+    print(f"device: {name}; torch {torch.__version__}")
+    report = {"device": name, "settings": vars(args)}
+
+    print("\n1. kernels against the PyTorch reference")
+    report["checks"] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        checks = check_kernels(device, args, kernels, dtype)
+        report["checks"][str(dtype)] = checks
+        print(f"  {str(dtype):<15} " + "  ".join(f"{k} {v:.3g}" for k, v in checks.items()))
+
+    copy_bandwidth = measured_copy_bandwidth(device)
+    nominal = next((value for key, value in NOMINAL_BANDWIDTH.items() if key in name), None)
+    report["copy_bandwidth"], report["nominal_bandwidth"] = copy_bandwidth, nominal
+    peak = nominal or copy_bandwidth
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print(f"\n2. decode step ({dtype}), copy bandwidth {copy_bandwidth / 1e9:.0f} GB/s, nominal "
+          f"{'unknown' if nominal is None else f'{nominal / 1e9:.0f} GB/s'}")
+    header = ("context", "r=4 ms", "r=1 ms", "dense ms", "r=1 / r=4", "dense / r=4", "index GB/s", "index % peak",
+              "attn % peak")
+    print("  " + "".join(f"{h:>13}" for h in header))
+    report["decode"] = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        row = bench_decode(device, args, kernels, dtype, context)
+        index_rate = row["r4_index_bytes"] / (row["r4_index_ms"] / 1e3)
+        attention_rate = row["r4_attention_bytes"] / (row["r4_attention_ms"] / 1e3)
+        row.update(index_bandwidth=index_rate, index_fraction=index_rate / peak,
+                   attention_fraction=attention_rate / peak)
+        report["decode"].append(row)
+        cells = (f"{context:,}", f"{row['r4_step_ms']:.3f}", f"{row['r1_step_ms']:.3f}", f"{row['dense_ms']:.3f}",
+                 f"{row['r1_step_ms'] / row['r4_step_ms']:.2f}x", f"{row['dense_ms'] / row['r4_step_ms']:.2f}x",
+                 f"{index_rate / 1e9:.0f}", f"{100 * row['index_fraction']:.0f}%",
+                 f"{100 * row['attention_fraction']:.0f}%")
+        print("  " + "".join(f"{c:>13}" for c in cells))
+
+    print(f"\n3. prefill of {args.prefill:,} tokens (index top-k + sparse attention kernels)")
+    report["prefill"] = bench_prefill(device, args, kernels, dtype)
+    for pool in (4, 1):
+        print(f"  r={pool}: {report['prefill'][f'r{pool}_tokens_per_second']:,.0f} tokens/s")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2, default=str)
+    return report
+
+
+if __name__ == "__main__":
+    main()
