@@ -19,6 +19,22 @@ def _bytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
+def _reserve(storage: torch.Tensor | None, like: torch.Tensor, used: int, needed: int, dim: int) -> torch.Tensor:
+    """`storage` with room for `needed` entries along `dim`, keeping its first `used` ones.
+
+    Capacity grows to the next power of two, so appending one token at a time copies the cache only
+    logarithmically often and a decode step allocates nothing proportional to the context.
+    """
+    if storage is not None and storage.shape[dim] >= needed:
+        return storage
+    shape = list(like.shape)
+    shape[dim] = max(256, 1 << (needed - 1).bit_length())
+    grown = like.new_empty(shape)
+    if storage is not None and used:
+        grown.narrow(dim, 0, used).copy_(storage.narrow(dim, 0, used))
+    return grown
+
+
 class _LayerCache:
     """Shared batch bookkeeping: every tensor attribute named in `_batch_tensors` has the batch first."""
 
@@ -101,6 +117,9 @@ class LinearAttentionLayerCache(_LayerCache):
 class IndexPoolLayerCache(_LayerCache):
     """Raw keys/values of every slot, pooled indexer keys of complete windows, the raw open window of each row.
 
+    The keys, values and pooled keys live in storage that grows by doubling and is written in place; the attributes
+    below are views of the part in use.
+
     Attributes:
         keys, values: `[batch, kv_heads, slots, head_dim]`.
         pooled_index_keys: `[batch, max windows, index_head_dim]`, after norm and RoPE; row `b` holds
@@ -111,19 +130,34 @@ class IndexPoolLayerCache(_LayerCache):
     """
 
     _batch_tensors = (
-        "keys", "values", "pooled_index_keys", "num_pooled", "open_index_keys", "open_gate_logits", "num_open",
+        "key_storage", "value_storage", "pooled_storage", "num_pooled", "open_index_keys", "open_gate_logits",
+        "num_open",
     )
 
     def __init__(self, pool_size: int):
         super().__init__()
         self.pool_size = pool_size
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.pooled_index_keys: torch.Tensor | None = None
+        self.key_storage: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
+        self.value_storage: torch.Tensor | None = None
+        self.pooled_storage: torch.Tensor | None = None  # [batch, capacity, index_head_dim]
         self.num_pooled: torch.Tensor | None = None
         self.open_index_keys: torch.Tensor | None = None
         self.open_gate_logits: torch.Tensor | None = None
         self.num_open: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self.key_storage is None else self.key_storage[:, :, : self.num_slots]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.value_storage is None else self.value_storage[:, :, : self.num_slots]
+
+    @property
+    def pooled_index_keys(self) -> torch.Tensor | None:
+        if self.pooled_storage is None:
+            return None
+        return self.pooled_storage[:, : int(self.num_pooled.max()) if self.num_pooled.numel() else 0]
 
     @property
     def num_positions(self) -> torch.Tensor | None:
@@ -131,13 +165,13 @@ class IndexPoolLayerCache(_LayerCache):
         return None if self.num_pooled is None else self.num_pooled * self.pool_size + self.num_open
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `[batch, kv_heads, new, head_dim]` keys/values and return all of them."""
-        if self.keys is None:
-            self.keys, self.values = key_states, value_states
-        else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-        self.num_slots = self.keys.shape[-2]
+        """Append `[batch, kv_heads, new, head_dim]` keys/values in place and return views of all of them."""
+        end = self.num_slots + key_states.shape[-2]
+        self.key_storage = _reserve(self.key_storage, key_states, self.num_slots, end, dim=2)
+        self.value_storage = _reserve(self.value_storage, value_states, self.num_slots, end, dim=2)
+        self.key_storage[:, :, self.num_slots:end] = key_states
+        self.value_storage[:, :, self.num_slots:end] = value_states
+        self.num_slots = end
         return self.keys, self.values
 
     def update_index(
@@ -167,7 +201,6 @@ class IndexPoolLayerCache(_LayerCache):
         if self.num_pooled is None:
             self.num_pooled = torch.zeros(batch_size, dtype=torch.long, device=device)
             self.num_open = torch.zeros(batch_size, dtype=torch.long, device=device)
-            self.pooled_index_keys = raw_index_keys.new_zeros(batch_size, 0, index_head_dim)
             self.open_index_keys = raw_index_keys.new_zeros(batch_size, r - 1, index_head_dim)
             if gate_logits is not None:
                 self.open_gate_logits = gate_logits.new_zeros(batch_size, r - 1, index_head_dim)
@@ -195,17 +228,16 @@ class IndexPoolLayerCache(_LayerCache):
             if logit_buffer is not None:
                 window_logits = logit_buffer[:, :width].view(batch_size, num_windows, r, index_head_dim)
             pooled = pool_windows(window_keys, window_logits, window_ids)
+            # Write each row's new windows after its own; the last storage column absorbs the rows' extras.
             new_width = int((self.num_pooled + num_complete).max())
-            old_width = self.pooled_index_keys.shape[1]
-            store = torch.cat(
-                [self.pooled_index_keys, pooled.new_zeros(batch_size, new_width - old_width + 1, index_head_dim)],
-                dim=1,
-            )
-            target = torch.where(
-                torch.arange(num_windows, device=device) < num_complete[:, None], window_ids, new_width
-            )
-            store = store.scatter(1, target[..., None].expand(-1, -1, index_head_dim), pooled)
-            self.pooled_index_keys = store[:, :new_width]
+            used = int(self.num_pooled.max())
+            self.pooled_storage = _reserve(self.pooled_storage, pooled, used, new_width + 1, dim=1)
+            dump = self.pooled_storage.shape[1] - 1
+            target = torch.where(torch.arange(num_windows, device=device) < num_complete[:, None], window_ids, dump)
+            self.pooled_storage.scatter_(1, target[..., None].expand(-1, -1, index_head_dim),
+                                         pooled.to(self.pooled_storage.dtype))
+        elif self.pooled_storage is None:
+            self.pooled_storage = raw_index_keys.new_zeros(batch_size, 1, index_head_dim)
 
         # The tokens after the last complete window form the new open window.
         open_index = (num_complete[:, None] * r + torch.arange(r - 1, device=device)).clamp(max=width)
@@ -222,7 +254,7 @@ class IndexPoolLayerCache(_LayerCache):
 
         Pooled windows keep no raw keys, so a cut must fall inside each row's open window or on a window boundary.
         """
-        if tokens_to_remove <= 0 or self.keys is None:
+        if tokens_to_remove <= 0 or self.key_storage is None:
             return
         if tokens_to_remove > self.num_slots:
             raise ValueError(f"Cannot crop {tokens_to_remove} tokens from a cache of {self.num_slots}.")
@@ -235,12 +267,9 @@ class IndexPoolLayerCache(_LayerCache):
                 f"raw indexer keys are gone. Crop to a multiple of index_pool_size ({self.pool_size}) or within the "
                 "open window."
             )
-        self.keys = self.keys[..., :-tokens_to_remove, :]
-        self.values = self.values[..., :-tokens_to_remove, :]
-        self.num_slots = self.keys.shape[-2]
+        self.num_slots -= tokens_to_remove
         self.num_open = torch.where(inside_open, self.num_open - tokens_to_remove, torch.zeros_like(self.num_open))
         self.num_pooled = torch.where(inside_open, self.num_pooled, remaining // self.pool_size)
-        self.pooled_index_keys = self.pooled_index_keys[:, : int(self.num_pooled.max())]
 
     def memory_footprint(self) -> dict[str, int]:
         return {

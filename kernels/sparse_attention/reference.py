@@ -83,10 +83,7 @@ def sparse_attention_torch(
     num_kv_heads, num_slots = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads
     slots_per_query = selected_windows.shape[-1] * pool_size + pool_size - 1
-    # Flattened [batch * slots, kv_heads * head_dim] rows: gathering takes a 1-D index, not a broadcast one.
-    flat_key = key.transpose(1, 2).reshape(batch_size * num_slots, num_kv_heads * head_dim)
-    flat_value = value.transpose(1, 2).reshape(batch_size * num_slots, num_kv_heads * head_dim)
-    row_base = (torch.arange(batch_size, device=key.device) * num_slots)[:, None, None]
+    batch_index = torch.arange(batch_size, device=key.device)[:, None]
     query_chunk = max(1, GATHER_BLOCK_ELEMENTS // max(1, batch_size * slots_per_query * num_kv_heads * head_dim))
 
     outputs, weights = [], None
@@ -98,10 +95,11 @@ def sparse_attention_torch(
             selected_windows[:, start:end], window_slot_offset, query_slots[:, start:end],
             tail_length[:, start:end], pool_size,
         )
-        flat_index = (slots + row_base).flatten()
+        # Advanced indexing gathers only the selected slots (the cache may be a strided view of larger storage).
         gathered_shape = (batch_size, end - start, slots_per_query, num_kv_heads, head_dim)
-        chunk_key = flat_key.index_select(0, flat_index).view(gathered_shape)
-        chunk_value = flat_value.index_select(0, flat_index).view(gathered_shape)
+        flat_slots = slots.flatten(1)
+        chunk_key = key[batch_index, :, flat_slots].view(gathered_shape)  # [b, t * l, kv_heads, d] -> 5-D
+        chunk_value = value[batch_index, :, flat_slots].view(gathered_shape)
         # [b, kv_heads, group, t, d] grouped queries against [b, t, l, kv_heads, d] gathered keys
         chunk_query = query[:, :, start:end].reshape(batch_size, num_kv_heads, group, end - start, head_dim)
         scores = torch.einsum("bkgtd,btlkd->bkgtl", chunk_query.float(), chunk_key.float()) * scaling

@@ -121,6 +121,8 @@ def _sparse_attention_backward_kernel(
     num_queries, num_selected, scale,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_gb, stride_gh, stride_gs,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lh, stride_lt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -148,8 +150,9 @@ def _sparse_attention_backward_kernel(
     query_slot = tl.load(query_slot_ptr + token)
     tail_length = tl.load(tail_ptr + token)
     selected_row = selected_ptr + token * num_selected
-    # Keys and values (and their float32 gradients) share the layout [batch, kv_heads, slots, head_dim].
-    kv_offset = batch * stride_kb + kv_head * stride_kh
+    key_base = key_ptr + batch * stride_kb + kv_head * stride_kh
+    value_base = value_ptr + batch * stride_vb + kv_head * stride_vh
+    grad_offset = batch * stride_gb + kv_head * stride_gh  # float32 dk and dv share one contiguous layout
 
     grad_query = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
     WINDOWS_PER_BLOCK: tl.constexpr = BLOCK_N // POOL_PAD
@@ -162,17 +165,18 @@ def _sparse_attention_backward_kernel(
             slots, valid = _block_slots(selected_row, (block - num_window_blocks) * BLOCK_N, num_selected, offset,
                                         query_slot, tail_length, True, POOL, POOL_PAD, BLOCK_N)
         kv_mask = valid[:, None] & dim_mask[None, :]
-        kv_pointers = kv_offset + slots[:, None] * stride_ks + dims[None, :]
-        k = tl.load(key_ptr + kv_pointers, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(value_ptr + kv_pointers, mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(key_base + slots[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(value_base + slots[:, None] * stride_vs + dims[None, :], mask=kv_mask,
+                    other=0.0).to(tl.float32)
+        grad_pointers = grad_offset + slots[:, None] * stride_gs + dims[None, :]
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         probs = tl.where(valid[None, :] & head_mask[:, None], tl.exp(scores - lse[:, None]), 0.0)
         grad_probs = tl.dot(grad_out, tl.trans(v), input_precision="ieee")
         grad_scores = probs * (grad_probs - delta[:, None]) * scale
         grad_query += tl.dot(grad_scores, k, input_precision="ieee")
-        tl.atomic_add(grad_key_ptr + kv_pointers, tl.dot(tl.trans(grad_scores), q, input_precision="ieee"),
+        tl.atomic_add(grad_key_ptr + grad_pointers, tl.dot(tl.trans(grad_scores), q, input_precision="ieee"),
                       mask=kv_mask)
-        tl.atomic_add(grad_value_ptr + kv_pointers, tl.dot(tl.trans(probs), grad_out, input_precision="ieee"),
+        tl.atomic_add(grad_value_ptr + grad_pointers, tl.dot(tl.trans(probs), grad_out, input_precision="ieee"),
                       mask=kv_mask)
     tl.store(grad_query_ptr + batch * stride_qb + heads[:, None] * stride_qh + query * stride_qt + dims[None, :],
              grad_query.to(grad_query_ptr.dtype.element_ty), mask=row_mask)
@@ -251,6 +255,8 @@ class SparseAttentionFunction(torch.autograd.Function):
             num_queries, selected.shape[-1], ctx.scaling,
             query.stride(0), query.stride(1), query.stride(2),
             key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2),
+            grad_key.stride(0), grad_key.stride(1), grad_key.stride(2),
             grad_output.stride(0), grad_output.stride(1), grad_output.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
             **settings,
@@ -265,7 +271,8 @@ def sparse_attention_triton(query, key, value, selected_windows, window_slot_off
     `num_splits` splits each query's selection over that many programs (forward without gradient only; default:
     1 for prefill, more for decode).
     """
-    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    # Any layout whose last dimension is contiguous works (the cache hands out views of larger storage).
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     index_args = (
         selected_windows.to(torch.int32).contiguous(), window_slot_offset.to(torch.int32).contiguous(),
         query_slots.to(torch.int32).contiguous(), tail_length.to(torch.int32).contiguous(),

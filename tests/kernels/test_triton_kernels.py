@@ -109,3 +109,24 @@ def test_sparse_attention_matches_reference(batch, queries, kv_heads, group, hea
         got_grads = torch.autograd.grad(got, device_leaves, grad_output.to(DEVICE))
         for name, want, have in zip(("query", "key", "value"), expected_grads, got_grads):
             torch.testing.assert_close(have.cpu(), want, atol=1e-4, rtol=1e-4, msg=f"gradient of {name}")
+
+
+def test_sparse_attention_reads_strided_cache_views():
+    """The cache hands out `storage[:, :, :slots]` views; forward and backward must honour their strides."""
+    generator = torch.Generator().manual_seed(5)
+    storage_key = torch.randn(1, 2, 64, 16, generator=generator)
+    storage_value = torch.randn(1, 2, 64, 16, generator=generator)
+    query = torch.randn(1, 4, 3, 16, generator=generator)
+    key, value = storage_key[:, :, :40], storage_value[:, :, :40]
+    positions = torch.arange(37, 40)[None]
+    index_args = (torch.tensor([[[0, 3, 7]] * 3]), torch.zeros(1, dtype=torch.long), positions, (positions + 1) % 4)
+    leaves = [t.clone().requires_grad_() for t in (query, key.contiguous(), value.contiguous())]
+    expected, _ = sparse_attention_torch(*leaves, *index_args, 4, 0.25)
+    strided = [query.clone().requires_grad_(), storage_key.clone()[:, :, :40].requires_grad_(), storage_value.clone()[:, :, :40]
+               .requires_grad_()]
+    assert not strided[1].is_contiguous()
+    got = sparse_attention_triton(*(t.to(DEVICE) for t in strided), *(t.to(DEVICE) for t in index_args), 4, 0.25)
+    torch.testing.assert_close(got.detach().cpu(), expected.detach(), atol=1e-4, rtol=1e-4)
+    grads = torch.autograd.grad(got.sum(), strided)
+    for have, want in zip(grads, torch.autograd.grad(expected.sum(), leaves)):
+        torch.testing.assert_close(have.cpu(), want, atol=1e-4, rtol=1e-4)
