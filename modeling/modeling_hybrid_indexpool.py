@@ -565,11 +565,32 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         token_is_real, positions = self._real_tokens_and_positions(
             attention_mask, position_ids, cache, batch_size, seq_len, past_slots, inputs_embeds.device
         )
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, positions)
+        # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
+        # so peak memory follows the cache (linear in the context), not the prompt's activations.
+        chunk = self.config.prefill_chunk_size
+        if cache is None or chunk is None or seq_len <= chunk or output_attentions:
+            chunk = seq_len
+        pieces = [
+            self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
+                             token_is_real[:, start:start + chunk], cache, output_attentions, output_hidden_states)
+            for start in range(0, seq_len, chunk)
+        ]
+        hidden_states = torch.cat([piece[0] for piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
+        all_hidden_states = None
+        if output_hidden_states:
+            all_hidden_states = tuple(torch.cat(states, dim=1) for states in zip(*(piece[1] for piece in pieces)))
+        all_attentions = pieces[0][2] if output_attentions else None
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
 
-        all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
+    def _run_layers(self, hidden_states, positions, token_is_real, cache, output_attentions, output_hidden_states):
+        """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions."""
+        position_embeddings = self.rotary_emb(hidden_states, positions)
+        all_hidden_states, all_attentions = (), ()
         for decoder_layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
@@ -582,12 +603,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            cache=cache if use_cache else None,
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
-        )
+        return hidden_states, all_hidden_states, all_attentions
 
     @staticmethod
     def _real_tokens_and_positions(attention_mask, position_ids, cache, batch_size, seq_len, past_slots, device):

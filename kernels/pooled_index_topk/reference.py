@@ -6,17 +6,19 @@ For query `t` with indexer queries `q[t, h]` and pooled keys `kbar[c]`:
 
 over the windows `c < num_visible_windows[t]`; the `topk` best are kept. Ties go to the lower window id, so the
 result does not depend on how the candidates are split into chunks. Queries and windows are processed in
-chunks with a running top-k, so memory stays bounded by the chunk sizes, never `[T, N / r]`.
+chunks with a running top-k, so memory stays bounded by the chunk sizes, never `[T, N / r]`, and a decode step
+allocates nothing proportional to the context.
 """
 
 import torch
 
 # Elements of one `[batch, query_chunk, heads, window_chunk]` float32 score block (64 MiB).
 SCORE_BLOCK_ELEMENTS = 1 << 24
+WINDOW_CHUNK = 8192
 
 
 def _chunk_sizes(batch_size: int, num_queries: int, num_heads: int, num_windows: int) -> tuple[int, int]:
-    window_chunk = max(1, min(num_windows, 4096))
+    window_chunk = max(1, min(num_windows, WINDOW_CHUNK))
     query_chunk = max(1, min(num_queries, SCORE_BLOCK_ELEMENTS // max(1, batch_size * num_heads * window_chunk)))
     return query_chunk, window_chunk
 
@@ -31,6 +33,22 @@ def pooled_index_scores_torch(
     if head_weights is None:
         return per_head.sum(dim=2) * scale
     return torch.einsum("bthc,bth->btc", per_head, head_weights.float()) * scale
+
+
+def _merge_topk(best_scores, best_ids, scores, ids, topk):
+    """The `topk` best of the kept entries and a new chunk, in ascending id order (the kept ids all precede the
+    chunk's). Exact tie rule without a full sort: everything above the k-th largest score, then the lowest ids
+    among the entries equal to it."""
+    scores, ids = torch.cat([best_scores, scores], dim=-1), torch.cat([best_ids, ids], dim=-1)
+    if scores.shape[-1] <= topk:
+        return scores, ids
+    kth = scores.topk(topk, dim=-1).values[..., -1:]
+    above, equal = scores > kth, scores == kth
+    take = above | (equal & (equal.cumsum(dim=-1) <= topk - above.sum(dim=-1, keepdim=True)))
+    position = torch.arange(scores.shape[-1], device=scores.device)
+    # The taken positions, smallest first (topk of the smallest returns them in ascending order).
+    index = torch.where(take, position, position + scores.shape[-1]).topk(topk, dim=-1, largest=False).indices
+    return scores.gather(-1, index), ids.gather(-1, index)
 
 
 def pooled_index_topk_torch(
@@ -67,17 +85,16 @@ def pooled_index_topk_torch(
         visible = num_visible_windows[:, query_start:query_end, None]
         best_scores = torch.full((batch_size, query_end - query_start, 0), float("-inf"), device=device)
         best_ids = torch.zeros((batch_size, query_end - query_start, 0), dtype=torch.long, device=device)
-        for window_start in range(0, num_windows, window_chunk):
-            window_end = min(window_start + window_chunk, num_windows)
+        causal_limit = min(num_windows, int(visible.max()))  # no query of the chunk sees beyond
+        for window_start in range(0, causal_limit, window_chunk):
+            window_end = min(window_start + window_chunk, causal_limit)
             scores = pooled_index_scores_torch(queries, pooled_index_keys[:, window_start:window_end], weights)
             ids = torch.arange(window_start, window_end, device=device).expand_as(scores)
             scores = scores.masked_fill(ids >= visible, float("-inf"))
-            # Running top-k: the kept entries come first, so a stable sort prefers them (lower ids) on ties.
-            scores, ids = torch.cat([best_scores, scores], dim=-1), torch.cat([best_ids, ids], dim=-1)
-            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
-            best_scores, best_ids = scores.gather(-1, order), ids.gather(-1, order)
-        best_ids = best_ids.masked_fill(best_scores == float("-inf"), num_windows)
-        best_ids = best_ids.sort(dim=-1).values
+            best_scores, best_ids = _merge_topk(best_scores, best_ids, scores, ids, topk)
+        best_ids = best_ids.masked_fill(best_scores == float("-inf"), -1)
+        # Kept in ascending id order already; the -1 of invisible windows go last.
+        best_ids = torch.where(best_ids < 0, num_windows, best_ids).sort(dim=-1).values
         best_ids = best_ids.masked_fill(best_ids == num_windows, -1)
         selected[:, query_start:query_end, : best_ids.shape[-1]] = best_ids
     return selected
