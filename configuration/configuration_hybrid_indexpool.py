@@ -75,9 +75,10 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         initializer_range (`float`): Standard deviation of the normal weight initialisation.
         tie_word_embeddings (`bool`): Share the input embedding and the language-model head.
         use_cache (`bool`): Return a [`HybridIndexPoolCache`] by default.
-        prefill_chunk_size (`int`, *optional*): With a cache, inputs longer than this go through the model in chunks
-            of this many tokens (same result, memory linear in the context); `None` disables chunking. `generate()`
-            reads the same setting (transformers' chunked prefill).
+        prefill_chunk_length (`int`, *optional*): With a cache, inputs longer than this go through the model in chunks
+            of this many tokens (same result, memory linear in the context); `None` disables chunking. It applies to
+            `generate()` too. (Not named `prefill_chunk_size`: `generate()` would copy that into its own setting,
+            which refuses `use_cache=False`.)
         pad_token_id, bos_token_id, eos_token_id (`int`, *optional*): Special token ids.
     """
 
@@ -129,7 +130,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
     use_cache: bool = True
-    prefill_chunk_size: int | None = 8192
+    prefill_chunk_length: int | None = 8192
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -212,8 +213,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
                 f"`num_experts_per_tok` ({self.num_experts_per_tok}) must lie between 1 and `num_experts` "
                 f"({self.num_experts})."
             )
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
-            fail(f"`prefill_chunk_size` is {self.prefill_chunk_size}; use None (no chunking) or a positive size.")
+        if self.prefill_chunk_length is not None and self.prefill_chunk_length < 1:
+            fail(f"`prefill_chunk_length` is {self.prefill_chunk_length}; use None (no chunking) or a positive size.")
         if not 0.0 <= float(self.attention_dropout) < 1.0:
             fail(f"`attention_dropout` is {self.attention_dropout}; it must lie in [0, 1).")
 

@@ -567,7 +567,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         )
         # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
         # so peak memory follows the cache (linear in the context), not the prompt's activations.
-        chunk = self.config.prefill_chunk_size
+        chunk = self.config.prefill_chunk_length
         if cache is None or chunk is None or seq_len <= chunk or output_attentions:
             chunk = seq_len
         pieces = [

@@ -40,8 +40,8 @@ def assert_same_cache(first: HybridIndexPoolCache, second: HybridIndexPoolCache)
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 8, 13])  # inside and across windows of r = 4
 def test_chunked_prefill_gives_the_logits_and_cache_of_one_pass(chunk_size):
-    whole_model = tiny_model(prefill_chunk_size=None)
-    chunked_model = tiny_model(prefill_chunk_size=chunk_size)
+    whole_model = tiny_model(prefill_chunk_length=None)
+    chunked_model = tiny_model(prefill_chunk_length=chunk_size)
     input_ids = torch.randint(1, 97, (2, 43))
     mask = torch.ones(2, 43, dtype=torch.long)
     mask[1, :6] = 0
@@ -60,8 +60,8 @@ def test_chunked_prefill_gives_the_logits_and_cache_of_one_pass(chunk_size):
 def test_generate_with_a_chunked_prefill_matches_one_pass():
     input_ids = torch.randint(1, 97, (1, 50))
     with torch.no_grad():
-        chunked = tiny_model(prefill_chunk_size=7).generate(input_ids, max_new_tokens=6, do_sample=False)
-        whole = tiny_model(prefill_chunk_size=None).generate(input_ids, max_new_tokens=6, do_sample=False)
+        chunked = tiny_model(prefill_chunk_length=7).generate(input_ids, max_new_tokens=6, do_sample=False)
+        whole = tiny_model(prefill_chunk_length=None).generate(input_ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(chunked, whole)
 
 
