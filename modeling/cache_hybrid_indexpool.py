@@ -137,7 +137,9 @@ class IndexPoolLayerCache(_LayerCache):
     def __init__(self, pool_size: int):
         super().__init__()
         self.pool_size = pool_size
-        self.key_storage: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
+        # Slot-major [batch, capacity, kv_heads, head_dim]: the sparse attention gathers whole slots (all heads) as
+        # contiguous rows. `keys` / `values` present them as [batch, kv_heads, slots, head_dim] views.
+        self.key_storage: torch.Tensor | None = None
         self.value_storage: torch.Tensor | None = None
         self.pooled_storage: torch.Tensor | None = None  # [batch, capacity, index_head_dim]
         self.num_pooled: torch.Tensor | None = None
@@ -147,11 +149,11 @@ class IndexPoolLayerCache(_LayerCache):
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self.key_storage is None else self.key_storage[:, :, : self.num_slots]
+        return None if self.key_storage is None else self.key_storage[:, : self.num_slots].transpose(1, 2)
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self.value_storage is None else self.value_storage[:, :, : self.num_slots]
+        return None if self.value_storage is None else self.value_storage[:, : self.num_slots].transpose(1, 2)
 
     @property
     def pooled_index_keys(self) -> torch.Tensor | None:
@@ -167,10 +169,11 @@ class IndexPoolLayerCache(_LayerCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `[batch, kv_heads, new, head_dim]` keys/values in place and return views of all of them."""
         end = self.num_slots + key_states.shape[-2]
-        self.key_storage = _reserve(self.key_storage, key_states, self.num_slots, end, dim=2)
-        self.value_storage = _reserve(self.value_storage, value_states, self.num_slots, end, dim=2)
-        self.key_storage[:, :, self.num_slots:end] = key_states
-        self.value_storage[:, :, self.num_slots:end] = value_states
+        key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
+        self.key_storage = _reserve(self.key_storage, key_states, self.num_slots, end, dim=1)
+        self.value_storage = _reserve(self.value_storage, value_states, self.num_slots, end, dim=1)
+        self.key_storage[:, self.num_slots:end] = key_states
+        self.value_storage[:, self.num_slots:end] = value_states
         self.num_slots = end
         return self.keys, self.values
 

@@ -43,6 +43,20 @@ def attention_slots(
     return slots.clamp(min=0).masked_fill(~valid, 0), valid
 
 
+def slot_rows(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """Row `batch` of a `[batch, kv_heads, slots, head_dim]` tensor as `[slots, kv_heads * head_dim]` (a view when
+    the heads of a slot are adjacent in memory, as in the cache)."""
+    rows = tensor[batch].transpose(0, 1)
+    return rows.flatten(1) if rows.stride(1) == rows.shape[2] and rows.stride(2) == 1 else rows.reshape(rows.shape[0], -1)
+
+
+def gather_slots(tensor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`[batch, n, kv_heads * head_dim]` rows of the given `[batch, ...]` slots of a `[batch, kv_heads, slots, d]`
+    tensor."""
+    rows = [slot_rows(tensor, b).index_select(0, slots[b].flatten()) for b in range(tensor.shape[0])]
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+
+
 def masked_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim restricted to `valid`; rows with nothing valid give zeros instead of NaN."""
     scores = scores.masked_fill(~valid, float("-inf"))
@@ -83,10 +97,10 @@ def sparse_attention_torch(
     num_kv_heads, num_slots = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads
     slots_per_query = selected_windows.shape[-1] * pool_size + pool_size - 1
-    batch_index = torch.arange(batch_size, device=key.device)[:, None]
     query_chunk = max(1, GATHER_BLOCK_ELEMENTS // max(1, batch_size * slots_per_query * num_kv_heads * head_dim))
 
-    outputs, weights = [], None
+    output = query.new_empty(batch_size, num_queries, num_heads, head_dim)
+    weights = None
     if return_weights:
         weights = query.new_zeros(batch_size, num_heads, num_queries, num_slots, dtype=torch.float32)
     for start in range(0, num_queries, query_chunk):
@@ -95,22 +109,20 @@ def sparse_attention_torch(
             selected_windows[:, start:end], window_slot_offset, query_slots[:, start:end],
             tail_length[:, start:end], pool_size,
         )
-        # Advanced indexing gathers only the selected slots (the cache may be a strided view of larger storage).
+        # Gather whole slots (every head) as rows; the cache's slot-major storage makes them contiguous.
         gathered_shape = (batch_size, end - start, slots_per_query, num_kv_heads, head_dim)
-        flat_slots = slots.flatten(1)
-        chunk_key = key[batch_index, :, flat_slots].view(gathered_shape)  # [b, t * l, kv_heads, d] -> 5-D
-        chunk_value = value[batch_index, :, flat_slots].view(gathered_shape)
-        # [b, kv_heads, group, t, d] grouped queries against [b, t, l, kv_heads, d] gathered keys
-        chunk_query = query[:, :, start:end].reshape(batch_size, num_kv_heads, group, end - start, head_dim)
-        scores = torch.einsum("bkgtd,btlkd->bkgtl", chunk_query.float(), chunk_key.float()) * scaling
-        probs = masked_softmax(scores, valid[:, None, None])
-        if training and dropout > 0.0:
-            probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
-        out = torch.einsum("bkgtl,btlkd->btkgd", probs, chunk_value.float())
-        outputs.append(out.reshape(batch_size, end - start, num_heads, head_dim).to(query.dtype))
-        if return_weights:
-            scatter_index = slots[:, None].expand(batch_size, num_heads, end - start, slots_per_query)
-            weights[:, :, start:end].scatter_add_(
-                -1, scatter_index, probs.reshape(batch_size, num_heads, end - start, slots_per_query)
-            )
-    return torch.cat(outputs, dim=1), weights
+        chunk_key = gather_slots(key, slots).view(gathered_shape).float()
+        chunk_value = gather_slots(value, slots).view(gathered_shape).float()
+        for kv_head in range(num_kv_heads):
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            chunk_query = query[:, heads, start:end].transpose(1, 2).float()  # [b, t, group, d]
+            # [b, t, group, d] x [b, t, d, l]: strided views of the gathered rows, no copies
+            scores = torch.matmul(chunk_query, chunk_key[..., kv_head, :].transpose(-1, -2)) * scaling
+            probs = masked_softmax(scores, valid[:, :, None])
+            if training and dropout > 0.0:
+                probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
+            output[:, start:end, heads] = torch.matmul(probs, chunk_value[..., kv_head, :]).to(query.dtype)
+            if return_weights:
+                scatter_index = slots[:, None].expand(batch_size, group, end - start, slots_per_query)
+                weights[:, heads, start:end].scatter_add_(-1, scatter_index, probs.transpose(1, 2))
+    return output, weights
