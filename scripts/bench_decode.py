@@ -1,0 +1,265 @@
+"""Decode benchmark at long contexts: pooled r = 4 against unpooled r = 1, dense attention, and transformers'
+Qwen4-Exp, side by side in one run.
+
+The HybridIndexPool settings share one model's weights (mean pooling, so r changes nothing else) and one prompt;
+"dense" is the same model with a budget beyond the context. Qwen4-Exp (`Qwen4ExpForCausalLM`, the mean-pooled QSA
+indexer this design modifies) gets the same widths and runs at the contexts it can finish (`--reference-max-context`).
+Each measurement runs in its own process (started from a fork server that has already imported everything), so its
+peak memory is its own. Per setting and context: prefill seconds, milliseconds per decoded token (median), peak
+memory, cache bytes per component; for the pooled settings also the decode indexer step (top-k over the pooled keys)
+and the fraction of the machine's memory bandwidth it reaches, the bandwidth measured by a large copy in the same run.
+
+    python -m hybrid_indexpool.scripts.bench_decode --quick
+    python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,16384,32768,65536 --json docs/bench.json \\
+        --plot docs/bench_decode.png
+"""
+
+import argparse
+import json
+import multiprocessing
+import platform
+import resource
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+SETTINGS = ("pooled_r4", "unpooled_r1", "dense", "qwen4_exp")
+DENSE_BUDGET = 1 << 22
+
+
+def model_config(setting: str, args):
+    """Config of one setting; every HybridIndexPool setting has the same weights."""
+    if setting == "qwen4_exp":
+        from transformers import Qwen4ExpTextConfig
+
+        return Qwen4ExpTextConfig(
+            vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            num_experts=1, num_experts_per_tok=1, moe_intermediate_size=args.intermediate_size,
+            shared_expert_intermediate_size=args.intermediate_size, hc_count=2, hc_lowrank=16, ple_layer_ids=[],
+            indexer_n_heads=args.index_heads, indexer_kv_heads=1, indexer_head_dim=args.index_head_dim,
+            indexer_budget=args.topk, indexer_compress_ratio=4,
+            layer_types=["linear_attention"] * (args.layers - 1) + ["indexed_attention"],
+        )
+    from hybrid_indexpool import HybridIndexPoolConfig
+
+    return HybridIndexPoolConfig(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, index_n_heads=args.index_heads, index_head_dim=args.index_head_dim,
+        index_topk=DENSE_BUDGET if setting == "dense" else args.topk,
+        index_pool_size=1 if setting == "unpooled_r1" else 4, index_pool_weighting="mean",
+        layer_types=["linear_attention"] * (args.layers - 1) + ["indexpool_attention"],
+    )
+
+
+def build_model(setting: str, args):
+    if setting == "qwen4_exp":
+        from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
+
+        torch.manual_seed(args.seed)
+        return Qwen4ExpForCausalLM(model_config(setting, args)).eval()
+    from hybrid_indexpool import HybridIndexPoolForCausalLM
+
+    torch.manual_seed(args.seed)
+    return HybridIndexPoolForCausalLM(model_config(setting, args)).eval()
+
+
+def qwen4_cache_bytes(cache) -> dict:
+    """Bytes per component of a transformers cache of Qwen4-Exp."""
+    sizes = {"key_value": 0, "index_keys": 0, "linear_states": 0}
+    for layer in cache.layers:
+        for name, component in (("keys", "key_value"), ("values", "key_value"), ("indexer_keys", "index_keys")):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                sizes[component] += tensor.numel() * tensor.element_size()
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            for tensor in (states or {}).values():
+                if isinstance(tensor, torch.Tensor):
+                    sizes["linear_states"] += tensor.numel() * tensor.element_size()
+    sizes["total"] = sum(sizes.values())
+    return sizes
+
+
+def indexer_step(model, cache, args) -> dict:
+    """Time the decode indexer step alone: one query scored against every pooled key of each IndexPool layer."""
+    from hybrid_indexpool.kernels.pooled_index_topk import pooled_index_topk
+    from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
+
+    layers = [layer for layer in cache.layers if isinstance(layer, IndexPoolLayerCache)]
+    query = torch.randn(1, 1, args.index_heads, args.index_head_dim)
+    topk = model.config.index_topk_windows
+
+    def run():
+        for layer in layers:
+            pooled = layer.pooled_index_keys
+            pooled_index_topk(query.to(pooled.dtype), pooled, layer.num_pooled[:, None], topk)
+
+    samples = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    seconds = statistics.median(samples)
+    read = sum(layer.pooled_index_keys.numel() * layer.pooled_index_keys.element_size() for layer in layers)
+    return {"indexer_ms": seconds * 1e3, "indexer_bytes": read, "indexer_bytes_per_second": read / seconds}
+
+
+def measure(setting: str, context: int, args) -> dict:
+    """One run, in a fresh process: prefill, decode, peak memory and cache size."""
+    torch.set_num_threads(args.threads)
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model = build_model(setting, args)
+    prompt = torch.randint(1, args.vocab_size, (1, context), generator=torch.Generator().manual_seed(args.seed))
+    with torch.no_grad():
+        start = time.perf_counter()
+        output = model(prompt, use_cache=True, logits_to_keep=1)
+        prefill = time.perf_counter() - start
+        cache, token = output.cache, output.logits[:, -1:].argmax(-1)
+        steps = []
+        for _ in range(args.new_tokens):
+            start = time.perf_counter()
+            output = model(token, cache=cache, use_cache=True)
+            steps.append(time.perf_counter() - start)
+            token = output.logits[:, -1:].argmax(-1)
+        result = {"setting": setting, "context": context, "prefill_s": prefill,
+                  "decode_ms": statistics.median(steps) * 1e3}
+        if setting == "qwen4_exp":
+            result["cache_bytes"] = qwen4_cache_bytes(cache)
+        else:
+            result["cache_bytes"] = cache.memory_footprint()
+            result.update(indexer_step(model, cache, args))
+    result["peak_memory_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
+    return result
+
+
+def copy_bandwidth(args) -> float:
+    """Bytes per second of a 512 MiB in-memory copy (read + write), median of five."""
+    torch.set_num_threads(args.threads)
+    source = torch.ones(1 << 27, dtype=torch.float32)
+    target = torch.empty_like(source)
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        samples.append(time.perf_counter() - start)
+    return 2 * source.numel() * 4 / statistics.median(samples)
+
+
+def print_table(results: list[dict], bandwidth: float) -> None:
+    print(f"\nmemory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s")
+    header = ("setting", "context", "prefill s", "decode ms", "peak MB", "KV MiB", "index keys KiB", "indexer ms",
+              "indexer % bw")
+    print("".join(f"{h:>15}" for h in header))
+    for row in results:
+        cache = row.get("cache_bytes", {})
+        index_bytes = cache.get("pooled_index_keys", cache.get("index_keys", 0))
+        fraction = row.get("indexer_bytes_per_second", 0) / bandwidth
+        cells = (row["setting"], f"{row['context']:,}", f"{row['prefill_s']:.2f}", f"{row['decode_ms']:.2f}",
+                 f"{row['peak_memory_mb']:.0f}", f"{cache.get('key_value', 0) / 2**20:.1f}",
+                 f"{index_bytes / 2**10:.1f}", f"{row['indexer_ms']:.3f}" if "indexer_ms" in row else "-",
+                 f"{100 * fraction:.1f}%" if "indexer_ms" in row else "-")
+        print("".join(f"{c:>15}" for c in cells))
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Decode latency and peak memory against context, log axes."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from error
+    figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4))
+    for setting in SETTINGS:
+        rows = [row for row in results if row["setting"] == setting]
+        if not rows:
+            continue
+        contexts = [row["context"] for row in rows]
+        latency.plot(contexts, [row["decode_ms"] for row in rows], marker="o", label=setting)
+        memory.plot(contexts, [max(row["peak_memory_mb"], 1) for row in rows], marker="o", label=setting)
+    for axis, label in ((latency, "ms per decoded token"), (memory, "peak memory (MB)")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("context (tokens)")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    figure.suptitle("HybridIndexPool decode on CPU: pooled r=4 vs r=1 vs dense vs Qwen4-Exp")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def parse_arguments(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", help="comma-separated prompt lengths (default 8K to 1M; --quick: 2K,4K)")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"any of {', '.join(SETTINGS)}")
+    parser.add_argument("--reference-max-context", type=int, default=16384,
+                        help="longest context given to Qwen4-Exp (its indexer loops over queries in Python)")
+    parser.add_argument("--dense-max-context", type=int, default=131072, help="longest context for dense")
+    parser.add_argument("--topk", type=int, default=512, help="token budget (default 512)")
+    parser.add_argument("--new-tokens", type=int, default=8, help="decoded tokens per run (median reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="repetitions of the indexer-step timing")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--intermediate-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4, help="layers (the last one IndexPool, the rest linear)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--index-heads", type=int, default=2)
+    parser.add_argument("--index-head-dim", type=int, default=32)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="two short contexts (about 2-3 minutes on 2 cores)")
+    parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--plot", help="draw latency and memory against context to this image file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.contexts = args.contexts or "2048,4096"
+        args.new_tokens, args.repeats = 4, 3
+        args.reference_max_context = min(args.reference_max_context, 4096)
+    args.contexts = args.contexts or "8192,16384,32768,65536,131072,262144,524288,1048576"
+    unknown = set(args.settings.split(",")) - set(SETTINGS)
+    if unknown:
+        parser.error(f"unknown settings {sorted(unknown)}; choose from {', '.join(SETTINGS)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_arguments(argv)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers", "hybrid_indexpool", __name__])
+    runs = [
+        (setting, length) for length in (int(c) for c in args.contexts.split(","))
+        for setting in args.settings.split(",")
+        if not (setting == "qwen4_exp" and length > args.reference_max_context)
+        and not (setting == "dense" and length > args.dense_max_context)
+    ]
+    with context.Pool(1, maxtasksperchild=1) as pool:
+        bandwidth = pool.apply(copy_bandwidth, (args,))
+        results = []
+        for setting, length in tqdm(runs, desc="bench_decode", unit="run"):
+            results.append(pool.apply(measure, (setting, length, args)))
+    print_table(results, bandwidth)
+    report = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
+                    "torch": torch.__version__, "copy_bandwidth_bytes_per_second": bandwidth},
+        "settings": {key: value for key, value in vars(args).items() if key not in ("json", "plot")},
+        "results": results,
+    }
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    if args.plot:
+        plot(results, args.plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+import json
+
+import pytest
+
+from hybrid_indexpool.scripts import bench_decode
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def test_quick_mode_runs_every_setting_and_writes_table_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (in the dev extra)")
+    report = bench_decode.main([
+        "--quick", "--contexts", "300,600", "--topk", "32", "--hidden-size", "64", "--intermediate-size", "64",
+        "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"),
+    ])
+    printed = capsys.readouterr().out
+    assert "memory bandwidth (copy)" in printed and "indexer % bw" in printed
+    rows = {(row["setting"], row["context"]): row for row in report["results"]}
+    assert set(rows) == {(setting, context) for setting in bench_decode.SETTINGS for context in (300, 600)}
+    for context in (300, 600):
+        pooled = rows[("pooled_r4", context)]["cache_bytes"]
+        unpooled = rows[("unpooled_r1", context)]["cache_bytes"]
+        qwen = rows[("qwen4_exp", context)]["cache_bytes"]
+        # Same context and widths: the pooled indexer cache is a quarter of the per-token ones.
+        assert pooled["pooled_index_keys"] * 4 == unpooled["pooled_index_keys"] == qwen["index_keys"]
+        assert pooled["key_value"] == unpooled["key_value"] == qwen["key_value"]
+        assert rows[("pooled_r4", context)]["decode_ms"] > 0 and rows[("pooled_r4", context)]["indexer_ms"] > 0
+    assert json.loads((tmp_path / "bench.json").read_text())["results"] == report["results"]
+    assert (tmp_path / "bench.png").stat().st_size > 0
