@@ -20,20 +20,21 @@ except ImportError as error:  # Triton is optional; the package falls back to th
 
 
 @triton.jit
-def _block_slots(selected_row_ptr, block_start, num_selected, window_slot_offset, query_slot, tail_length,
-                 IS_TAIL: tl.constexpr, POOL: tl.constexpr, POOL_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Cache slots of one block and which are valid: windows `block_start ..` of the selection, or the tail."""
+def _block_slots(block, num_window_blocks, selected_row, window_start, window_end, window_slot_offset, query_slot,
+                 tail_length, POOL: tl.constexpr, POOL_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cache slots of block `block` of a query's walk, and which are valid: first the blocks of selected windows
+    `window_start .. window_end` (`BLOCK_N / POOL_PAD` windows each), then the blocks of the tail."""
     n = tl.arange(0, BLOCK_N)
-    if IS_TAIL:
-        position = block_start + n
-        valid = position < tail_length
-        slots = query_slot - tail_length + 1 + position
-    else:
-        window_index = block_start + n // POOL_PAD
+    if block < num_window_blocks:
+        window_index = window_start + block * (BLOCK_N // POOL_PAD) + n // POOL_PAD
         within = n % POOL_PAD
-        window = tl.load(selected_row_ptr + window_index, mask=window_index < num_selected, other=-1)
+        window = tl.load(selected_row + window_index, mask=window_index < window_end, other=-1)
         valid = (window >= 0) & (within < POOL)
         slots = window_slot_offset + window * POOL + within
+    else:
+        position = (block - num_window_blocks) * BLOCK_N + n
+        valid = position < tail_length
+        slots = query_slot - tail_length + 1 + position
     return tl.where(valid, slots, 0), valid
 
 
@@ -76,16 +77,11 @@ def _sparse_attention_forward_kernel(
     acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
     start = split * windows_per_split
     end = tl.minimum(start + windows_per_split, num_selected)
-    WINDOWS_PER_BLOCK: tl.constexpr = BLOCK_N // POOL_PAD
     num_tail_blocks = tl.where(split == NUM_SPLITS - 1, tl.cdiv(tail_length, BLOCK_N), 0)
-    num_window_blocks = tl.cdiv(tl.maximum(end - start, 0), WINDOWS_PER_BLOCK)
+    num_window_blocks = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N // POOL_PAD)
     for block in range(0, num_window_blocks + num_tail_blocks):
-        if block < num_window_blocks:
-            slots, valid = _block_slots(selected_row, start + block * WINDOWS_PER_BLOCK, end, offset, query_slot,
-                                        tail_length, False, POOL, POOL_PAD, BLOCK_N)
-        else:
-            slots, valid = _block_slots(selected_row, (block - num_window_blocks) * BLOCK_N, end, offset,
-                                        query_slot, tail_length, True, POOL, POOL_PAD, BLOCK_N)
+        slots, valid = _block_slots(block, num_window_blocks, selected_row, start, end, offset, query_slot,
+                                    tail_length, POOL, POOL_PAD, BLOCK_N)
         k = tl.load(key_base + slots[:, None] * stride_ks + dims[None, :], mask=valid[:, None] & dim_mask[None, :],
                     other=0.0)
         v = tl.load(value_base + slots[:, None] * stride_vs + dims[None, :],
@@ -155,15 +151,10 @@ def _sparse_attention_backward_kernel(
     grad_offset = batch * stride_gb + kv_head * stride_gh  # float32 dk and dv share one contiguous layout
 
     grad_query = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
-    WINDOWS_PER_BLOCK: tl.constexpr = BLOCK_N // POOL_PAD
-    num_window_blocks = tl.cdiv(num_selected, WINDOWS_PER_BLOCK)
+    num_window_blocks = tl.cdiv(num_selected, BLOCK_N // POOL_PAD)
     for block in range(0, num_window_blocks + tl.cdiv(tail_length, BLOCK_N)):
-        if block < num_window_blocks:
-            slots, valid = _block_slots(selected_row, block * WINDOWS_PER_BLOCK, num_selected, offset, query_slot,
-                                        tail_length, False, POOL, POOL_PAD, BLOCK_N)
-        else:
-            slots, valid = _block_slots(selected_row, (block - num_window_blocks) * BLOCK_N, num_selected, offset,
-                                        query_slot, tail_length, True, POOL, POOL_PAD, BLOCK_N)
+        slots, valid = _block_slots(block, num_window_blocks, selected_row, 0, num_selected, offset, query_slot,
+                                    tail_length, POOL, POOL_PAD, BLOCK_N)
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(key_base + slots[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(value_base + slots[:, None] * stride_vs + dims[None, :], mask=kv_mask,
