@@ -162,7 +162,10 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         if conv_state is None:
             conv_state = mixed.new_zeros(batch_size, self.conv_dim, self.conv_kernel_size - 1)
         conv_input = torch.cat([conv_state.to(mixed.dtype), mixed], dim=-1)
-        mixed = F.conv1d(conv_input, self.conv1d.weight, groups=self.conv_dim)
+        if seq_len == 1:  # decode: one dot product per channel, cheaper than setting up a convolution
+            mixed = (conv_input * self.conv1d.weight[:, 0]).sum(dim=-1, keepdim=True)
+        else:
+            mixed = F.conv1d(conv_input, self.conv1d.weight, groups=self.conv_dim)
         mixed = ACT2FN[self.activation](mixed).transpose(1, 2)
 
         query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
