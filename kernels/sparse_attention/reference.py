@@ -47,7 +47,7 @@ def slot_rows(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     """Row `batch` of a `[batch, kv_heads, slots, head_dim]` tensor as `[slots, kv_heads * head_dim]` (a view when
     the heads of a slot are adjacent in memory, as in the cache)."""
     rows = tensor[batch].transpose(0, 1)
-    return rows.flatten(1) if rows.stride(1) == rows.shape[2] and rows.stride(2) == 1 else rows.reshape(rows.shape[0], -1)
+    return rows.reshape(rows.shape[0], -1)  # a view when each slot's heads are adjacent, a copy otherwise
 
 
 def gather_slots(tensor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
