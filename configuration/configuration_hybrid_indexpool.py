@@ -59,6 +59,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             `"mean"`.
         index_head_weights (`bool`): Weight the indexer heads by learned, input-dependent weights (DeepSeek style)
             instead of summing them.
+        indexer_loss_weight (`float`): Weight of the indexer's KL loss in `loss` when a forward asks for it
+            (`indexer_loss="dense"` or `"sparse"`).
         linear_num_key_heads (`int`): Query/key heads of Gated DeltaNet.
         linear_num_value_heads (`int`): Value heads of Gated DeltaNet (a multiple of the key heads).
         linear_key_head_dim (`int`): Width of a Gated DeltaNet query/key head.
@@ -111,6 +113,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     index_pool_size: int = 4
     index_pool_weighting: str = "learned"
     index_head_weights: bool = False
+    indexer_loss_weight: float = 1.0
     # Gated DeltaNet
     linear_num_key_heads: int = 8
     linear_num_value_heads: int = 16

@@ -7,6 +7,7 @@ the raw keys/values of its best `index_topk // r` windows plus its own open wind
 """
 
 import os
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -28,11 +29,25 @@ from transformers.utils.generic import can_return_tuple
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.gated_delta_rule import gated_delta_rule
-from ..kernels.pooled_index_topk import pooled_index_topk
+from ..kernels.pooled_index_topk import pooled_index_scores_torch, pooled_index_topk
 from ..kernels.sparse_attention import masked_softmax, sparse_attention
 from ..kernels.weighted_pool import weighted_pool
 from .cache_hybrid_indexpool import HybridIndexPoolCache, IndexPoolLayerCache, LinearAttentionLayerCache
 from .hub_export import AUTO_MAP, write_model_card, write_remote_code
+
+
+@dataclass
+class HybridIndexPoolModelOutput(BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` plus `indexer_loss`, the IndexPool layers' mean KL loss when it was asked for."""
+
+    indexer_loss: torch.FloatTensor | None = None
+
+
+@dataclass
+class HybridIndexPoolCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus `indexer_loss` (already included, weighted, in `loss`)."""
+
+    indexer_loss: torch.FloatTensor | None = None
 
 
 class HybridIndexPoolRMSNorm(nn.Module):
@@ -245,6 +260,22 @@ class HybridIndexPoolIndexer(nn.Module):
         return apply_rotary(pooled, cos, sin)
 
 
+def window_kl_divergence(window_mass: torch.Tensor, index_scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`KL(p || softmax(s))` per query over the `visible` windows, with `p` the renormalised `window_mass`.
+
+    Args:
+        window_mass: `[..., windows]` non-negative attention mass of each window (the target, not differentiated).
+        index_scores: `[..., windows]` indexer scores `s`.
+        visible: `[..., windows]` bool; queries with nothing visible get 0.
+    """
+    tiny = torch.finfo(torch.float32).tiny
+    target = (window_mass.float() * visible).detach()
+    target = target / target.sum(dim=-1, keepdim=True).clamp(min=tiny)
+    log_q = torch.log_softmax(index_scores.float().masked_fill(~visible, float("-inf")), dim=-1)
+    terms = target * (target.clamp(min=tiny).log() - log_q.masked_fill(~visible, 0.0))
+    return terms.sum(dim=-1)
+
+
 class HybridIndexPoolAttention(nn.Module):
     """IndexPool sparse attention: gated GQA attention over the windows its indexer selects plus the tail.
 
@@ -281,7 +312,11 @@ class HybridIndexPoolAttention(nn.Module):
         rotary_emb: HybridIndexPoolRotaryEmbedding,
         layer_cache: IndexPoolLayerCache | None = None,
         output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        indexer_loss: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns the output, the attention weights (when asked) and the indexer's KL loss (when asked:
+        `indexer_loss="dense"` against dense attention over all complete windows, `"sparse"` over the selected ones).
+        """
         batch_size, seq_len, _ = hidden_states.shape
         cos, sin = position_embeddings
         query = self.q_proj(hidden_states).view(batch_size, seq_len, self.num_heads, -1)
@@ -300,7 +335,9 @@ class HybridIndexPoolAttention(nn.Module):
         state = layer_cache if layer_cache is not None else IndexPoolLayerCache(self.pool_size)
         past_slots = state.num_slots
         key, value = state.update(key, value)  # every slot: [batch, kv_heads, slots, head_dim]
-        index_queries, raw_index_keys, gate_logits, head_weights = self.indexer(hidden_states, cos, sin)
+        # The indexer reads a detached input: only its own loss trains it, and it never trains the model (the
+        # selection passes no gradient either way).
+        index_queries, raw_index_keys, gate_logits, head_weights = self.indexer(hidden_states.detach(), cos, sin)
         pooled_index_keys, _ = state.update_index(
             raw_index_keys, gate_logits, positions, token_is_real,
             partial(self.indexer.pool_windows, rotary_emb=rotary_emb),
@@ -313,13 +350,15 @@ class HybridIndexPoolAttention(nn.Module):
         # Slot of each row's position 0 (positions are contiguous from the first real token).
         window_slot_offset = (query_slots - positions).masked_fill(~token_is_real, -1).amax(dim=1).clamp(min=0)
 
+        selected = None
         if int(num_visible.max()) <= self.topk_windows:
             output, weights = self._dense_attention(
                 query, key, value, query_slots, window_slot_offset, token_is_real, output_attentions
             )
         else:
             selected = pooled_index_topk(
-                index_queries, pooled_index_keys, num_visible, self.topk_windows, head_weights
+                index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows,
+                None if head_weights is None else head_weights.detach(),
             )
             output, weights = sparse_attention(
                 query, key, value, selected, window_slot_offset, query_slots, tail_length, self.pool_size,
@@ -328,7 +367,47 @@ class HybridIndexPoolAttention(nn.Module):
         output = output.reshape(batch_size, seq_len, -1)
         if gate is not None:
             output = output * torch.sigmoid(gate)
-        return self.o_proj(output), weights
+        kl = None
+        if indexer_loss is not None:
+            kl = self._indexer_kl(query.detach(), key.detach(), index_queries, pooled_index_keys, head_weights,
+                                  num_visible, window_slot_offset, query_slots, token_is_real,
+                                  selected if indexer_loss == "sparse" else None)
+        return self.o_proj(output), weights, kl
+
+    def _indexer_kl(self, query, key, index_queries, pooled_index_keys, head_weights, num_visible,
+                    window_slot_offset, query_slots, token_is_real, selected):
+        """Mean over real queries of KL(p || softmax(s)) between the attention mass of each complete visible window
+        (summed over heads and the window's tokens, renormalised) and the indexer's scores; with `selected`, over the
+        selected windows only. Queries go in chunks: memory linear in the context."""
+        batch_size, num_heads, num_queries, _ = query.shape
+        num_slots, num_windows, r = key.shape[-2], pooled_index_keys.shape[1], self.pool_size
+        key = key.repeat_interleave(num_heads // self.num_kv_heads, dim=1).float()
+        slots = torch.arange(num_slots, device=key.device)
+        window_slots = (window_slot_offset[:, None] + torch.arange(num_windows * r, device=key.device))
+        window_slots = window_slots.clamp(max=max(num_slots - 1, 0))
+        chunk = max(1, (1 << 24) // max(1, batch_size * num_heads * num_slots))
+        total, count = query.new_zeros((), dtype=torch.float32), 0
+        for start in range(0, num_queries, chunk):
+            end = min(start + chunk, num_queries)
+            visible_slots = (slots >= window_slot_offset[:, None, None]) & (slots <= query_slots[:, start:end, None])
+            scores = (query[:, :, start:end].float() @ key.transpose(-1, -2)) * self.scaling
+            mass = masked_softmax(scores, visible_slots[:, None]).sum(dim=1)  # [batch, queries, slots]
+            index = window_slots[:, None].expand(-1, end - start, -1)
+            mass = mass.gather(-1, index).view(batch_size, end - start, num_windows, r).sum(-1)
+            visible = torch.arange(num_windows, device=key.device) < num_visible[:, start:end, None]
+            if selected is not None:
+                chosen = torch.zeros(batch_size, end - start, num_windows + 1, dtype=torch.bool, device=key.device)
+                chosen.scatter_(-1, selected[:, start:end].masked_fill(selected[:, start:end] < 0, num_windows), True)
+                visible = visible & chosen[..., :num_windows]
+            scores = pooled_index_scores_torch(
+                index_queries[:, start:end], pooled_index_keys,
+                None if head_weights is None else head_weights[:, start:end],
+            )
+            kl = window_kl_divergence(mass, scores, visible)
+            rows = token_is_real[:, start:end] & visible.any(dim=-1)
+            total = total + kl[rows].sum()
+            count += int(rows.sum())
+        return total / max(count, 1)
 
     def _dense_attention(self, query, key, value, query_slots, window_slot_offset, token_is_real, output_attentions):
         """Causal attention over every real slot up to the query's own (the selection when nothing is pruned)."""
@@ -443,22 +522,23 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         rotary_emb: HybridIndexPoolRotaryEmbedding,
         cache: HybridIndexPoolCache | None = None,
         output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        indexer_loss: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        weights = None
+        weights = kl = None
         if self.layer_type == "linear_attention":
             hidden_states = self.linear_attn(hidden_states, token_is_real, layer_cache)
         else:
-            hidden_states, weights = self.self_attn(
+            hidden_states, weights, kl = self.self_attn(
                 hidden_states, position_embeddings, positions, token_is_real, rotary_emb, layer_cache,
-                output_attentions,
+                output_attentions, indexer_loss,
             )
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states, weights
+        return hidden_states, weights, kl
 
 
 class HybridIndexPoolPreTrainedModel(PreTrainedModel):
@@ -531,8 +611,9 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        indexer_loss: str | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> "HybridIndexPoolModelOutput":
         """Run the decoder.
 
         Args:
@@ -543,7 +624,12 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             use_cache: create a cache when none is given (default `config.use_cache`).
             output_attentions: also return the attention weights of the IndexPool layers, dense `[b, h, t, slots]`.
             output_hidden_states: also return the hidden states entering each layer and the final ones.
+            indexer_loss: `"dense"` or `"sparse"` to also return the indexer's KL loss (DeepSeek-V3.2 style, mean
+                over the IndexPool layers): against the attention mass of every complete visible window, or of the
+                selected ones only. It trains only the indexer and pooling parameters.
         """
+        if indexer_loss not in (None, "dense", "sparse"):
+            raise ValueError(f"indexer_loss is {indexer_loss!r}; use None, 'dense' or 'sparse'.")
         output_attentions = bool(output_attentions if output_attentions is not None else self.config.output_attentions)
         output_hidden_states = bool(
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -571,11 +657,12 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
         # so peak memory follows the cache (linear in the context), not the prompt's activations.
         chunk = self.config.prefill_chunk_length
-        if cache is None or chunk is None or seq_len <= chunk or output_attentions:
+        if cache is None or chunk is None or seq_len <= chunk or output_attentions or indexer_loss:
             chunk = seq_len
         pieces = [
             self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
-                             token_is_real[:, start:start + chunk], cache, output_attentions, output_hidden_states)
+                             token_is_real[:, start:start + chunk], cache, output_attentions, output_hidden_states,
+                             indexer_loss)
             for start in range(0, seq_len, chunk)
         ]
         hidden_states = torch.cat([piece[0] for piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
@@ -583,30 +670,36 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         if output_hidden_states:
             all_hidden_states = tuple(torch.cat(states, dim=1) for states in zip(*(piece[1] for piece in pieces)))
         all_attentions = pieces[0][2] if output_attentions else None
-        return BaseModelOutputWithPast(
+        layer_losses = pieces[0][3]
+        return HybridIndexPoolModelOutput(
             last_hidden_state=hidden_states,
             cache=cache if use_cache else None,
             hidden_states=all_hidden_states,
             attentions=all_attentions,
+            indexer_loss=torch.stack(layer_losses).mean() if layer_losses else None,
         )
 
-    def _run_layers(self, hidden_states, positions, token_is_real, cache, output_attentions, output_hidden_states):
-        """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions."""
+    def _run_layers(self, hidden_states, positions, token_is_real, cache, output_attentions, output_hidden_states,
+                    indexer_loss=None):
+        """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions and
+        the IndexPool layers' indexer losses."""
         position_embeddings = self.rotary_emb(hidden_states, positions)
-        all_hidden_states, all_attentions = (), ()
+        all_hidden_states, all_attentions, indexer_losses = (), (), []
         for decoder_layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, weights = decoder_layer(
+            hidden_states, weights, kl = decoder_layer(
                 hidden_states, position_embeddings, positions, token_is_real, self.rotary_emb, cache=cache,
-                output_attentions=output_attentions,
+                output_attentions=output_attentions, indexer_loss=indexer_loss,
             )
             if output_attentions and decoder_layer.layer_type == "indexpool_attention":
                 all_attentions += (weights,)
+            if kl is not None:
+                indexer_losses.append(kl)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        return hidden_states, all_hidden_states, all_attentions
+        return hidden_states, all_hidden_states, all_attentions, indexer_losses
 
     @staticmethod
     def _real_tokens_and_positions(attention_mask, position_ids, cache, batch_size, seq_len, past_slots, device):
@@ -670,13 +763,18 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        indexer_loss: str | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
-        """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss."""
+    ) -> "HybridIndexPoolCausalLMOutput":
+        """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss.
+
+        With `indexer_loss` (`"dense"` or `"sparse"`, see [`HybridIndexPoolModel.forward`]) the output also carries
+        `indexer_loss`, and `loss` adds it weighted by `config.indexer_loss_weight`.
+        """
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
+            output_hidden_states=output_hidden_states, indexer_loss=indexer_loss,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -684,9 +782,12 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        if outputs.indexer_loss is not None:
+            weighted = self.config.indexer_loss_weight * outputs.indexer_loss
+            loss = weighted if loss is None else loss + weighted
+        return HybridIndexPoolCausalLMOutput(
             loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+            attentions=outputs.attentions, indexer_loss=outputs.indexer_loss,
         )
 
     def _prepare_cache_for_generation(

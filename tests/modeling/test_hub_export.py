@@ -97,7 +97,8 @@ def test_remote_code_is_generated_from_the_package_sources():
             "kernels_sparse_attention.py", "kernels_sparse_attention_reference.py"} <= set(files)
     package_source = Path(hub_export.__file__).with_name("cache_hybrid_indexpool.py").read_text()
     assert files["cache_hybrid_indexpool.py"].endswith(package_source)
-    assert "from .kernels_pooled_index_topk import pooled_index_topk" in files["modeling_hybrid_indexpool.py"]
+    assert "from .kernels_pooled_index_topk import pooled_index_scores_torch, pooled_index_topk" in \
+        files["modeling_hybrid_indexpool.py"]
 
 
 def test_model_card_describes_the_checkpoint_and_a_users_card_is_kept(tmp_path):
