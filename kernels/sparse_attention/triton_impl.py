@@ -39,6 +39,19 @@ def _block_slots(block, num_window_blocks, selected_row, window_start, window_en
 
 
 @triton.jit
+def _program_rows(num_queries, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  DIM_PAD: tl.constexpr):
+    """What a program serves: its query token (grid axis 0 over batch x queries), its key/value head (axis 1), the
+    query heads of that GQA group and the head dimensions, with their masks."""
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    head_mask = tl.arange(0, GROUP_PAD) < GROUP
+    dims = tl.arange(0, DIM_PAD)
+    return token, kv_head, token // num_queries, token % num_queries, heads, head_mask, dims, dims < HEAD_DIM
+
+
+@triton.jit
 def _sparse_attention_forward_kernel(
     query_ptr, key_ptr, value_ptr, selected_ptr, offset_ptr, query_slot_ptr, tail_ptr, out_ptr, lse_ptr,
     num_queries, num_selected, windows_per_split, scale,
@@ -51,15 +64,9 @@ def _sparse_attention_forward_kernel(
     POOL: tl.constexpr, POOL_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FP32: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    batch = token // num_queries
-    query = token % num_queries
-    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    head_mask = tl.arange(0, GROUP_PAD) < GROUP
-    dims = tl.arange(0, DIM_PAD)
-    dim_mask = dims < HEAD_DIM
+    token, kv_head, batch, query, heads, head_mask, dims, dim_mask = _program_rows(
+        num_queries, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD)
 
     q = tl.load(query_ptr + batch * stride_qb + heads[:, None] * stride_qh + query * stride_qt + dims[None, :],
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
@@ -124,14 +131,8 @@ def _sparse_attention_backward_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     POOL: tl.constexpr, POOL_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    batch = token // num_queries
-    query = token % num_queries
-    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    head_mask = tl.arange(0, GROUP_PAD) < GROUP
-    dims = tl.arange(0, DIM_PAD)
-    dim_mask = dims < HEAD_DIM
+    token, kv_head, batch, query, heads, head_mask, dims, dim_mask = _program_rows(
+        num_queries, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD)
     row_mask = head_mask[:, None] & dim_mask[None, :]
 
     q = tl.load(query_ptr + batch * stride_qb + heads[:, None] * stride_qh + query * stride_qt + dims[None, :],
