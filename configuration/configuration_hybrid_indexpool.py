@@ -66,12 +66,28 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         linear_key_head_dim (`int`): Width of a Gated DeltaNet query/key head.
         linear_value_head_dim (`int`): Width of a Gated DeltaNet value head.
         linear_conv_kernel_dim (`int`): Kernel size of the causal depthwise convolution in Gated DeltaNet.
+        linear_output_gate_act (`str`): Activation of the gate after Gated DeltaNet's output norm, `"silu"` or
+            `"sigmoid"` (Qwen4-Exp's `output_gate_type`).
         num_experts (`int`): Routed experts per MoE block; `0` means a dense MLP in every layer.
         num_experts_per_tok (`int`): Experts each token is routed to.
         moe_intermediate_size (`int`): Inner width of one routed expert.
         shared_expert_intermediate_size (`int`): Inner width of the shared expert (`0` for none).
         norm_topk_prob (`bool`): Renormalise the top-k router probabilities to sum to one.
         hidden_act (`str`): Activation of the MLPs and of the Gated DeltaNet convolution.
+        hc_count (`int`): Residual streams. `1` is the ordinary pre-norm residual; more turns on the hyper-connections
+            of Qwen4-Exp: every mixer and MLP reads a gated mix of the normed streams and writes its output back into
+            each stream with its own gate, and the final norm is replaced by a last mix.
+        hc_lowrank (`int`): Rank of the low-rank projection that computes the hyper-connection mixing gates.
+        ple_layers (`list[int]`, *optional*): Zero-based indices of the Gated DeltaNet layers that add per-layer
+            n-gram embeddings (PLE, Qwen4-Exp): hashed 2..`ple_ngram_size`-gram embeddings, gated per residual
+            stream and smoothed by a dilated causal convolution. Requires `eos_token_id` (n-grams never cross it).
+        ple_embed_dim (`int`, *optional*): Width of the concatenated n-gram embedding heads (default `hidden_size`).
+        ple_conv_kernel_size (`int`): Kernel of the PLE convolution (its dilation is `ple_ngram_size`).
+        ple_ngram_size (`int`): Longest n-gram PLE embeds.
+        ple_heads_per_ngram (`int`): Independently hashed embedding heads per n-gram order.
+        ple_ngram_vocab_size_base (`int`): Each head's table size is a distinct prime from this number up.
+        ple_vocab_size_multiple (`int`): The concatenated n-gram table is padded to a multiple of this.
+        ple_hash_seed (`int`): Seed of the per-layer hash multipliers.
         rms_norm_eps (`float`): Epsilon of the RMS norms.
         max_position_embeddings (`int`): Longest context the RoPE settings are meant for.
         initializer_range (`float`): Standard deviation of the normal weight initialisation.
@@ -120,6 +136,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     linear_key_head_dim: int = 64
     linear_value_head_dim: int = 64
     linear_conv_kernel_dim: int = 4
+    linear_output_gate_act: str = "silu"
     # MLP / MoE
     num_experts: int = 0
     num_experts_per_tok: int = 2
@@ -127,6 +144,17 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     hidden_act: str = "silu"
+    # hyper-connections and per-layer n-gram embeddings (Qwen4-Exp)
+    hc_count: int = 1
+    hc_lowrank: int = 320
+    ple_layers: list[int] | None = None
+    ple_embed_dim: int | None = None
+    ple_conv_kernel_size: int = 4
+    ple_ngram_size: int = 3
+    ple_heads_per_ngram: int = 8
+    ple_ngram_vocab_size_base: int = 20_000_000
+    ple_vocab_size_multiple: int = 128
+    ple_hash_seed: int = 1234
     # the usual
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 262144
@@ -147,6 +175,9 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 10000000.0)}
         self.rope_parameters.setdefault("partial_rotary_factor", self.partial_rotary_factor)
+        self.ple_layers = sorted(set(self.ple_layers or []))
+        if self.ple_embed_dim is None:
+            self.ple_embed_dim = self.hidden_size
         super().__post_init__(**kwargs)
         self.check_settings()
 
@@ -220,6 +251,40 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             fail(f"`prefill_chunk_length` is {self.prefill_chunk_length}; use None (no chunking) or a positive size.")
         if not 0.0 <= float(self.attention_dropout) < 1.0:
             fail(f"`attention_dropout` is {self.attention_dropout}; it must lie in [0, 1).")
+        if self.linear_output_gate_act not in ("silu", "sigmoid"):
+            fail(f"`linear_output_gate_act` is {self.linear_output_gate_act!r}; use 'silu' or 'sigmoid'.")
+        if self.hc_count < 1 or (self.hc_count > 1 and self.hc_lowrank < 1):
+            fail(
+                f"`hc_count` is {self.hc_count} and `hc_lowrank` {self.hc_lowrank}; use hc_count = 1 (plain residual) "
+                "or hc_count > 1 with a positive hc_lowrank."
+            )
+        self._check_ple(fail)
+
+    def _check_ple(self, fail):
+        if not self.ple_layers:
+            return
+        wrong = [index for index in self.ple_layers if not 0 <= index < self.num_hidden_layers]
+        if wrong:
+            fail(f"`ple_layers` {wrong} are not layer indices; they are zero-based, below {self.num_hidden_layers}.")
+        not_linear = [index for index in self.ple_layers if self.layer_types[index] != "linear_attention"]
+        if not_linear:
+            fail(f"`ple_layers` {not_linear} are not Gated DeltaNet layers; PLE sits on 'linear_attention' layers only.")
+        heads = (self.ple_ngram_size - 1) * self.ple_heads_per_ngram
+        if self.ple_ngram_size < 2 or self.ple_heads_per_ngram < 1 or self.ple_embed_dim % heads != 0:
+            fail(
+                f"`ple_embed_dim` ({self.ple_embed_dim}) must be a multiple of the n-gram heads "
+                f"(ple_ngram_size - 1) * ple_heads_per_ngram = {heads}, with ple_ngram_size >= 2."
+            )
+        for name in ("ple_conv_kernel_size", "ple_ngram_vocab_size_base", "ple_vocab_size_multiple"):
+            if getattr(self, name) < 1:
+                fail(f"`{name}` is {getattr(self, name)}; it must be a positive integer.")
+        if self.eos_token_id is None or self.eos_token_id == []:
+            fail("`ple_layers` need `eos_token_id`: the n-gram context restarts after it. Set eos_token_id.")
+
+    @property
+    def ple_eos_token_id(self) -> int:
+        """The end-of-sequence id the n-gram context restarts after (the first one when there are several)."""
+        return self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
 
     @property
     def rotary_dim(self) -> int:

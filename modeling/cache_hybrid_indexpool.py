@@ -89,14 +89,17 @@ class _LayerCache:
 
 
 class LinearAttentionLayerCache(_LayerCache):
-    """Convolution state `[batch, conv_dim, kernel - 1]` and recurrent state `[batch, heads, key_dim, value_dim]`."""
+    """Convolution state `[batch, conv_dim, kernel - 1]` and recurrent state `[batch, heads, key_dim, value_dim]`;
+    on a PLE layer also the last `ple_ngram_size - 1` token ids and the PLE convolution's input history."""
 
-    _batch_tensors = ("conv_state", "recurrent_state")
+    _batch_tensors = ("conv_state", "recurrent_state", "ple_token_context", "ple_conv_state")
 
     def __init__(self):
         super().__init__()
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
+        self.ple_token_context: torch.Tensor | None = None
+        self.ple_conv_state: torch.Tensor | None = None
 
     def update(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, num_new_slots: int) -> None:
         """Store the states after `num_new_slots` more tokens."""
@@ -111,7 +114,10 @@ class LinearAttentionLayerCache(_LayerCache):
             )
 
     def memory_footprint(self) -> dict[str, int]:
-        return {"conv_state": _bytes(self.conv_state), "recurrent_state": _bytes(self.recurrent_state)}
+        return {
+            "conv_state": _bytes(self.conv_state), "recurrent_state": _bytes(self.recurrent_state),
+            "ple_state": _bytes(self.ple_token_context) + _bytes(self.ple_conv_state),
+        }
 
 
 class IndexPoolLayerCache(_LayerCache):
@@ -323,6 +329,7 @@ class HybridIndexPoolCache(Cache):
         """Bytes held per component, summed over layers; `unpooled_index_keys` is what an r = 1 indexer would hold."""
         totals = {
             "key_value": 0, "pooled_index_keys": 0, "open_window": 0, "conv_state": 0, "recurrent_state": 0,
+            "ple_state": 0,
         }
         unpooled = 0
         for layer in self.layers:

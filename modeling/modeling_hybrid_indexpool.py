@@ -6,6 +6,7 @@ then RoPE at the window's first position), scores the complete windows a query m
 the raw keys/values of its best `index_topk // r` windows plus its own open window (the tail).
 """
 
+import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -34,6 +35,7 @@ from ..kernels.sparse_attention import masked_softmax, sparse_attention
 from ..kernels.weighted_pool import weighted_pool
 from .cache_hybrid_indexpool import HybridIndexPoolCache, IndexPoolLayerCache, LinearAttentionLayerCache
 from .hub_export import AUTO_MAP, write_model_card, write_remote_code
+from .ngram_hash import hash_multipliers, head_table_sizes, shifted_in_segment
 
 
 @dataclass
@@ -51,25 +53,35 @@ class HybridIndexPoolCausalLMOutput(CausalLMOutputWithPast):
 
 
 class HybridIndexPoolRMSNorm(nn.Module):
-    """Zero-centred RMSNorm: `x / rms(x) * (1 + weight)`, computed in float32 (the Qwen3-Next convention)."""
+    """Zero-centred RMSNorm: `x / rms(x) * (1 + weight)`, computed in float32 (the Qwen3-Next convention).
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    With `group_size`, each consecutive group of that many channels (one residual stream) is normalised on its own.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None):
         super().__init__()
         self.eps = eps
+        self.group_size = group_size
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         normed = hidden_states.float()
+        if self.group_size is not None:
+            normed = normed.unflatten(-1, (-1, self.group_size))
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.group_size is not None:
+            normed = normed.flatten(-2)
         return (normed * (1.0 + self.weight.float())).type_as(hidden_states)
 
 
 class HybridIndexPoolRMSNormGated(nn.Module):
-    """RMSNorm followed by a SiLU gate, on each Gated DeltaNet value head: `weight * norm(x) * silu(gate)`."""
+    """RMSNorm followed by a gate, on each Gated DeltaNet value head: `weight * norm(x) * act(gate)`, `act` SiLU
+    (Qwen3-Next, Qwen3.5) or sigmoid (an option of Qwen4-Exp)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
         self.eps = eps
+        self.activation = activation
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -77,7 +89,7 @@ class HybridIndexPoolRMSNormGated(nn.Module):
         normed = hidden_states.float()
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.weight * normed.to(input_dtype)
-        return (normed * F.silu(gate.float())).to(input_dtype)
+        return (normed * ACT2FN[self.activation](gate.float())).to(input_dtype)
 
 
 class HybridIndexPoolRotaryEmbedding(nn.Module):
@@ -158,7 +170,9 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_value_heads).uniform_(1, 16).log_())
-        self.norm = HybridIndexPoolRMSNormGated(self.value_head_dim, eps=config.rms_norm_eps)
+        self.norm = HybridIndexPoolRMSNormGated(
+            self.value_head_dim, eps=config.rms_norm_eps, activation=config.linear_output_gate_act
+        )
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
 
     def forward(
@@ -495,8 +509,149 @@ class HybridIndexPoolSparseMoeBlock(nn.Module):
         return output.reshape(shape)
 
 
+class HybridIndexPoolHyperConnection(nn.Module):
+    """Gated read from and write to `hc_count` residual streams (the hyper-connections of Qwen4-Exp).
+
+    The streams `[..., hc_count * hidden]` are normed one by one; a low-rank projection of them gives a sigmoid gate
+    per stream and channel, and the block's input is the mean of the gated normed streams. With `inject` the block's
+    output is added back to each stream scaled by `2 * sigmoid(.)` of another projection of the normed streams.
+    """
+
+    def __init__(self, config: HybridIndexPoolConfig, inject: bool = True):
+        super().__init__()
+        self.hc_count = config.hc_count
+        self.hidden_size = config.hidden_size
+        streams_width = self.hc_count * self.hidden_size
+        self.hc_norm = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
+        self.input_mix_weight_down = nn.Linear(streams_width, config.hc_lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(config.hc_lowrank, streams_width, bias=False)
+        self.block_inject_weight = nn.Linear(streams_width, self.hc_count, bias=False) if inject else None
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`streams [batch, seq, hc_count * hidden]` -> block input `[batch, seq, hidden]` and the write gates
+        `[batch, seq, hc_count]` (None without `inject`)."""
+        normed = self.hc_norm(streams)
+        mix = F.silu(self.input_mix_weight_down(normed) / self.hc_count)
+        mix = torch.sigmoid(self.input_mix_weight_up(mix)).unflatten(-1, (self.hc_count, self.hidden_size))
+        block_input = (mix * normed.unflatten(-1, (self.hc_count, self.hidden_size))).mean(dim=-2)
+        if self.block_inject_weight is None:
+            return block_input, None
+        return block_input, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+
+    @staticmethod
+    def inject(streams: torch.Tensor, block_output: torch.Tensor, write_gates: torch.Tensor) -> torch.Tensor:
+        """Add `block_output [batch, seq, hidden]` to every stream, scaled by its gate."""
+        return streams + (block_output.unsqueeze(-2) * write_gates.unsqueeze(-1)).flatten(-2)
+
+
+class HybridIndexPoolNGramEmbedding(nn.Module):
+    """Hashed n-gram embeddings of one PLE layer: for every order 2..`ple_ngram_size`, `ple_heads_per_ngram` heads
+    each look the token's n-gram (its own token and the ones before it in its segment) up in their own prime-sized
+    table; the heads' rows are concatenated to `ple_embed_dim` channels. See `ngram_hash` for the hashing.
+    """
+
+    def __init__(self, config: HybridIndexPoolConfig, ple_index: int):
+        super().__init__()
+        self.ngram_size = config.ple_ngram_size
+        self.heads_per_ngram = config.ple_heads_per_ngram
+        self.num_heads = (self.ngram_size - 1) * self.heads_per_ngram
+        self.eos_token_id = config.ple_eos_token_id
+        self.multiplier_values = hash_multipliers(config.vocab_size, self.ngram_size, ple_index, config.ple_hash_seed)
+        self.table_sizes = head_table_sizes(config.ple_ngram_vocab_size_base, ple_index * self.num_heads,
+                                            self.num_heads)
+        self.table_offsets = [sum(self.table_sizes[:head]) for head in range(self.num_heads)]
+        self.register_buffer("multipliers", torch.tensor(self.multiplier_values), persistent=False)
+        self.register_buffer("head_table_sizes", torch.tensor(self.table_sizes), persistent=False)
+        self.register_buffer("head_table_offsets", torch.tensor(self.table_offsets), persistent=False)
+        multiple = config.ple_vocab_size_multiple
+        num_rows = -(-sum(self.table_sizes) // multiple) * multiple
+        self.ngram_embedding = nn.Embedding(num_rows, config.ple_embed_dim // self.num_heads)
+
+    def forward(self, token_ids: torch.Tensor, token_context: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_ids [batch, seq]` and the `ple_ngram_size - 1` tokens before them (None: start of the sequence)
+        -> embeddings `[batch, seq, ple_embed_dim]` and the context for the next call."""
+        batch_size, seq_len = token_ids.shape
+        if token_context is None:
+            token_context = token_ids.new_full((batch_size, self.ngram_size - 1), self.eos_token_id)
+        history = torch.cat([token_context, token_ids], dim=1).long()
+        shifted = [shifted_in_segment(history, shift, self.eos_token_id) for shift in range(self.ngram_size)]
+        row_ids = []
+        for order in range(2, self.ngram_size + 1):
+            mixed = shifted[0] * self.multipliers[0]
+            for position in range(1, order):
+                mixed = mixed ^ (shifted[position] * self.multipliers[position])
+            heads = slice((order - 2) * self.heads_per_ngram, (order - 1) * self.heads_per_ngram)
+            row_ids.append(torch.remainder(mixed[..., None], self.head_table_sizes[heads]) + self.head_table_offsets[heads])
+        row_ids = torch.cat(row_ids, dim=-1)[:, -seq_len:]  # [batch, seq, heads]
+        embeddings = self.ngram_embedding(row_ids.to(self.ngram_embedding.weight.device)).flatten(-2)
+        return embeddings.to(token_ids.device), history[:, -(self.ngram_size - 1):]
+
+
+class HybridIndexPoolPerLayerEmbedding(nn.Module):
+    """PLE (Qwen4-Exp): adds hashed n-gram features of the tokens to every residual stream of one layer.
+
+    The n-gram embedding gives one value and one key per stream; each stream's normed state gates the value through
+    a signed-square-root dot product with its key, and a dilated causal depthwise convolution (dilation
+    `ple_ngram_size`) of the normed gated values adds local context. Returns `[batch, seq, hc_count * hidden]`.
+    """
+
+    def __init__(self, config: HybridIndexPoolConfig, ple_index: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.hc_count = config.hc_count
+        streams_width = self.hc_count * self.hidden_size
+        self.ple_embedding = HybridIndexPoolNGramEmbedding(config, ple_index)
+        self.key_proj = nn.Linear(config.ple_embed_dim, streams_width, bias=False)
+        self.value_proj = nn.Linear(config.ple_embed_dim, self.hidden_size, bias=False)
+        self.norm_key = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
+        self.norm_query = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
+        self.norm_conv = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
+        self.conv_dilation = config.ple_ngram_size
+        self.conv_state_length = (config.ple_conv_kernel_size - 1) * self.conv_dilation
+        self.conv1d = nn.Conv1d(
+            streams_width, streams_width, config.ple_conv_kernel_size, groups=streams_width,
+            dilation=self.conv_dilation, bias=False,
+        )
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        token_ids: torch.Tensor,
+        token_is_real: torch.Tensor,
+        layer_cache: LinearAttentionLayerCache | None = None,
+    ) -> torch.Tensor:
+        token_context = conv_state = None
+        if layer_cache is not None:
+            token_context, conv_state = layer_cache.ple_token_context, layer_cache.ple_conv_state
+        embeddings, token_context = self.ple_embedding(token_ids, token_context)
+        keys = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
+        queries = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
+        gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)  # [batch, seq, hc_count, 1]
+        gate = gate.sign() * gate.abs().clamp(min=1e-6).sqrt()
+        real = token_is_real[..., None].to(streams.dtype)
+        gated_values = torch.sigmoid(gate) * self.value_proj(embeddings).unsqueeze(-2)
+        normed = self.norm_conv(gated_values.flatten(-2)) * real
+        gated_values = gated_values.flatten(-2) * real
+
+        # Dilated causal convolution, continuing from the cached last inputs.
+        conv_input = normed.transpose(1, 2)  # [batch, channels, seq]
+        if conv_state is None:
+            conv_state = conv_input.new_zeros(*conv_input.shape[:2], self.conv_state_length)
+        conv_input = torch.cat([conv_state.to(conv_input.dtype), conv_input], dim=-1)
+        if layer_cache is not None:
+            layer_cache.ple_token_context = token_context
+            layer_cache.ple_conv_state = conv_input[..., conv_input.shape[-1] - self.conv_state_length:]
+        conv_output = F.conv1d(conv_input, self.conv1d.weight, dilation=self.conv_dilation, groups=conv_input.shape[1])
+        return gated_values + F.silu(conv_output).transpose(1, 2)
+
+
 class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm residual block: token mixer (Gated DeltaNet or IndexPool attention), then MLP or MoE."""
+    """Token mixer (Gated DeltaNet or IndexPool attention), then MLP or MoE, each in a residual block.
+
+    With `hc_count == 1` the blocks are pre-norm residuals; with more, the layer carries `hc_count` residual streams
+    and each block reads and writes them through a [`HybridIndexPoolHyperConnection`] (which also does the norm).
+    A PLE layer first adds its n-gram features to the streams.
+    """
 
     def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
         super().__init__()
@@ -510,8 +665,16 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             self.mlp = HybridIndexPoolSparseMoeBlock(config)
         else:
             self.mlp = HybridIndexPoolMLP(config, config.intermediate_size)
-        self.input_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.ple = None
+        if layer_idx in config.ple_layers:
+            self.ple = HybridIndexPoolPerLayerEmbedding(config, config.ple_layers.index(layer_idx))
+        self.hyper_connections = config.hc_count > 1
+        if self.hyper_connections:
+            self.attn_hyper_connection = HybridIndexPoolHyperConnection(config)
+            self.mlp_hyper_connection = HybridIndexPoolHyperConnection(config)
+        else:
+            self.input_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_attention_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -523,10 +686,19 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         cache: HybridIndexPoolCache | None = None,
         output_attentions: bool = False,
         indexer_loss: str | None = None,
+        ple_token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`hidden_states [batch, seq, hc_count * hidden]` -> the same, the attention weights and the indexer loss
+        (when asked). `ple_token_ids` (pads replaced by the end-of-sequence id) feed a PLE layer."""
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+        if self.ple is not None:
+            hidden_states = hidden_states + self.ple(hidden_states, ple_token_ids, token_is_real, layer_cache)
+        if self.hyper_connections:
+            streams = hidden_states
+            hidden_states, write_gates = self.attn_hyper_connection(streams)
+        else:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
         weights = kl = None
         if self.layer_type == "linear_attention":
             hidden_states = self.linear_attn(hidden_states, token_is_real, layer_cache)
@@ -535,10 +707,12 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
                 hidden_states, position_embeddings, positions, token_is_real, rotary_emb, layer_cache,
                 output_attentions, indexer_loss,
             )
+        if self.hyper_connections:
+            streams = self.attn_hyper_connection.inject(streams, hidden_states, write_gates)
+            hidden_states, write_gates = self.mlp_hyper_connection(streams)
+            return self.mlp_hyper_connection.inject(streams, self.mlp(hidden_states), write_gates), weights, kl
         hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states, weights, kl
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), weights, kl
 
 
 class HybridIndexPoolPreTrainedModel(PreTrainedModel):
@@ -581,6 +755,13 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
         elif isinstance(module, HybridIndexPoolExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, HybridIndexPoolPerLayerEmbedding):
+            init.zeros_(module.conv1d.weight)  # the convolution starts silent, as in Qwen4-Exp
+        elif isinstance(module, HybridIndexPoolNGramEmbedding):
+            # Buffers computed from the config: loading creates the model on the meta device, so set them here.
+            init.copy_(module.multipliers, torch.tensor(module.multiplier_values))
+            init.copy_(module.head_table_sizes, torch.tensor(module.table_sizes))
+            init.copy_(module.head_table_offsets, torch.tensor(module.table_offsets))
 
 
 class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
@@ -594,7 +775,10 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         self.layers = nn.ModuleList(
             [HybridIndexPoolDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.hc_count > 1:
+            self.hyper_connection_mixer = HybridIndexPoolHyperConnection(config, inject=False)
+        else:
+            self.norm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = HybridIndexPoolRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -612,6 +796,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         indexer_loss: str | None = None,
+        ple_input_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> "HybridIndexPoolModelOutput":
         """Run the decoder.
@@ -619,7 +804,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         Args:
             input_ids: `[batch, seq]` token ids (or give `inputs_embeds` `[batch, seq, hidden]`).
             attention_mask: `[batch, past + seq]` with 1 for real tokens and 0 for (left) padding.
-            position_ids: `[batch, seq]`; by default each row counts its real tokens from 0.
+            position_ids: `[batch, seq]`; by default each row counts its real tokens from 0. Multimodal-RoPE
+                positions `[streams, batch, seq]` are accepted for text, where every stream is the same.
             cache: a [`HybridIndexPoolCache`] to continue from and update (`past_key_values` is accepted too).
             use_cache: create a cache when none is given (default `config.use_cache`).
             output_attentions: also return the attention weights of the IndexPool layers, dense `[b, h, t, slots]`.
@@ -627,6 +813,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             indexer_loss: `"dense"` or `"sparse"` to also return the indexer's KL loss (DeepSeek-V3.2 style, mean
                 over the IndexPool layers): against the attention mass of every complete visible window, or of the
                 selected ones only. It trains only the indexer and pooling parameters.
+            ple_input_ids: the token ids for the per-layer n-gram embeddings when `inputs_embeds` replace
+                `input_ids` (models with `ple_layers` only).
         """
         if indexer_loss not in (None, "dense", "sparse"):
             raise ValueError(f"indexer_loss is {indexer_loss!r}; use None, 'dense' or 'sparse'.")
@@ -637,6 +825,13 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        if self.config.ple_layers:
+            ple_input_ids = input_ids if ple_input_ids is None else ple_input_ids
+            if ple_input_ids is None:
+                raise ValueError(
+                    "This model has per-layer n-gram embeddings (`ple_layers`), which need the token ids: with "
+                    "`inputs_embeds`, also pass `ple_input_ids` [batch, seq]."
+                )
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -654,6 +849,14 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         token_is_real, positions = self._real_tokens_and_positions(
             attention_mask, position_ids, cache, batch_size, seq_len, past_slots, inputs_embeds.device
         )
+        ple_token_ids = None
+        if self.config.ple_layers:
+            # Padding never enters an n-gram: it reads as end-of-sequence, after which the n-gram context restarts.
+            ple_token_ids = ple_input_ids.to(inputs_embeds.device).masked_fill(
+                ~token_is_real, self.config.ple_eos_token_id
+            )
+        if self.config.hc_count > 1:
+            inputs_embeds = inputs_embeds.repeat(1, 1, self.config.hc_count)  # every stream starts as the embedding
         # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
         # so peak memory follows the cache (linear in the context), not the prompt's activations.
         chunk = self.config.prefill_chunk_length
@@ -662,7 +865,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         pieces = [
             self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
                              token_is_real[:, start:start + chunk], cache, output_attentions, output_hidden_states,
-                             indexer_loss)
+                             indexer_loss, None if ple_token_ids is None else ple_token_ids[:, start:start + chunk])
             for start in range(0, seq_len, chunk)
         ]
         hidden_states = torch.cat([piece[0] for piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
@@ -680,7 +883,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         )
 
     def _run_layers(self, hidden_states, positions, token_is_real, cache, output_attentions, output_hidden_states,
-                    indexer_loss=None):
+                    indexer_loss=None, ple_token_ids=None):
         """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions and
         the IndexPool layers' indexer losses."""
         position_embeddings = self.rotary_emb(hidden_states, positions)
@@ -690,13 +893,16 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 all_hidden_states += (hidden_states,)
             hidden_states, weights, kl = decoder_layer(
                 hidden_states, position_embeddings, positions, token_is_real, self.rotary_emb, cache=cache,
-                output_attentions=output_attentions, indexer_loss=indexer_loss,
+                output_attentions=output_attentions, indexer_loss=indexer_loss, ple_token_ids=ple_token_ids,
             )
             if output_attentions and decoder_layer.layer_type == "indexpool_attention":
                 all_attentions += (weights,)
             if kl is not None:
                 indexer_losses.append(kl)
-        hidden_states = self.norm(hidden_states)
+        if self.config.hc_count > 1:
+            hidden_states = self.hyper_connection_mixer(hidden_states)[0]
+        else:
+            hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         return hidden_states, all_hidden_states, all_attentions, indexer_losses
@@ -720,6 +926,13 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 )
             token_is_real = attention_mask[:, past_slots:].to(device=device, dtype=torch.bool)
         if position_ids is not None:
+            if position_ids.dim() == 3:
+                if not bool((position_ids == position_ids[:1]).all()):
+                    raise ValueError(
+                        "`position_ids` has several different position streams (multimodal RoPE for images or "
+                        "video); this text model needs one position per token: give `[batch, seq]`."
+                    )
+                position_ids = position_ids[0]
             if position_ids.shape == (1, seq_len):
                 position_ids = position_ids.expand(batch_size, seq_len)
             if position_ids.shape != (batch_size, seq_len):
