@@ -977,6 +977,7 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         indexer_loss: str | None = None,
+        ple_input_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> "HybridIndexPoolCausalLMOutput":
         """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss.
@@ -987,7 +988,7 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, indexer_loss=indexer_loss,
+            output_hidden_states=output_hidden_states, indexer_loss=indexer_loss, ple_input_ids=ple_input_ids,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -1042,13 +1043,14 @@ class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        ple_input_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
         """Class logits `[batch, num_labels]` of the last real token of each row and, given `labels`, the loss."""
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
+            output_hidden_states=output_hidden_states, ple_input_ids=ple_input_ids,
         )
         logits = self.score(outputs.last_hidden_state)
         batch_size = logits.shape[0]
