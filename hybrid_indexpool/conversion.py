@@ -58,6 +58,7 @@ class ConversionError(ValueError):
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements."""
     return tensor.numel() * tensor.element_size()
 
 
@@ -67,12 +68,26 @@ def _names_preview(names: Iterable[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+_SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}
+
+
+def _slice_bytes(tensor_slice) -> int:
+    """Bytes of a tensor in a safetensors file, from its header entry (nothing is read)."""
+    numel = 1
+    for size in tensor_slice.get_shape():
+        numel *= size
+    return numel * _SAFETENSORS_DTYPE_BYTES[tensor_slice.get_dtype()]
+
+
 @dataclass
 class SourceCheckpoint:
     """A checkpoint folder to convert: its `config.json` and safetensors weights (one file or an index of shards).
 
-    Opening reads only the config, the index and each shard's header, so the weight names, shapes and shard sizes
-    are known before any tensor is read.
+    Opening reads only the config, the index and each shard's header, so the weight names and the shard sizes are
+    known before any tensor is read.
     """
 
     folder: Path
@@ -155,19 +170,6 @@ class SourceCheckpoint:
         raise ConversionError(
             f"{self.folder} holds a {found} checkpoint; {script} converts only model types {accepted}: {hint}"
         )
-
-
-def _slice_bytes(tensor_slice) -> int:
-    numel = 1
-    for size in tensor_slice.get_shape():
-        numel *= size
-    return numel * _SAFETENSORS_DTYPE_BYTES[tensor_slice.get_dtype()]
-
-
-_SAFETENSORS_DTYPE_BYTES = {
-    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,7 @@ class ConversionReport:
     num_output_shards: int
     output_bytes: int
     largest_source_shard_bytes: int
-    max_held_bytes: int  # tensors held at once: current source shard + pending groups + output buffer
+    max_held_bytes: int  # tensors held at once (an upper bound): current source shard + pending groups + output buffer
     peak_rss_bytes: int  # the process's resident peak during the conversion, as measured
     start_rss_bytes: int  # resident memory when the conversion started
     ignored: dict[str, list[str]]  # reason -> source names left out
@@ -477,6 +479,9 @@ def convert_checkpoint(
         log(f"leaving out {len(names)} source weights ({reason}): {_names_preview(names, 3)}")
     expected, meta_model = expected_weights(config)
     extra = dict(extra_tensors() if callable(extra_tensors) else (extra_tensors or {}))
+    both = set(plan.targets) & set(extra)
+    if both:
+        raise ConversionError(f"Both the plan and `extra_tensors` produce {_names_preview(both)}; give each one source.")
     planned = plan.targets + list(extra)
     missing, unexpected = set(expected) - set(planned), set(planned) - set(expected)
     if missing or unexpected:
@@ -493,7 +498,10 @@ def convert_checkpoint(
     rss = _PeakRss()
     try:
         writer = _ShardWriter(work_dir, max_shard_size)
-        held = max_held = 0  # bytes: the current shard's unconsumed tensors + pending groups + output buffer
+        # Bytes held at most: the current shard's unconsumed tensors + sources of groups still waiting (or being
+        # built) + built tensors not yet buffered + the output buffer. A renamed tensor counts twice while it moves
+        # from its group to the buffer, so this is an upper bound.
+        max_held = 0
 
         def emit(name: str, tensor: torch.Tensor) -> None:
             if tuple(tensor.shape) != tuple(expected[name]):
@@ -547,7 +555,7 @@ def convert_checkpoint(
         for file_name in dict.fromkeys(weight_map.values()):
             with safe_open(work_dir / file_name, framework="pt") as handle:
                 written.update({name: torch.Size(handle.get_slice(name).get_shape()) for name in handle.keys()})
-        if written != dict(expected):
+        if written != expected:
             wrong = sorted(name for name in set(written) & set(expected) if written[name] != expected[name])
             raise ConversionError(
                 "The written checkpoint does not match our model: "
@@ -570,6 +578,7 @@ def convert_checkpoint(
 
 def _write_metadata(source: SourceCheckpoint, config: HybridIndexPoolConfig, meta_model, folder: Path) -> None:
     """Everything but the weights: config with `auto_map`, remote code, card, generation config, tokenizer."""
+    # As `save_pretrained` of our causal LM would set them.
     config.architectures = [HybridIndexPoolForCausalLM.__name__]
     config.auto_map = dict(AUTO_MAP)
     config.save_pretrained(folder)

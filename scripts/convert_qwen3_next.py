@@ -88,6 +88,7 @@ def build_config(source: SourceCheckpoint, indexer: IndexerSettings) -> HybridIn
         return HybridIndexPoolConfig(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
+            # MoE sources have no dense MLP width; ours keeps its default there (no layer uses it).
             intermediate_size=getattr(text, "intermediate_size", None) or HybridIndexPoolConfig.intermediate_size,
             num_hidden_layers=text.num_hidden_layers,
             layer_types=layer_types,

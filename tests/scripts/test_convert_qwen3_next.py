@@ -125,3 +125,22 @@ def test_help_describes_the_options(capsys):
     printed = capsys.readouterr().out
     for option in ("--source", "--output", "--overwrite", "--max_shard_size", "--index_topk", "--seed"):
         assert option in printed
+
+
+def test_config_in_the_older_hub_layout_converts(tmp_path):
+    """Released Qwen3-Next configs predate `rope_parameters` and `layer_types`: top-level `rope_theta`,
+    `partial_rotary_factor`, `full_attention_interval`, `torch_dtype`."""
+    source = tiny_source_model("qwen3_next", layer_types=None)  # every 4th layer is full attention
+    save_source(source, tmp_path / "source")
+    path = tmp_path / "source" / "config.json"
+    config = json.loads(path.read_text())
+    rope = config.pop("rope_parameters")
+    del config["layer_types"]
+    config.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+                  rope_scaling=None, full_attention_interval=4, torch_dtype=config.pop("dtype"))
+    path.write_text(json.dumps(config))
+    convert(tmp_path / "source", tmp_path / "ours", INDEXER, progress=False, log=lambda message: None)
+    ours = HybridIndexPoolForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert ours.config.layer_types == ["linear_attention"] * 3 + ["indexpool_attention"]
+    assert ours.config.rotary_dim == 8 and ours.dtype == torch.float32
+    assert max_logit_difference(source, ours, torch.randint(1, 97, (1, 19))) <= 1e-4
