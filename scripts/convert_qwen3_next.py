@@ -1,0 +1,277 @@
+"""Convert a Qwen3-Next or Qwen3.5 text checkpoint into a HybridIndexPool checkpoint.
+
+Every weight is mapped; each full-attention layer becomes an IndexPool layer with the same attention weights and a
+freshly initialised indexer (learned pooling starts at the mean). Within the token budget (`--index_topk`) the
+converted model computes exactly what the source does; beyond it the indexer chooses the attended windows and needs
+the indexer training first (see the README).
+
+Reads `Qwen3NextForCausalLM` (`qwen3_next`), `Qwen3_5ForCausalLM` (`qwen3_5_text`), `Qwen3_5MoeForCausalLM`
+(`qwen3_5_moe_text`) and the multimodal `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`
+folders (their vision tower is left out). It streams shard by shard, so memory stays near the largest shard.
+
+    python -m hybrid_indexpool.scripts.convert_qwen3_next --source Qwen3-Next-80B-A3B-Instruct \\
+        --output Qwen3-Next-80B-A3B-IndexPool --index_topk 2048 --index_pool_size 4
+"""
+
+import argparse
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from transformers import AutoConfig
+
+from hybrid_indexpool import HybridIndexPoolConfig
+from hybrid_indexpool.conversion import (
+    ConversionError,
+    ConversionPlan,
+    ConversionReport,
+    IgnoreRule,
+    SourceCheckpoint,
+    WeightGroup,
+    convert_checkpoint,
+    fresh_weights,
+    fuse_experts,
+    rename,
+)
+from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolIndexer
+
+SCRIPT = "scripts/convert_qwen3_next.py"
+TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+# For text, the three position streams of Qwen3.5's multimodal RoPE are equal, which makes it plain RoPE.
+MULTIMODAL_ROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+@dataclass
+class IndexerSettings:
+    """The new indexer of each IndexPool layer (the source has none)."""
+
+    n_heads: int = 16
+    head_dim: int = 128
+    topk: int = 2048
+    pool_size: int = 4
+    pool_weighting: str = "learned"
+    head_weights: bool = False
+
+
+def source_text_config(source: SourceCheckpoint):
+    """The source's full config (through transformers, which fills defaults and old field names) and its text part."""
+    full = AutoConfig.from_pretrained(source.folder)
+    return full, (full.get_text_config() if source.model_type in MULTIMODAL_MODEL_TYPES else full)
+
+
+def build_config(source: SourceCheckpoint, indexer: IndexerSettings) -> HybridIndexPoolConfig:
+    """Our config for the source: every architectural field mapped, full attention turned into IndexPool."""
+    full, text = source_text_config(source)
+    layer_types = []
+    for index, kind in enumerate(text.layer_types):
+        if kind not in ("linear_attention", "full_attention"):
+            raise ConversionError(f"Source layer {index} has type {kind!r}; only linear and full attention convert.")
+        layer_types.append("indexpool_attention" if kind == "full_attention" else "linear_attention")
+    num_experts = getattr(text, "num_experts", 0) or 0
+    if num_experts and (getattr(text, "mlp_only_layers", None) or getattr(text, "decoder_sparse_step", 1) != 1):
+        raise ConversionError(
+            f"The source mixes dense-MLP layers (mlp_only_layers={text.mlp_only_layers}, decoder_sparse_step="
+            f"{text.decoder_sparse_step}) with MoE layers; our model uses one MLP kind in every layer."
+        )
+    rope = {key: value for key, value in text.rope_parameters.items() if key not in MULTIMODAL_ROPE_KEYS}
+    moe = {}
+    if num_experts:
+        moe = dict(
+            num_experts=num_experts, num_experts_per_tok=text.num_experts_per_tok,
+            moe_intermediate_size=text.moe_intermediate_size,
+            shared_expert_intermediate_size=text.shared_expert_intermediate_size,
+            # Qwen3.5-MoE always renormalises the top-k probabilities; Qwen3-Next says so in its config.
+            norm_topk_prob=getattr(text, "norm_topk_prob", True),
+        )
+    try:
+        return HybridIndexPoolConfig(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            # MoE sources have no dense MLP width; ours keeps its default there (no layer uses it).
+            intermediate_size=getattr(text, "intermediate_size", None) or HybridIndexPoolConfig.intermediate_size,
+            num_hidden_layers=text.num_hidden_layers,
+            layer_types=layer_types,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=text.num_key_value_heads,
+            head_dim=text.head_dim,
+            partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
+            rope_parameters=rope,
+            attention_output_gate=True,
+            attention_bias=text.attention_bias,
+            attention_dropout=text.attention_dropout,
+            index_n_heads=indexer.n_heads,
+            index_head_dim=indexer.head_dim,
+            index_topk=indexer.topk,
+            index_pool_size=indexer.pool_size,
+            index_pool_weighting=indexer.pool_weighting,
+            index_head_weights=indexer.head_weights,
+            linear_num_key_heads=text.linear_num_key_heads,
+            linear_num_value_heads=text.linear_num_value_heads,
+            linear_key_head_dim=text.linear_key_head_dim,
+            linear_value_head_dim=text.linear_value_head_dim,
+            linear_conv_kernel_dim=text.linear_conv_kernel_dim,
+            hidden_act=text.hidden_act,
+            rms_norm_eps=text.rms_norm_eps,
+            max_position_embeddings=text.max_position_embeddings,
+            initializer_range=text.initializer_range,
+            tie_word_embeddings=bool(full.tie_word_embeddings),
+            pad_token_id=text.pad_token_id,
+            bos_token_id=text.bos_token_id,
+            eos_token_id=text.eos_token_id,
+            dtype=full.dtype or text.dtype,
+            **moe,
+        )
+    except ValueError as error:
+        raise ConversionError(f"{error} (the indexer comes from the --index_* options; adjust them).") from error
+
+
+def split_qkvz(source: str, targets: tuple[str, str], config: HybridIndexPoolConfig) -> WeightGroup:
+    """Qwen3-Next's fused `in_proj_qkvz` -> our `in_proj_qkv`, `in_proj_z`.
+
+    Qwen3-Next stores the rows per key-head group: for each key head its query, its key, then the values and the
+    output gates of the value heads that share it. We store all queries, all keys, all values (`in_proj_qkv`) and
+    the gates separately (`in_proj_z`), heads in the same order.
+    """
+    num_groups, key_dim = config.linear_num_key_heads, config.linear_key_head_dim
+    per_group = config.linear_num_value_heads // num_groups * config.linear_value_head_dim
+    widths = [key_dim, key_dim, per_group, per_group]
+
+    def build(tensors):
+        weight = tensors[source]
+        if weight.shape[0] != num_groups * sum(widths):
+            raise ConversionError(f"{source} has {weight.shape[0]} rows; the config implies {num_groups * sum(widths)}.")
+        query, key, value, gate = weight.view(num_groups, sum(widths), -1).split(widths, dim=1)
+        flat = [part.reshape(-1, weight.shape[1]) for part in (query, key, value, gate)]
+        return {targets[0]: torch.cat(flat[:3]), targets[1]: flat[3]}
+
+    return WeightGroup((source,), targets, build)
+
+
+def split_ba(source: str, targets: tuple[str, str], config: HybridIndexPoolConfig) -> WeightGroup:
+    """Qwen3-Next's fused `in_proj_ba` (per key-head group: the betas, then the decay inputs of its value heads)
+    -> our `in_proj_b`, `in_proj_a`."""
+    num_groups = config.linear_num_key_heads
+    per_group = config.linear_num_value_heads // num_groups
+
+    def build(tensors):
+        weight = tensors[source]
+        if weight.shape[0] != 2 * config.linear_num_value_heads:
+            raise ConversionError(f"{source} has {weight.shape[0]} rows; the config implies "
+                                  f"{2 * config.linear_num_value_heads}.")
+        beta, decay = weight.view(num_groups, 2 * per_group, -1).split([per_group, per_group], dim=1)
+        return {targets[0]: beta.reshape(-1, weight.shape[1]), targets[1]: decay.reshape(-1, weight.shape[1])}
+
+    return WeightGroup((source,), targets, build)
+
+
+def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> ConversionPlan:
+    """Which source weights become which of ours, and which are left out."""
+    model_type = source.model_type
+    prefix = "model.language_model." if model_type in MULTIMODAL_MODEL_TYPES else "model."
+    names = set(source.weight_names)
+    groups = [
+        rename(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight"),
+        rename(f"{prefix}norm.weight", "model.norm.weight"),
+    ]
+    ignore = [IgnoreRule(r"mtp\.", "multi-token-prediction head: our model has none")]
+    if model_type != "qwen3_next":
+        ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
+    if config.tie_word_embeddings:
+        ignore.append(IgnoreRule(r"lm_head\.weight$", "tied to the input embeddings"))
+    else:
+        groups.append(rename("lm_head.weight", "lm_head.weight"))
+
+    for index, kind in enumerate(config.layer_types):
+        src, dst = f"{prefix}layers.{index}.", f"model.layers.{index}."
+        parts = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        if kind == "linear_attention":
+            parts += [f"linear_attn.{name}" for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight",
+                                                         "out_proj.weight")]
+            if model_type == "qwen3_next":
+                groups.append(split_qkvz(f"{src}linear_attn.in_proj_qkvz.weight", (
+                    f"{dst}linear_attn.in_proj_qkv.weight", f"{dst}linear_attn.in_proj_z.weight"), config))
+                groups.append(split_ba(f"{src}linear_attn.in_proj_ba.weight", (
+                    f"{dst}linear_attn.in_proj_b.weight", f"{dst}linear_attn.in_proj_a.weight"), config))
+            else:
+                parts += [f"linear_attn.in_proj_{name}.weight" for name in ("qkv", "z", "b", "a")]
+        else:
+            projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+            parts += [f"self_attn.{name}.weight" for name in projections + ("q_norm", "k_norm")]
+            if config.attention_bias:
+                parts += [f"self_attn.{name}.bias" for name in projections]
+        if config.num_experts == 0:
+            parts += [f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
+        else:
+            parts += ["mlp.gate.weight"]
+            if config.shared_expert_intermediate_size:
+                parts += [f"mlp.shared_expert.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
+                parts += ["mlp.shared_expert_gate.weight"]
+            if f"{src}mlp.experts.gate_up_proj" in names:  # already fused on disk, in our layout
+                parts += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+            else:
+                groups += fuse_experts(f"{src}mlp.experts", f"{dst}mlp.experts", config.num_experts)
+        groups += [rename(src + part, dst + part) for part in parts]
+    return ConversionPlan(groups, ignore)
+
+
+def indexer_weights(config: HybridIndexPoolConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A freshly initialised indexer for every IndexPool layer (our `_init_weights`, deterministic for `seed`)."""
+    layers = [index for index, kind in enumerate(config.layer_types) if kind == "indexpool_attention"]
+    return fresh_weights(
+        config, {f"model.layers.{index}.self_attn.indexer": partial(HybridIndexPoolIndexer, config) for index in layers},
+        seed,
+    )
+
+
+def convert(
+    source_dir, output_dir, indexer: IndexerSettings | None = None, *, seed: int = 0, overwrite: bool = False,
+    max_shard_size: int | str = "5GB", progress: bool = True, log=print,
+) -> ConversionReport:
+    """Convert the Qwen3-Next / Qwen3.5 checkpoint in `source_dir` into ours in `output_dir`."""
+    source = SourceCheckpoint.open(source_dir)
+    source.require_model_type(TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES, SCRIPT)
+    config = build_config(source, indexer or IndexerSettings())
+    return convert_checkpoint(
+        source, build_plan(source, config), config, output_dir, overwrite=overwrite, max_shard_size=max_shard_size,
+        extra_tensors=partial(indexer_weights, config, seed), progress=progress, log=log,
+    )
+
+
+def main(argv=None) -> ConversionReport:
+    defaults = IndexerSettings()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", required=True, help="folder of the Qwen3-Next / Qwen3.5 checkpoint")
+    parser.add_argument("--output", required=True, help="folder to write (must not exist unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output once the conversion succeeded")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest output shard (default 5GB)")
+    parser.add_argument("--index_n_heads", type=int, default=defaults.n_heads,
+                        help=f"indexer query heads (default {defaults.n_heads})")
+    parser.add_argument("--index_head_dim", type=int, default=defaults.head_dim,
+                        help=f"indexer head width (default {defaults.head_dim})")
+    parser.add_argument("--index_topk", type=int, default=defaults.topk,
+                        help=f"token budget per query (default {defaults.topk}); within it, outputs equal the source's")
+    parser.add_argument("--index_pool_size", type=int, default=defaults.pool_size,
+                        help=f"tokens per pooled indexer key (default {defaults.pool_size})")
+    parser.add_argument("--index_pool_weighting", choices=("learned", "mean"), default=defaults.pool_weighting,
+                        help="pooling of the indexer keys (default learned, starting at the mean)")
+    parser.add_argument("--index_head_weights", action="store_true",
+                        help="learned per-head indexer weights (DeepSeek style) instead of a plain sum")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the new indexer's initialisation (default 0)")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    indexer = IndexerSettings(
+        n_heads=args.index_n_heads, head_dim=args.index_head_dim, topk=args.index_topk,
+        pool_size=args.index_pool_size, pool_weighting=args.index_pool_weighting, head_weights=args.index_head_weights,
+    )
+    try:
+        report = convert(args.source, args.output, indexer, seed=args.seed, overwrite=args.overwrite,
+                         max_shard_size=args.max_shard_size, progress=not args.no_progress)
+    except ConversionError as error:
+        parser.exit(2, f"error: {error}\n")
+    print(report.summary())
+    return report
+
+
+if __name__ == "__main__":
+    main()

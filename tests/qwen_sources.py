@@ -1,0 +1,63 @@
+"""Tiny random Qwen3-Next / Qwen3.5 source checkpoints for the conversion tests (built with transformers, no
+downloads), saved in several shards."""
+
+from pathlib import Path
+
+import torch
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers.models.qwen3_5 import (
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
+)
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+from hybrid_indexpool.scripts.convert_qwen3_next import IndexerSettings
+from hybrid_indexpool.tokenization import byte_level_tokenizer
+
+# Within this budget (16 tokens, r = 4: any sequence of at most 19 tokens) the converted model is exact.
+INDEXER = IndexerSettings(n_heads=2, head_dim=16, topk=16, pool_size=4)
+TEXT = dict(
+    vocab_size=97, hidden_size=64, num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    pad_token_id=0, eos_token_id=None, bos_token_id=None,
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+# Text positions make the three multimodal RoPE streams equal; the sections must still cover the rotated half.
+MROPE = {**ROPE, "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64)
+
+
+def tiny_source_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random float32 source model: `qwen3_next` (MoE), `qwen3_5_text` (dense MLP), `qwen3_5_moe_text`, or the
+    multimodal `qwen3_5`. Norm weights, time-step biases and routers get random values (they start at constants)."""
+    torch.manual_seed(seed)
+    dense = {**TEXT, "intermediate_size": 96, "rope_parameters": dict(MROPE), **overrides}
+    moe = {**TEXT, **MOE, "rope_parameters": dict(MROPE), **overrides}
+    if kind == "qwen3_next":
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**{**moe, "rope_parameters": dict(ROPE), **overrides}))
+    elif kind == "qwen3_5_text":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**dense))
+    elif kind == "qwen3_5_moe_text":
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**moe))
+    elif kind == "qwen3_5":
+        text = Qwen3_5TextConfig(**dense)
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.to_dict(), vision_config=VISION))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1 or name.endswith("mlp.gate.weight"):
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    return model.eval()
+
+
+def save_source(model: torch.nn.Module, folder: Path, max_shard_size: str = "80KB") -> Path:
+    """Save in several shards, with a tokenizer next to the weights."""
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    byte_level_tokenizer().save_pretrained(folder)
+    return folder
