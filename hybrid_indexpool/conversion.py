@@ -13,10 +13,12 @@ shards of bounded size. Peak memory therefore follows the largest shard, not the
 """
 
 import json
+import math
 import os
 import re
 import resource
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -152,6 +154,13 @@ class SourceCheckpoint:
     def model_type(self) -> str | None:
         return self.config.get("model_type")
 
+    def tensor_header(self, name: str) -> tuple[list[int], str]:
+        """Shape and safetensors dtype (`"BF16"`, ...) of weight `name`, read from its shard's header only."""
+        shard = next(shard for shard, names in self.shard_names.items() if name in names)
+        with safe_open(self.folder / shard, framework="pt") as handle:
+            tensor_slice = handle.get_slice(name)
+            return list(tensor_slice.get_shape()), tensor_slice.get_dtype()
+
     def load_shard(self, shard: str) -> dict[str, torch.Tensor]:
         """The tensors of one shard file (and nothing else)."""
         with safe_open(self.folder / shard, framework="pt") as handle:
@@ -219,16 +228,31 @@ def fuse_experts(source_prefix: str, target_prefix: str, num_experts: int) -> li
     ]
 
 
+@dataclass(frozen=True)
+class ConcatenatedWeight:
+    """One target tensor that is the concatenation along dim 0 of `sources` (in that order), e.g. an embedding table
+    stored on disk in parts. It is streamed: each part is appended to the target's own output file as soon as it and
+    the parts before it have arrived, so the whole tensor is never in memory."""
+
+    sources: tuple[str, ...]
+    target: str
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.target,)
+
+
 @dataclass
 class ConversionPlan:
     """Every source weight's fate: built into our tensors by a group, or left out by an ignore rule."""
 
     groups: list[WeightGroup]
     ignore: list[IgnoreRule] = field(default_factory=list)
+    concatenations: list[ConcatenatedWeight] = field(default_factory=list)
 
     @property
     def targets(self) -> list[str]:
-        return [target for group in self.groups for target in group.targets]
+        return [target for group in self.groups + self.concatenations for target in group.targets]
 
     def check(self, weight_names: Iterable[str]) -> dict[str, list[str]]:
         """Check the plan against the source's weight names; returns `{reason: names}` of what it leaves out.
@@ -238,7 +262,7 @@ class ConversionPlan:
         """
         weight_names = list(weight_names)
         needed, produced = {}, set()
-        for group in self.groups:
+        for group in self.groups + self.concatenations:
             for name in group.sources:
                 if name in needed:
                     raise ConversionError(f"The plan reads source weight {name!r} in two groups; give it one.")
@@ -379,6 +403,48 @@ class _PeakRss:
         return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class _ConcatenationFile:
+    """A safetensors file holding one tensor, written part by part along dim 0.
+
+    The header (name, dtype, full shape) is written first from the parts' headers; each part's bytes follow in order
+    (a row-major tensor concatenated along dim 0 is its parts' bytes one after another). Parts that arrive early wait.
+    """
+
+    def __init__(self, path: Path, concatenation: ConcatenatedWeight, headers: list[tuple[list[int], str]]):
+        shapes, dtypes = [shape for shape, _ in headers], {dtype for _, dtype in headers}
+        if len(dtypes) != 1 or any(len(shape) < 1 or shape[1:] != shapes[0][1:] for shape in shapes):
+            raise ConversionError(
+                f"The parts of {concatenation.target} ({_names_preview(concatenation.sources, 2)}) differ in dtype or in "
+                f"their trailing shape ({sorted(dtypes)}, {shapes[:3]}...); they cannot be concatenated."
+            )
+        self.dtype = dtypes.pop()
+        self.shape = [sum(shape[0] for shape in shapes), *shapes[0][1:]]
+        self.part_bytes = [math.prod(shape) * _SAFETENSORS_DTYPE_BYTES[self.dtype] for shape in shapes]
+        self.nbytes = sum(self.part_bytes)
+        header = {concatenation.target: {"dtype": self.dtype, "shape": self.shape, "data_offsets": [0, self.nbytes]},
+                  "__metadata__": {"format": "pt"}}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
+        self.handle = open(path, "wb")
+        self.handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        self.next_part, self.waiting, self.waiting_bytes = 0, {}, 0
+
+    def add(self, index: int, tensor: torch.Tensor) -> None:
+        """Take part `index`; write it (and any waiting parts after it) once every earlier part is written."""
+        raw = tensor.contiguous().view(torch.uint8).reshape(-1)
+        if raw.numel() != self.part_bytes[index]:
+            raise ConversionError(f"Part {index} has {raw.numel()} bytes; its header said {self.part_bytes[index]}.")
+        self.waiting[index] = raw
+        self.waiting_bytes += raw.numel()
+        while self.next_part in self.waiting:
+            part = self.waiting.pop(self.next_part)
+            self.waiting_bytes -= part.numel()
+            self.handle.write(part.numpy().tobytes())
+            self.next_part += 1
+        if self.next_part == len(self.part_bytes):
+            self.handle.close()
+
+
 class _ShardWriter:
     """Buffers built tensors and writes them out as numbered shards of at most `max_shard_size` bytes (a single
     larger tensor gets a shard of its own)."""
@@ -406,6 +472,15 @@ class _ShardWriter:
         save_file(self.buffer, self.folder / file_name, metadata={"format": "pt"})
         self.files.append((file_name, list(self.buffer)))
         self.buffer, self.buffer_bytes = {}, 0
+
+    def add_concatenation(self, concatenation: ConcatenatedWeight, headers: list) -> _ConcatenationFile:
+        """A file of its own for a streamed concatenation, numbered among the shards."""
+        file_name = f"shard-{len(self.files) + 1:05d}.safetensors"
+        stream = _ConcatenationFile(self.folder / file_name, concatenation, headers)
+        self.files.append((file_name, [concatenation.target]))
+        self.total_bytes += stream.nbytes
+        self.total_parameters += math.prod(stream.shape)
+        return stream
 
     def finish(self) -> dict[str, str]:
         """Flush, give the shards their final names (as `save_pretrained` names them) and write the index."""
@@ -496,6 +571,7 @@ def convert_checkpoint(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.converting-", dir=output_dir.parent))
     rss = _PeakRss()
+    streams: list[_ConcatenationFile] = []
     try:
         writer = _ShardWriter(work_dir, max_shard_size)
         # Bytes held at most: the current shard's unconsumed tensors + sources of groups still waiting (or being
@@ -516,6 +592,18 @@ def convert_checkpoint(
             emit(name, extra.pop(name))  # the writer holds it now
             max_held = max(max_held, writer.buffer_bytes)
 
+        part_of = {}  # source name -> (its streamed concatenation, part index)
+        for concatenation in plan.concatenations:
+            headers = [source.tensor_header(name) for name in concatenation.sources]
+            stream = writer.add_concatenation(concatenation, headers)
+            if tuple(stream.shape) != tuple(expected[concatenation.target]):
+                raise ConversionError(
+                    f"The parts of {concatenation.target} add up to shape {tuple(stream.shape)}, but our model expects "
+                    f"{tuple(expected[concatenation.target])}; the source's config.json does not match its weights."
+                )
+            streams.append(stream)
+            part_of.update({name: (stream, index) for index, name in enumerate(concatenation.sources)})
+
         group_of = {name: group for group in plan.groups for name in group.sources}
         arrived: dict[int, dict[str, torch.Tensor]] = {}  # id(group) -> sources so far
         pending_bytes = 0
@@ -523,10 +611,17 @@ def convert_checkpoint(
         for shard in tqdm(shards, desc="Converting shards", unit="shard", disable=not progress):
             tensors = source.load_shard(shard)
             shard_bytes = sum(tensor_bytes(t) for t in tensors.values())
-            max_held = max(max_held, shard_bytes + pending_bytes + writer.buffer_bytes)
+            waiting_bytes = sum(stream.waiting_bytes for stream in streams)
+            max_held = max(max_held, shard_bytes + pending_bytes + waiting_bytes + writer.buffer_bytes)
             for name in list(tensors):
                 tensor = tensors.pop(name)
                 shard_bytes -= tensor_bytes(tensor)
+                if name in part_of:
+                    stream, index = part_of[name]
+                    stream.add(index, tensor)
+                    waiting_bytes = sum(stream.waiting_bytes for stream in streams)
+                    max_held = max(max_held, shard_bytes + pending_bytes + waiting_bytes + writer.buffer_bytes)
+                    continue
                 group = group_of.get(name)
                 if group is None:
                     continue  # left out by an ignore rule
@@ -549,6 +644,9 @@ def convert_checkpoint(
                 pending_bytes -= sum(tensor_bytes(t) for t in sources.values())
                 del arrived[id(group)], sources, built
             del tensors
+        unfinished = [stream for stream in streams if stream.next_part < len(stream.part_bytes)]
+        if unfinished:
+            raise ConversionError(f"Parts of {unfinished[0].shape} never arrived; the source shards are inconsistent.")
         weight_map = writer.finish()
 
         written = {}
@@ -566,6 +664,8 @@ def convert_checkpoint(
         peak_rss = rss.peak()
         _replace(work_dir, output_dir)
     except BaseException:
+        for stream in streams:
+            stream.handle.close()
         shutil.rmtree(work_dir, ignore_errors=True)
         raise
     return ConversionReport(
@@ -609,6 +709,7 @@ def _replace(work_dir: Path, output_dir: Path) -> None:
 
 __all__ = [
     "CONVERTER_SCRIPTS",
+    "ConcatenatedWeight",
     "ConversionError",
     "ConversionPlan",
     "ConversionReport",

@@ -61,3 +61,33 @@ def save_source(model: torch.nn.Module, folder: Path, max_shard_size: str = "80K
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     byte_level_tokenizer().save_pretrained(folder)
     return folder
+
+
+# Qwen4-Exp with every feature on: hyper-connections (3 streams), PLE on two Gated DeltaNet layers (n-gram tables
+# stored in 4 parts), MoE, and a QSA indexer with a budget of 8 tokens (r = 4), so 48-token inputs are sparse.
+QWEN4_TEXT = dict(
+    vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    **MOE, hc_count=3, hc_lowrank=8, ple_layer_ids=[1, 3], ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=60,
+    make_ngram_vocab_size_divisible_by=8, split_ngram_parts=4, indexer_n_heads=4, indexer_kv_heads=1,
+    indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, pad_token_id=0, eos_token_id=1,
+    rope_parameters=dict(MROPE),
+)
+
+
+def tiny_qwen4_source(multimodal: bool = False, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random float32 `Qwen4ExpForCausalLM` (or the multimodal `Qwen4ExpForConditionalGeneration`); parameters
+    that start at constants (norms, PLE convolutions, time-step biases) get random values."""
+    from transformers import Qwen4ExpConfig, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, Qwen4ExpTextConfig
+
+    torch.manual_seed(seed)
+    text = Qwen4ExpTextConfig(**{**QWEN4_TEXT, "rope_parameters": dict(MROPE), **overrides})
+    if multimodal:
+        model = Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=text.to_dict(), vision_config=VISION))
+    else:
+        model = Qwen4ExpForCausalLM(text)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1 or name.endswith(("mlp.gate.weight", "ple.conv1d.weight")):
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    return model.eval()

@@ -1,0 +1,270 @@
+"""Convert a Qwen4-Exp checkpoint (Qwen3.8-Flash-Next) into a HybridIndexPool checkpoint that computes the same.
+
+Qwen4-Exp's QSA indexer mean-pools every 4 indexer keys per query at run time and caches the raw keys; ours caches
+one pooled key per window (a 4x smaller indexer cache) and pools with learned weights that start at the mean, so
+the converted model gives the source's outputs and its pooling can then be trained. Every other part maps one to one:
+Gated DeltaNet, gated attention, MoE (per-expert weights on disk are fused), hyper-connections and the per-layer
+n-gram embeddings (whose table, split in parts on disk, is written as one tensor, streamed part by part).
+
+Reads `Qwen4ExpForCausalLM` (`qwen4_exp_text`) and the multimodal `Qwen4ExpForConditionalGeneration` (`qwen4_exp`)
+folders; the vision tower of the latter is left out (the converted model reads text). It streams shard by shard, so
+memory stays near the largest shard, not the model (the real model has about 180B parameters).
+
+    python -m hybrid_indexpool.scripts.convert_qwen4_exp --source Qwen3.8-Flash-Next --output Qwen3.8-Flash-IndexPool
+"""
+
+import argparse
+import re
+
+import torch
+from transformers import AutoConfig
+
+from hybrid_indexpool import HybridIndexPoolConfig
+from hybrid_indexpool.conversion import (
+    ConcatenatedWeight,
+    ConversionError,
+    ConversionPlan,
+    ConversionReport,
+    IgnoreRule,
+    SourceCheckpoint,
+    WeightGroup,
+    convert_checkpoint,
+    fuse_experts,
+    rename,
+)
+from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolNGramEmbedding
+
+SCRIPT = "scripts/convert_qwen4_exp.py"
+TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE = "qwen4_exp_text", "qwen4_exp"
+QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+# For text, the position streams of the multimodal RoPE are equal, which makes it plain RoPE.
+MULTIMODAL_ROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def source_text_config(source: SourceCheckpoint):
+    """The source's config read by transformers (defaults and old names filled in) and its text part."""
+    full = AutoConfig.from_pretrained(source.folder)
+    return full, (full.get_text_config() if source.model_type == MULTIMODAL_MODEL_TYPE else full)
+
+
+def build_config(source: SourceCheckpoint, pool_weighting: str = "learned") -> HybridIndexPoolConfig:
+    """Our config for the source: every field mapped; QSA becomes IndexPool with the same budget and pool size."""
+    full, text = source_text_config(source)
+    missing = [name for name in QSA_FIELDS if getattr(text, name, None) is None]
+    if missing:
+        raise ConversionError(
+            f"The source config lacks the QSA indexer settings {missing}; this converter reads Qwen4-Exp checkpoints "
+            "with an indexer (for full-attention checkpoints without one, use scripts/convert_qwen3_next.py)."
+        )
+    layer_types = ["indexpool_attention" if kind == "indexed_attention" else kind for kind in text.layer_types]
+    rope = {key: value for key, value in text.rope_parameters.items() if key not in MULTIMODAL_ROPE_KEYS}
+    try:
+        return HybridIndexPoolConfig(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            num_hidden_layers=text.num_hidden_layers,
+            layer_types=layer_types,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=text.num_key_value_heads,
+            head_dim=text.head_dim,
+            partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
+            rope_parameters=rope,
+            attention_output_gate=True,
+            attention_bias=text.attention_bias,
+            attention_dropout=text.attention_dropout,
+            index_n_heads=text.indexer_n_heads,
+            index_head_dim=text.indexer_head_dim,
+            index_topk=text.indexer_budget,
+            index_pool_size=text.indexer_compress_ratio,
+            index_pool_weighting=pool_weighting,
+            index_head_weights=False,
+            linear_num_key_heads=text.linear_num_key_heads,
+            linear_num_value_heads=text.linear_num_value_heads,
+            linear_key_head_dim=text.linear_key_head_dim,
+            linear_value_head_dim=text.linear_value_head_dim,
+            linear_conv_kernel_dim=text.linear_conv_kernel_dim,
+            linear_output_gate_act=text.output_gate_type or text.hidden_act,
+            num_experts=text.num_experts,
+            num_experts_per_tok=text.num_experts_per_tok,
+            moe_intermediate_size=text.moe_intermediate_size,
+            shared_expert_intermediate_size=text.shared_expert_intermediate_size,
+            norm_topk_prob=text.norm_topk_prob,
+            hidden_act=text.hidden_act,
+            hc_count=text.hc_count,
+            hc_lowrank=text.hc_lowrank,
+            ple_layers=[layer_id - 1 for layer_id in text.ple_layer_ids],  # Qwen4-Exp counts layers from 1
+            ple_embed_dim=text.ple_embed_dim,
+            ple_conv_kernel_size=text.ple_conv_kernel_size,
+            ple_ngram_size=text.ngram_size,
+            ple_heads_per_ngram=text.heads_per_ngram,
+            ple_ngram_vocab_size_base=text.ngram_vocab_size_base,
+            ple_vocab_size_multiple=text.make_ngram_vocab_size_divisible_by,
+            ple_hash_seed=text.seed,
+            rms_norm_eps=text.rms_norm_eps,
+            max_position_embeddings=text.max_position_embeddings,
+            initializer_range=text.initializer_range,
+            tie_word_embeddings=bool(full.tie_word_embeddings),
+            pad_token_id=text.pad_token_id,
+            bos_token_id=text.bos_token_id,
+            eos_token_id=text.eos_token_id,
+            dtype=full.dtype or text.dtype,
+        )
+    except ValueError as error:
+        raise ConversionError(f"The source config does not map to ours: {error}") from error
+
+
+def split_index_projection(source: str, target_prefix: str, config: HybridIndexPoolConfig) -> WeightGroup:
+    """Qwen4-Exp's fused `index_qk_proj` (the query heads' rows, then the one key head's) -> our indexer's
+    `q_proj` and `k_proj`."""
+    query_rows = config.index_n_heads * config.index_head_dim
+    targets = (f"{target_prefix}.q_proj.weight", f"{target_prefix}.k_proj.weight")
+
+    def build(tensors):
+        weight = tensors[source]
+        if weight.shape[0] != query_rows + config.index_head_dim:
+            raise ConversionError(
+                f"{source} has {weight.shape[0]} rows; indexer_n_heads + 1 key head of indexer_head_dim imply "
+                f"{query_rows + config.index_head_dim}. Only one indexer key head converts."
+            )
+        return {targets[0]: weight[:query_rows], targets[1]: weight[query_rows:]}
+
+    return WeightGroup((source,), targets, build)
+
+
+def check_hash_tables(sources: tuple[str, ...], embedding: HybridIndexPoolNGramEmbedding) -> WeightGroup:
+    """A group that writes nothing: it checks that the source's stored n-gram hash multipliers, table sizes and
+    offsets are the ones our model computes from the config (else the converted embeddings would be looked up in the
+    wrong rows)."""
+    ours = (embedding.multiplier_values, embedding.table_sizes, embedding.table_offsets)
+
+    def build(tensors):
+        for name, expected in zip(sources, ours):
+            if tensors[name].tolist() != expected:
+                raise ConversionError(
+                    f"{name} is {tensors[name].tolist()}, but the config's hashing gives {expected}; the checkpoint's "
+                    "n-gram tables do not follow its config.json (seed, vocabulary or n-gram settings)."
+                )
+        return {}
+
+    return WeightGroup(sources, (), build)
+
+
+def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> ConversionPlan:
+    """Which source weights become which of ours, and which are left out."""
+    multimodal = source.model_type == MULTIMODAL_MODEL_TYPE
+    prefix = "model.language_model." if multimodal else "model."
+    names = source.weight_names
+    groups = [rename(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight")]
+    groups += [
+        rename(f"{prefix}hyper_connection_mixer.{part}", f"model.hyper_connection_mixer.{part}")
+        for part in ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight")
+    ]
+    concatenations = []
+    ignore = [IgnoreRule(r"mtp\.", "multi-token-prediction head: our model has none")]
+    if multimodal:
+        ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
+    if config.tie_word_embeddings:
+        ignore.append(IgnoreRule(r"lm_head\.weight$", "tied to the input embeddings"))
+    else:
+        groups.append(rename("lm_head.weight", "lm_head.weight"))
+
+    hyper_connection = ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight",
+                        "block_inject_weight.weight")
+    for index, kind in enumerate(config.layer_types):
+        src, dst = f"{prefix}layers.{index}.", f"model.layers.{index}."
+        parts = [f"{block}_hyper_connection.{part}" for block in ("attn", "mlp") for part in hyper_connection]
+        if kind == "linear_attention":
+            parts += [f"linear_attn.{name}" for name in (
+                "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+                "dt_bias", "A_log", "norm.weight", "out_proj.weight")]
+        else:
+            projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+            parts += [f"self_attn.{name}.weight" for name in projections + ("q_norm", "k_norm")]
+            if config.attention_bias:
+                parts += [f"self_attn.{name}.bias" for name in projections]
+            groups.append(split_index_projection(f"{src}self_attn.indexer.index_qk_proj.weight",
+                                                 f"{dst}self_attn.indexer", config))
+            groups.append(rename(f"{src}self_attn.indexer.q_layernorm.weight", f"{dst}self_attn.indexer.q_norm.weight"))
+            groups.append(rename(f"{src}self_attn.indexer.k_layernorm.weight", f"{dst}self_attn.indexer.k_norm.weight"))
+        parts += ["mlp.gate.weight", "mlp.shared_expert_gate.weight"]
+        parts += [f"mlp.shared_expert.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
+        if f"{src}mlp.experts.gate_up_proj" in names:  # already fused on disk, in our layout
+            parts += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        else:
+            groups += fuse_experts(f"{src}mlp.experts", f"{dst}mlp.experts", config.num_experts)
+        if index in config.ple_layers:
+            parts += [f"ple.{name}.weight" for name in (
+                "conv1d", "key_proj", "value_proj", "norm_key", "norm_query", "norm_conv")]
+            table = f"{src}ple.ple_embedding.ngram_embedding"
+            part_pattern = re.compile(re.escape(table) + r"\.shard_(\d+)\.weight$")
+            table_parts = sorted((name for name in names if part_pattern.match(name)),
+                                 key=lambda name: int(part_pattern.match(name).group(1)))
+            if f"{table}.weight" in names:
+                table_parts = [f"{table}.weight"]
+            if not table_parts:
+                raise ConversionError(f"The source has no n-gram table for PLE layer {index + 1} ({table}.shard_*); "
+                                      "the checkpoint is incomplete.")
+            concatenations.append(ConcatenatedWeight(tuple(table_parts), f"{dst}ple.ple_embedding.ngram_embedding.weight"))
+            buffers = tuple(f"{src}ple.ple_embedding.{name}"
+                            for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"))
+            if all(name in names for name in buffers):
+                groups.append(check_hash_tables(
+                    buffers, HybridIndexPoolNGramEmbedding(config, config.ple_layers.index(index))
+                ))
+        groups += [rename(src + part, dst + part) for part in parts]
+    return ConversionPlan(groups, ignore, concatenations)
+
+
+def pooling_weights(config: HybridIndexPoolConfig) -> dict[str, torch.Tensor]:
+    """Learned pooling at exactly the mean: a zero gate projection and zero slot biases in every IndexPool layer."""
+    if config.index_pool_weighting != "learned":
+        return {}
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+    weights = {}
+    for index, kind in enumerate(config.layer_types):
+        if kind == "indexpool_attention":
+            indexer = f"model.layers.{index}.self_attn.indexer"
+            weights[f"{indexer}.pool_gate_proj.weight"] = torch.zeros(config.index_head_dim, config.hidden_size,
+                                                                      dtype=dtype)
+            weights[f"{indexer}.pool_slot_bias"] = torch.zeros(config.index_pool_size, config.index_head_dim,
+                                                               dtype=dtype)
+    return weights
+
+
+def convert(
+    source_dir, output_dir, *, pool_weighting: str = "learned", overwrite: bool = False,
+    max_shard_size: int | str = "5GB", progress: bool = True, log=print,
+) -> ConversionReport:
+    """Convert the Qwen4-Exp checkpoint in `source_dir` into ours in `output_dir`."""
+    source = SourceCheckpoint.open(source_dir)
+    source.require_model_type((TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE), SCRIPT)
+    if source.model_type == MULTIMODAL_MODEL_TYPE:
+        log("multimodal checkpoint: converting its language model; the vision tower is left out")
+    config = build_config(source, pool_weighting)
+    return convert_checkpoint(
+        source, build_plan(source, config), config, output_dir, overwrite=overwrite, max_shard_size=max_shard_size,
+        extra_tensors=pooling_weights(config), progress=progress, log=log,
+    )
+
+
+def main(argv=None) -> ConversionReport:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", required=True, help="folder of the Qwen4-Exp checkpoint")
+    parser.add_argument("--output", required=True, help="folder to write (must not exist unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output once the conversion succeeded")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest output shard (default 5GB)")
+    parser.add_argument("--index_pool_weighting", choices=("learned", "mean"), default="learned",
+                        help="pooling of the indexer keys (default learned, starting exactly at Qwen4-Exp's mean)")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        report = convert(args.source, args.output, pool_weighting=args.index_pool_weighting, overwrite=args.overwrite,
+                         max_shard_size=args.max_shard_size, progress=not args.no_progress)
+    except ConversionError as error:
+        parser.exit(2, f"error: {error}\n")
+    print(report.summary())
+    return report
+
+
+if __name__ == "__main__":
+    main()
