@@ -9,6 +9,12 @@ peak memory is its own. Per setting and context: prefill seconds, milliseconds p
 memory, cache bytes per component; for the pooled settings also the decode indexer step (top-k over the pooled keys)
 and the fraction of the machine's memory bandwidth it reaches, the bandwidth measured by a large copy in the same run.
 
+From `--synthetic-from` tokens on (default 256K) the prompt is not run through the model: the prefill on the PyTorch
+path costs O(N^2 / r) indexer work, hours at 1M tokens on a small CPU. Instead a short real prefill is followed by
+filling each IndexPool layer's cache to the context with random keys, values and pooled keys, so that the cache has
+exactly the shapes, counts and bytes of a real one and a decode step does exactly the work it does after a real
+prefill (its cost does not depend on the values). Those rows say `synthetic` in the prefill column.
+
     python -m hybrid_indexpool.scripts.bench_decode --quick
     python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,16384,32768,65536 --json docs/bench.json \\
         --plot docs/bench_decode.png
@@ -109,17 +115,43 @@ def indexer_step(model, cache, args) -> dict:
     return {"indexer_ms": seconds * 1e3, "indexer_bytes": read, "indexer_bytes_per_second": read / seconds}
 
 
+def fill_cache_synthetically(cache, context: int, seed: int) -> None:
+    """Grow every IndexPool layer of a prefilled cache to `context` tokens with random keys, values and pooled keys:
+    the shapes, counts and bytes of a real prefill of `context` tokens (the linear layers' states are fixed-size)."""
+    from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
+
+    generator = torch.Generator().manual_seed(seed)
+    for layer in cache.layers:
+        if isinstance(layer, IndexPoolLayerCache):
+            r = layer.pool_size
+            capacity = 1 << context.bit_length()  # room for the decoded tokens without a regrowth
+            for name in ("key_storage", "value_storage"):
+                old = getattr(layer, name)
+                setattr(layer, name, torch.randn(old.shape[0], capacity, *old.shape[2:], generator=generator,
+                                                 dtype=old.dtype))
+            old = layer.pooled_storage
+            layer.pooled_storage = torch.randn(old.shape[0], capacity // r + 1, old.shape[2], generator=generator,
+                                               dtype=old.dtype)
+            layer.num_slots = context
+            layer.num_pooled = torch.full_like(layer.num_pooled, context // r)
+            layer.num_open = torch.full_like(layer.num_open, context % r)
+
+
 def measure(setting: str, context: int, args) -> dict:
     """One run, in a fresh process: prefill, decode, peak memory and cache size."""
     torch.set_num_threads(args.threads)
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     model = build_model(setting, args)
-    prompt = torch.randint(1, args.vocab_size, (1, context), generator=torch.Generator().manual_seed(args.seed))
+    synthetic = setting != "qwen4_exp" and context >= args.synthetic_from
+    prompt_length = min(context, args.topk * 2) if synthetic else context
+    prompt = torch.randint(1, args.vocab_size, (1, prompt_length), generator=torch.Generator().manual_seed(args.seed))
     with torch.no_grad():
         start = time.perf_counter()
         output = model(prompt, use_cache=True, logits_to_keep=1)
-        prefill = time.perf_counter() - start
+        prefill = None if synthetic else time.perf_counter() - start
         cache, token = output.cache, output.logits[:, -1:].argmax(-1)
+        if synthetic:
+            fill_cache_synthetically(cache, context, args.seed)
         steps = []
         for _ in range(args.new_tokens):
             start = time.perf_counter()
@@ -159,7 +191,8 @@ def print_table(results: list[dict], bandwidth: float) -> None:
         cache = row.get("cache_bytes", {})
         index_bytes = cache.get("pooled_index_keys", cache.get("index_keys", 0))
         fraction = row.get("indexer_bytes_per_second", 0) / bandwidth
-        cells = (row["setting"], f"{row['context']:,}", f"{row['prefill_s']:.2f}", f"{row['decode_ms']:.2f}",
+        prefill = "synthetic" if row["prefill_s"] is None else f"{row['prefill_s']:.2f}"
+        cells = (row["setting"], f"{row['context']:,}", prefill, f"{row['decode_ms']:.2f}",
                  f"{row['peak_memory_mb']:.0f}", f"{cache.get('key_value', 0) / 2**20:.1f}",
                  f"{index_bytes / 2**10:.1f}", f"{row['indexer_ms']:.3f}" if "indexer_ms" in row else "-",
                  f"{100 * fraction:.1f}%" if "indexer_ms" in row else "-")
@@ -201,7 +234,9 @@ def parse_arguments(argv=None):
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"any of {', '.join(SETTINGS)}")
     parser.add_argument("--reference-max-context", type=int, default=16384,
                         help="longest context given to Qwen4-Exp (its indexer loops over queries in Python)")
-    parser.add_argument("--dense-max-context", type=int, default=131072, help="longest context for dense")
+    parser.add_argument("--dense-max-context", type=int, default=1 << 20, help="longest context for dense")
+    parser.add_argument("--synthetic-from", type=int, default=262144,
+                        help="contexts from this length on get a synthetic cache instead of a real prefill (see above)")
     parser.add_argument("--topk", type=int, default=512, help="token budget (default 512)")
     parser.add_argument("--new-tokens", type=int, default=8, help="decoded tokens per run (median reported)")
     parser.add_argument("--repeats", type=int, default=5, help="repetitions of the indexer-step timing")

@@ -27,3 +27,15 @@ def test_quick_mode_runs_every_setting_and_writes_table_json_and_plot(tmp_path, 
         assert rows[("pooled_r4", context)]["decode_ms"] > 0 and rows[("pooled_r4", context)]["indexer_ms"] > 0
     assert json.loads((tmp_path / "bench.json").read_text())["results"] == report["results"]
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_synthetic_cache_has_the_bytes_of_a_real_prefill():
+    args = bench_decode.parse_arguments(["--quick", "--topk", "32", "--hidden-size", "64", "--intermediate-size", "64",
+                                         "--new-tokens", "2", "--repeats", "1"])
+    real = bench_decode.measure("pooled_r4", 1003, args)
+    args.synthetic_from = 1000
+    synthetic = bench_decode.measure("pooled_r4", 1003, args)
+    assert real["prefill_s"] > 0 and synthetic["prefill_s"] is None
+    for component in ("key_value", "pooled_index_keys", "open_window", "conv_state", "recurrent_state"):
+        assert synthetic["cache_bytes"][component] == real["cache_bytes"][component], component
+    assert synthetic["decode_ms"] > 0 and synthetic["indexer_bytes"] == real["indexer_bytes"]
