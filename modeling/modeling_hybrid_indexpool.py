@@ -81,7 +81,7 @@ class HybridIndexPoolRMSNormGated(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
         self.eps = eps
-        self.activation = activation
+        self.gate_act_fn = ACT2FN[activation]  # looked up once: ACT2FN builds a module on every lookup
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ class HybridIndexPoolRMSNormGated(nn.Module):
         normed = hidden_states.float()
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.weight * normed.to(input_dtype)
-        return (normed * ACT2FN[self.activation](gate.float())).to(input_dtype)
+        return (normed * self.gate_act_fn(gate.float())).to(input_dtype)
 
 
 class HybridIndexPoolRotaryEmbedding(nn.Module):
@@ -158,7 +158,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         self.value_dim = self.num_value_heads * self.value_head_dim
         self.conv_kernel_size = config.linear_conv_kernel_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.activation = config.hidden_act
+        self.act_fn = ACT2FN[config.hidden_act]
 
         self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
@@ -195,7 +195,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
             mixed = (conv_input * self.conv1d.weight[:, 0]).sum(dim=-1, keepdim=True)
         else:
             mixed = F.conv1d(conv_input, self.conv1d.weight, groups=self.conv_dim)
-        mixed = ACT2FN[self.activation](mixed).transpose(1, 2)
+        mixed = self.act_fn(mixed).transpose(1, 2)
 
         query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(batch_size, seq_len, self.num_key_heads, self.key_head_dim)
