@@ -14,7 +14,7 @@ import torch
 
 # Elements of one `[batch, query_chunk, heads, window_chunk]` float32 score block (64 MiB).
 SCORE_BLOCK_ELEMENTS = 1 << 24
-WINDOW_CHUNK = 8192
+WINDOW_CHUNK = 32768
 
 
 def _chunk_sizes(batch_size: int, num_queries: int, num_heads: int, num_windows: int) -> tuple[int, int]:
@@ -49,6 +49,25 @@ def _merge_topk(best_scores, best_ids, scores, ids, topk):
     # The taken positions, smallest first (topk of the smallest returns them in ascending order).
     index = torch.where(take, position, position + scores.shape[-1]).topk(topk, dim=-1, largest=False).indices
     return scores.gather(-1, index), ids.gather(-1, index)
+
+
+def _entries_above(best_scores, scores, ids, topk):
+    """The chunk's entries that can still enter a full running top-k, compacted (ascending ids, `-inf` padding), or
+    None when there are none. Only a score above the row's current k-th best can enter: an equal one has a higher
+    id than every kept window and loses the tie. Usually only a few qualify, so the merge then handles a handful of
+    entries instead of the whole chunk. None of the shortcut applies when many qualify (returns the chunk as is)."""
+    passing = scores > best_scores.amin(dim=-1, keepdim=True)
+    count = int(passing.sum(dim=-1).max())
+    if count == 0:
+        return None
+    if count > topk:
+        return scores, ids
+    positions = torch.where(passing, torch.arange(scores.shape[-1], device=scores.device), scores.shape[-1])
+    positions = positions.topk(count, dim=-1, largest=False).values  # ascending; the sentinel marks padding
+    valid = positions < scores.shape[-1]
+    positions = positions.clamp(max=scores.shape[-1] - 1)
+    return (scores.gather(-1, positions).masked_fill(~valid, float("-inf")),
+            ids.gather(-1, positions).masked_fill(~valid, ids.max() + 1))
 
 
 def pooled_index_topk_torch(
@@ -86,11 +105,18 @@ def pooled_index_topk_torch(
         best_scores = torch.full((batch_size, query_end - query_start, 0), float("-inf"), device=device)
         best_ids = torch.zeros((batch_size, query_end - query_start, 0), dtype=torch.long, device=device)
         causal_limit = min(num_windows, int(visible.max()))  # no query of the chunk sees beyond
+        min_visible = int(visible.min())
         for window_start in range(0, causal_limit, window_chunk):
             window_end = min(window_start + window_chunk, causal_limit)
             scores = pooled_index_scores_torch(queries, pooled_index_keys[:, window_start:window_end], weights)
             ids = torch.arange(window_start, window_end, device=device).expand_as(scores)
-            scores = scores.masked_fill(ids >= visible, float("-inf"))
+            if window_end > min_visible:  # some query of the chunk cannot see all of these windows
+                scores = scores.masked_fill(ids >= visible, float("-inf"))
+            if best_scores.shape[-1] == topk:
+                candidates = _entries_above(best_scores, scores, ids, topk)
+                if candidates is None:
+                    continue  # nothing in this chunk beats any row's k-th best
+                scores, ids = candidates
             best_scores, best_ids = _merge_topk(best_scores, best_ids, scores, ids, topk)
         best_ids = best_ids.masked_fill(best_scores == float("-inf"), -1)
         # Kept in ascending id order already; the -1 of invisible windows go last.

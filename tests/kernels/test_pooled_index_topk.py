@@ -52,3 +52,16 @@ def test_ties_go_to_the_lower_window_and_invisible_windows_are_never_chosen():
     num_visible = torch.tensor([[10, 2]])
     selected = pooled_index_topk(index_queries, pooled_keys, num_visible, 3)
     assert selected.tolist() == [[[0, 1, 2], [0, 1, -1]]]
+
+
+@pytest.mark.parametrize("window_chunk", [3, 5, 64])
+def test_many_ties_across_chunks_match_one_query_at_a_time(monkeypatch, window_chunk):
+    # Small integer keys and queries: many windows score exactly the same, in every chunk.
+    generator = torch.Generator().manual_seed(window_chunk)
+    index_queries = torch.randint(-1, 2, (2, 6, 2, 4), generator=generator).double()
+    pooled_keys = torch.randint(-1, 2, (2, 40, 4), generator=generator).double()
+    num_visible = torch.randint(0, 41, (2, 6), generator=generator)
+    monkeypatch.setattr(reference, "_chunk_sizes", lambda *args: (4, window_chunk))
+    for topk in (1, 4, 9):
+        selected = pooled_index_topk(index_queries, pooled_keys, num_visible, topk)
+        assert torch.equal(selected, slow_topk(index_queries, pooled_keys, num_visible, topk, None))
