@@ -190,7 +190,8 @@ def run_indexer_training(args: IndexerTrainingArguments, training_args: Training
     if args.block_size <= model.config.index_topk + model.config.index_pool_size - 1:
         logger.warning(
             f"--block_size {args.block_size} is within the token budget ({model.config.index_topk}): every window is "
-            "selected, so the sparse stage is dense attention. Use blocks longer than index_topk to train the selection."
+            "selected, so the sparse stage is dense attention. Use blocks longer than index_topk to train the "
+            "selection."
         )
     train_dataset, eval_dataset = load_datasets(args, tokenizer)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)

@@ -22,6 +22,7 @@ is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
 
 import argparse
 import json
+import os
 import platform
 import random
 import sysconfig
@@ -43,8 +44,8 @@ PASSKEY_DIGITS = 5
 PRESETS = {
     "full": dict(context=512, budget=64, hidden_size=128, layers=4, batch_size=8, train_steps=200, warmup_steps=60,
                  eval_blocks=32, passkey_samples=64),
-    "quick": dict(context=256, budget=32, hidden_size=64, layers=4, batch_size=4, train_steps=60, warmup_steps=20,
-                  eval_blocks=8, passkey_samples=16),
+    "quick": dict(context=256, budget=32, hidden_size=64, layers=4, batch_size=8, train_steps=150, warmup_steps=30,
+                  eval_blocks=16, passkey_samples=32),
 }
 
 
@@ -79,8 +80,8 @@ def passkey_sample(text: str, context: int, rng: random.Random) -> tuple[str, fl
 
 def training_samples(text: str, count: int, context: int, passkey_fraction: float, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [passkey_sample(text, context, rng)[0] if rng.random() < passkey_fraction else text_window(text, context, rng)
-            for _ in range(count)]
+    return [passkey_sample(text, context, rng)[0] if rng.random() < passkey_fraction
+            else text_window(text, context, rng) for _ in range(count)]
 
 
 def token_dataset(samples: list[str], tokenizer, context: int):
@@ -163,6 +164,7 @@ def run(args) -> dict:
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
     transformers_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
     started = time.time()
     tokenizer = byte_level_tokenizer()
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
@@ -237,22 +239,24 @@ def machine() -> dict:
     import transformers
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__}
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def format_table(report: dict) -> str:
     """The machine, the settings and a Markdown table of the results."""
     settings, machine_info = report["settings"], report["machine"]
     lines = [
-        f"machine: {machine_info['platform']}, {machine_info['processor']}, {machine_info['cpu_threads']} threads, "
+        f"machine: {machine_info['platform']}, {machine_info['processor']}, {machine_info['cpu_count']} CPUs "
+        f"({machine_info['torch_threads']} torch threads), "
         f"python {machine_info['python']}, torch {machine_info['torch']}, transformers {machine_info['transformers']}",
         f"text: standard library *.py, {settings['train_files']} training files ({settings['train_chars']:,} chars), "
         f"{settings['held_out_files']} held-out files ({settings['held_out_chars']:,} chars)",
-        f"model: {settings['layers']} layers (Gated DeltaNet / IndexPool alternating), hidden {settings['hidden_size']}, "
-        f"byte-level; context {settings['context']}, budget {settings['budget']} tokens; base {settings['train_steps']} "
-        f"steps x {settings['batch_size']} (final loss {report['base_training']['losses'][-1]:.3f}, "
-        f"{report['base_training']['seconds']:.0f} s); warm-up {settings['warmup_steps']} steps per indexer; "
+        f"model: {settings['layers']} layers (Gated DeltaNet / IndexPool alternating), hidden "
+        f"{settings['hidden_size']}, byte-level; context {settings['context']}, budget {settings['budget']} tokens; "
+        f"base {settings['train_steps']} steps x {settings['batch_size']} (final loss "
+        f"{report['base_training']['losses'][-1]:.3f}, {report['base_training']['seconds']:.0f} s); "
+        f"warm-up {settings['warmup_steps']} steps per indexer; "
         f"{settings['eval_blocks']} held-out blocks, {settings['passkey_samples']} passkey samples; "
         f"{report['seconds']:.0f} s in all",
         "",
@@ -261,7 +265,9 @@ def format_table(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
-        kl = "-" if row.get("warmup_kl_first") is None else f"{row['warmup_kl_first']:.3f} -> {row['warmup_kl_last']:.3f}"
+        kl = "-"
+        if row.get("warmup_kl_first") is not None:
+            kl = f"{row['warmup_kl_first']:.3f} -> {row['warmup_kl_last']:.3f}"
         held_out_kl = "-" if row["dense_kl"] is None else f"{row['dense_kl']:.3f}"
         lines.append(
             f"| {LABELS[row['setting']]} | {row['attention_mass']:.3f} | {kl} | {held_out_kl} | {row['ppl']:.3f} | "
@@ -303,7 +309,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="Small sizes: about 3 minutes on 2 CPU cores.")
     for name, help_text in (("context", "Tokens per sequence (training and evaluation)."),
                             ("budget", "Token budget index_topk of the sparse settings (a multiple of 4)."),
-                            ("hidden-size", "Model width."), ("layers", "Layers, Gated DeltaNet and IndexPool alternating."),
+                            ("hidden-size", "Model width."),
+                            ("layers", "Layers, Gated DeltaNet and IndexPool alternating."),
                             ("batch-size", "Sequences per training step."),
                             ("train-steps", "Training steps of the dense base model."),
                             ("warmup-steps", "Dense warm-up steps of each indexer."),
@@ -315,6 +322,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="Fraction of training sequences that are passkey samples.")
     parser.add_argument("--learning-rate", type=float, default=2e-3, help="Of the base model.")
     parser.add_argument("--warmup-learning-rate", type=float, default=2e-3, help="Of the indexer warm-up.")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads for torch (default 1: the matrices are small, and on a shared CPU more "
+                             "threads oversubscribe the cores and slow everything down many times).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="Write the report (settings, table, curves) as JSON.")
     parser.add_argument("--plot", metavar="FILE", help="Draw warm-up KL, attention mass and perplexity (matplotlib).")
@@ -332,8 +342,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error("--layers must be at least 2 (one Gated DeltaNet and one IndexPool layer).")
     if not 0.0 <= args.passkey_fraction <= 1.0:
         parser.error(f"--passkey-fraction {args.passkey_fraction} must lie between 0 and 1.")
-    for name in ("hidden_size", "batch_size", "train_steps", "warmup_steps", "eval_blocks", "passkey_samples",
-                 "eval_batch_size"):
+    for name in ("threads", "hidden_size", "batch_size", "train_steps", "warmup_steps", "eval_blocks",
+                 "passkey_samples", "eval_batch_size"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive.")
     return args
