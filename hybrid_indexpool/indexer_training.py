@@ -76,7 +76,8 @@ def freeze_all_but_indexer(model: torch.nn.Module) -> list[str]:
 
 
 class IndexerTrainer(Trainer):
-    """A `Trainer` whose forward asks for the indexer loss and whose logs carry its mean since the last log.
+    """A `Trainer` whose forward asks for the indexer loss and whose logs carry its mean since the last log (over
+    this process's batches).
 
     `indexer_loss="dense"` (warm-up): the loss is the KL alone. `"sparse"`: the model's loss, i.e. the language-model
     loss plus `config.indexer_loss_weight` times the KL. Both are means over the batch, so the Trainer divides them by
