@@ -33,8 +33,9 @@ LORA_TARGET_MODULES = [
 
 
 @dataclass
-class FinetuneArguments:
-    """What to train and on which data (the Trainer's own options come from `TrainingArguments`)."""
+class ModelDataArguments:
+    """Which model to start from and which local data to train on (shared by fine-tuning and indexer training; the
+    Trainer's own options come from `TrainingArguments`)."""
 
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Checkpoint folder or Hub id of a HybridIndexPool model to fine-tune."}
@@ -64,6 +65,12 @@ class FinetuneArguments:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Allow writing into a non-empty --output_dir (never needed to resume)."}
     )
+
+
+@dataclass
+class FinetuneArguments(ModelDataArguments):
+    """What to fine-tune, on which data, and whether through LoRA adapters."""
+
     lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of all weights."})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
@@ -77,7 +84,7 @@ class FinetuneArguments:
     )
 
 
-def load_tokenizer(args: FinetuneArguments) -> PreTrainedTokenizerBase:
+def load_tokenizer(args: ModelDataArguments) -> PreTrainedTokenizerBase:
     """The tokenizer asked for, else the checkpoint's own, else (for a new model) the offline byte-level one."""
     if args.tokenizer_name_or_path is not None:
         return AutoTokenizer.from_pretrained(args.tokenizer_name_or_path)
@@ -136,8 +143,18 @@ def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool
     return packed
 
 
-def build_model(args: FinetuneArguments, tokenizer) -> HybridIndexPoolForCausalLM:
-    """Load the checkpoint, or build a fresh model from `--init_config`; optionally wrap it with LoRA."""
+def load_datasets(args: ModelDataArguments, tokenizer):
+    """The training dataset and the validation dataset (None without `--validation_files`) of token blocks."""
+    train_dataset = build_lm_dataset(args.train_files, tokenizer, args.block_size, args.packing, args.text_field)
+    eval_dataset = None
+    if args.validation_files:
+        eval_dataset = build_lm_dataset(args.validation_files, tokenizer, args.block_size, args.packing,
+                                        args.text_field)
+    return train_dataset, eval_dataset
+
+
+def load_model(args: ModelDataArguments, tokenizer) -> HybridIndexPoolForCausalLM:
+    """Load the checkpoint, or build a fresh model from `--init_config` sized for the tokenizer."""
     if (args.model_name_or_path is None) == (args.init_config is None):
         raise ValueError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) or --init_config "
                          "(train a new model).")
@@ -154,6 +171,12 @@ def build_model(args: FinetuneArguments, tokenizer) -> HybridIndexPoolForCausalL
     if model.config.vocab_size < len(tokenizer):
         raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size} "
                          "embeddings; use the checkpoint's tokenizer.")
+    return model
+
+
+def build_model(args: FinetuneArguments, tokenizer):
+    """The model of `load_model`, wrapped with LoRA adapters when `--lora` is set."""
+    model = load_model(args, tokenizer)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -165,7 +188,7 @@ def build_model(args: FinetuneArguments, tokenizer) -> HybridIndexPoolForCausalL
     return model
 
 
-def check_output_dir(args: FinetuneArguments, training_args: TrainingArguments) -> None:
+def check_output_dir(args: ModelDataArguments, training_args: TrainingArguments) -> None:
     """Refuse to write into a non-empty output folder unless resuming from it or told to overwrite."""
     output_dir = Path(training_args.output_dir)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not training_args.resume_from_checkpoint \
@@ -184,11 +207,7 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
         training_args.ddp_find_unused_parameters = True
     tokenizer = load_tokenizer(args)
     model = build_model(args, tokenizer)
-    train_dataset = build_lm_dataset(args.train_files, tokenizer, args.block_size, args.packing, args.text_field)
-    eval_dataset = None
-    if args.validation_files:
-        eval_dataset = build_lm_dataset(args.validation_files, tokenizer, args.block_size, args.packing,
-                                        args.text_field)
+    train_dataset, eval_dataset = load_datasets(args, tokenizer)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), processing_class=tokenizer,

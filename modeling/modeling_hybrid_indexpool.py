@@ -330,6 +330,9 @@ class HybridIndexPoolAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Returns the output, the attention weights (when asked) and the indexer's KL loss (when asked:
         `indexer_loss="dense"` against dense attention over all complete windows, `"sparse"` over the selected ones).
+
+        `indexer_loss="dense"` is the dense warm-up of DESIGN §3: the attention itself is then dense at any length,
+        not only within the budget, so the target and the output are those of the dense model.
         """
         batch_size, seq_len, _ = hidden_states.shape
         cos, sin = position_embeddings
@@ -365,7 +368,7 @@ class HybridIndexPoolAttention(nn.Module):
         window_slot_offset = (query_slots - positions).masked_fill(~token_is_real, -1).amax(dim=1).clamp(min=0)
 
         selected = None
-        if int(num_visible.max()) <= self.topk_windows:
+        if indexer_loss == "dense" or int(num_visible.max()) <= self.topk_windows:
             output, weights = self._dense_attention(
                 query, key, value, query_slots, window_slot_offset, token_is_real, output_attentions
             )
@@ -812,7 +815,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             output_hidden_states: also return the hidden states entering each layer and the final ones.
             indexer_loss: `"dense"` or `"sparse"` to also return the indexer's KL loss (DeepSeek-V3.2 style, mean
                 over the IndexPool layers): against the attention mass of every complete visible window, or of the
-                selected ones only. It trains only the indexer and pooling parameters.
+                selected ones only. It trains only the indexer and pooling parameters. `"dense"` (the warm-up) also
+                makes the attention dense at any length.
             ple_input_ids: the token ids for the per-layer n-gram embeddings when `inputs_embeds` replace
                 `input_ids` (models with `ple_layers` only).
         """

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import window_kl_divergence
-from model_factory import tiny_model
+from hybrid_indexpool import HybridIndexPoolForCausalLM
+from model_factory import tiny_config, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -62,3 +63,16 @@ def test_a_few_steps_on_the_indexer_lower_the_loss():
 def test_unknown_indexer_loss_mode_is_rejected():
     with pytest.raises(ValueError, match="use None, 'dense' or 'sparse'"):
         tiny_model()(torch.randint(1, 97, (1, 9)), indexer_loss="full")
+
+
+def test_dense_warm_up_attends_densely_beyond_the_budget():
+    model = tiny_model(index_topk=8)
+    dense_model = HybridIndexPoolForCausalLM(tiny_config(index_topk=64)).eval()
+    dense_model.load_state_dict(model.state_dict())
+    input_ids = torch.randint(1, 97, (2, 45))  # 11 windows visible at the end, the budget keeps 2
+    with torch.no_grad():
+        warm_up = model(input_ids, indexer_loss="dense").logits
+        dense = dense_model(input_ids).logits
+        sparse = model(input_ids).logits
+    torch.testing.assert_close(warm_up, dense)
+    assert (sparse - dense).abs().max() > 1e-3  # without the flag the same model prunes

@@ -1,0 +1,276 @@
+"""Indexer training in two stages (DeepSeek-V3.2, DESIGN §3) with `transformers.Trainer`: the library behind
+`scripts/train_indexer.py`.
+
+- Stage 1, dense warm-up (`"warmup"`): every parameter is frozen except the indexer's (`indexer.*`: query and key
+  projections and norms, pooling gate and slot bias, head weights); the attention runs dense at any length and the
+  loss is the indexer's KL divergence to the dense attention mass of every complete window.
+- Stage 2, sparse training (`"sparse"`): every parameter trains; the attention runs over the selected windows and
+  the loss is the language-model loss plus `indexer_loss_weight` times the KL over the selected windows. The indexer
+  reads a detached input, so the language-model loss never reaches it.
+
+The KL is logged per logging step as `indexer_kl` (and the language-model part of the loss as `lm_loss`).
+"""
+
+import copy
+import inspect
+import os
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers.utils import logging
+
+from .kernels.pooled_index_topk import pooled_index_topk
+from .modeling.cache_hybrid_indexpool import IndexPoolLayerCache
+from .modeling.modeling_hybrid_indexpool import HybridIndexPoolAttention
+from .training import ModelDataArguments, check_output_dir, load_datasets, load_model, load_tokenizer
+
+logger = logging.get_logger(__name__)
+
+STAGES = ("warmup", "sparse")
+STAGE_CHOICES = ("warmup", "sparse", "both")
+# The forward's `indexer_loss` mode of each stage.
+STAGE_LOSS = {"warmup": "dense", "sparse": "sparse"}
+
+
+@dataclass
+class IndexerTrainingArguments(ModelDataArguments):
+    """Which stages to run, how long, and at which learning rates (besides the model and data options)."""
+
+    stage: str = field(
+        default="both",
+        metadata={"help": "warmup (stage 1: dense warm-up of the indexer alone), sparse (stage 2: all parameters, "
+                          "sparse attention) or both (warm-up, then sparse).", "choices": list(STAGE_CHOICES)},
+    )
+    dense_warmup_steps: int = field(default=200, metadata={"help": "Optimizer steps of the dense warm-up."})
+    sparse_steps: int = field(default=200, metadata={"help": "Optimizer steps of the sparse stage."})
+    dense_warmup_learning_rate: float = field(
+        default=1e-3,
+        metadata={"help": "Learning rate of the dense warm-up (only the small indexer trains, so it can be high; "
+                          "the sparse stage uses --learning_rate)."},
+    )
+    indexer_loss_weight: float | None = field(
+        default=None,
+        metadata={"help": "Weight of the indexer KL in the sparse stage's loss (default: the model config's "
+                          "indexer_loss_weight); saved into the config."},
+    )
+
+
+def is_indexer_parameter(name: str) -> bool:
+    """Whether a parameter belongs to an IndexPool indexer (the only ones the dense warm-up trains)."""
+    return ".indexer." in f".{name}"
+
+
+def freeze_all_but_indexer(model: torch.nn.Module) -> list[str]:
+    """Let only the indexer parameters train; returns their names. Raises when the model has none."""
+    trainable = []
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(is_indexer_parameter(name))
+        if parameter.requires_grad:
+            trainable.append(name)
+    if not trainable:
+        raise ValueError("The model has no indexer parameters (no `indexpool_attention` layer in its layer_types): "
+                         "there is nothing to warm up.")
+    return trainable
+
+
+class IndexerTrainer(Trainer):
+    """A `Trainer` whose forward asks for the indexer loss and whose logs carry its mean since the last log (over
+    this process's batches).
+
+    `indexer_loss="dense"` (warm-up): the loss is the KL alone. `"sparse"`: the model's loss, i.e. the language-model
+    loss plus `config.indexer_loss_weight` times the KL. Both are means over the batch, so the Trainer divides them by
+    the gradient-accumulation steps.
+    """
+
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, indexer_loss: str, **kwargs):
+        if indexer_loss not in STAGE_LOSS.values():
+            raise ValueError(f"indexer_loss is {indexer_loss!r}; use 'dense' (warm-up) or 'sparse'.")
+        super().__init__(*args, **kwargs)
+        self.indexer_loss = indexer_loss
+        self._logged_sums = {"indexer_kl": 0.0, "lm_loss": 0.0}
+        self._logged_count = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        if self.indexer_loss == "dense":
+            inputs.pop("labels", None)  # the warm-up trains on the KL alone
+        outputs = model(**inputs, indexer_loss=self.indexer_loss)
+        if outputs.indexer_loss is None:
+            raise ValueError("The model returned no indexer loss: it needs at least one `indexpool_attention` layer.")
+        loss = outputs.indexer_loss if self.indexer_loss == "dense" else outputs.loss
+        if model.training:
+            self._logged_sums["indexer_kl"] += outputs.indexer_loss.item()
+            if self.indexer_loss == "sparse":
+                weight = self.accelerator.unwrap_model(model).config.indexer_loss_weight
+                self._logged_sums["lm_loss"] += (outputs.loss - weight * outputs.indexer_loss).item()
+            self._logged_count += 1
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._logged_count and "loss" in logs:
+            logs["indexer_kl"] = round(self._logged_sums["indexer_kl"] / self._logged_count, 5)
+            if self.indexer_loss == "sparse":
+                logs["lm_loss"] = round(self._logged_sums["lm_loss"] / self._logged_count, 5)
+            self._logged_sums = dict.fromkeys(self._logged_sums, 0.0)
+            self._logged_count = 0
+        super().log(logs, start_time)
+
+
+def train_indexer_stage(model, stage: str, train_dataset, training_args: TrainingArguments, data_collator,
+                        eval_dataset=None, processing_class=None) -> IndexerTrainer:
+    """Run one stage (`"warmup"` or `"sparse"`) on `model` in place for `training_args.max_steps` steps.
+
+    The warm-up freezes everything but the indexer for its duration; afterwards every parameter is trainable again.
+    Returns the trainer (its `state.log_history` holds the logged `indexer_kl`).
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage is {stage!r}; use one of {list(STAGES)}.")
+    if stage == "warmup":
+        freeze_all_but_indexer(model)
+    trainer = IndexerTrainer(
+        model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        data_collator=data_collator, processing_class=processing_class, indexer_loss=STAGE_LOSS[stage],
+    )
+    try:
+        trainer.train()
+    finally:
+        model.requires_grad_(True)
+    return trainer
+
+
+def stage_training_arguments(args: IndexerTrainingArguments, training_args: TrainingArguments,
+                             stage: str) -> TrainingArguments:
+    """The Trainer options of one stage: its step count and learning rate, its checkpoints in `output_dir/<stage>`."""
+    stage_args = copy.deepcopy(training_args)
+    stage_args.output_dir = os.path.join(training_args.output_dir, stage)
+    if stage == "warmup":
+        stage_args.max_steps, stage_args.learning_rate = args.dense_warmup_steps, args.dense_warmup_learning_rate
+    else:
+        stage_args.max_steps = args.sparse_steps
+    return stage_args
+
+
+def check_indexer_arguments(args: IndexerTrainingArguments, training_args: TrainingArguments) -> list[str]:
+    """Validate the options; returns the stages to run, in order."""
+    if args.stage not in STAGE_CHOICES:
+        raise ValueError(f"--stage is {args.stage!r}; use one of {list(STAGE_CHOICES)}.")
+    stages = list(STAGES) if args.stage == "both" else [args.stage]
+    for stage, steps, flag in (("warmup", args.dense_warmup_steps, "--dense_warmup_steps"),
+                               ("sparse", args.sparse_steps, "--sparse_steps")):
+        if stage in stages and steps <= 0:
+            raise ValueError(f"{flag} is {steps}; give a positive number of steps for the {stage} stage.")
+    if training_args.max_steps > 0:
+        raise ValueError("Set the length of each stage with --dense_warmup_steps and --sparse_steps, not --max_steps.")
+    if training_args.resume_from_checkpoint:
+        raise ValueError("train_indexer does not resume inside a stage; start the remaining stage from a saved model "
+                         "(--model_name_or_path <output_dir of the warm-up> --stage sparse).")
+    return stages
+
+
+def kl_summary(log_history: list[dict]) -> tuple[float, float] | None:
+    """First and last logged `indexer_kl` of a stage, or None when nothing was logged."""
+    values = [entry["indexer_kl"] for entry in log_history if "indexer_kl" in entry]
+    return (values[0], values[-1]) if values else None
+
+
+def run_indexer_training(args: IndexerTrainingArguments, training_args: TrainingArguments) -> dict:
+    """Run the chosen stages, save the model (with its remote code) and tokenizer, return per-stage metrics."""
+    stages = check_indexer_arguments(args, training_args)
+    check_output_dir(args, training_args)
+    if training_args.ddp_find_unused_parameters is None:
+        # Within the token budget the sparse stage selects nothing, so the indexer's scores may go unused.
+        training_args.ddp_find_unused_parameters = True
+    tokenizer = load_tokenizer(args)
+    model = load_model(args, tokenizer)
+    if args.indexer_loss_weight is not None:
+        model.config.indexer_loss_weight = args.indexer_loss_weight
+    if args.block_size <= model.config.index_topk + model.config.index_pool_size - 1:
+        logger.warning(
+            f"--block_size {args.block_size} is within the token budget ({model.config.index_topk}): every window is "
+            "selected, so the sparse stage is dense attention. Use blocks longer than index_topk to train the "
+            "selection."
+        )
+    train_dataset, eval_dataset = load_datasets(args, tokenizer)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+    metrics = {}
+    for stage in stages:
+        trainer = train_indexer_stage(
+            model, stage, train_dataset, stage_training_arguments(args, training_args, stage), collator,
+            eval_dataset=eval_dataset, processing_class=tokenizer,
+        )
+        stage_metrics = {"steps": trainer.state.global_step, "log_history": trainer.state.log_history}
+        if eval_dataset is not None:
+            stage_metrics.update(trainer.evaluate())
+        summary = kl_summary(trainer.state.log_history)
+        if summary is not None and trainer.is_world_process_zero():
+            print(f"train_indexer: {stage} stage, {trainer.state.global_step} steps, indexer KL "
+                  f"{summary[0]:.4f} -> {summary[1]:.4f}", flush=True)
+        metrics[stage] = stage_metrics
+
+    if trainer.is_world_process_zero():
+        model.save_pretrained(training_args.output_dir)
+        tokenizer.save_pretrained(training_args.output_dir)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return metrics
+
+
+@torch.no_grad()
+def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
+    """How much of the dense attention the indexer's selection keeps, with the model's own pieces.
+
+    Runs `model` densely (`indexer_loss="dense"`, `output_attentions=True`), then recomputes each IndexPool layer's
+    selection from the hidden states that entered it, and sums the dense attention probability that falls on the
+    selected windows plus the tail. Averaged over heads and over the queries whose visible windows exceed the budget
+    (the others keep everything), per layer and over layers. Inputs must be unpadded `[batch, seq]` ids.
+
+    Returns `{"mass": float, "per_layer": [float], "dense_kl": float}`; `mass` is 1.0 when no query is pruned.
+    """
+    layers = [module for module in model.modules() if isinstance(module, HybridIndexPoolAttention)]
+    if not layers:
+        raise ValueError("The model has no IndexPool attention layer: there is no selection to measure.")
+    entered = {}
+
+    def keep_inputs(module, args, kwargs):
+        entered[module] = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+
+    hooks = [layer.register_forward_pre_hook(keep_inputs, with_kwargs=True) for layer in layers]
+    try:
+        outputs = model(input_ids, output_attentions=True, indexer_loss="dense", use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    per_layer = []
+    for layer, weights in zip(layers, outputs.attentions):
+        inputs = entered[layer]
+        hidden_states, positions, rotary_emb = inputs["hidden_states"], inputs["positions"], inputs["rotary_emb"]
+        (cos, sin), token_is_real = inputs["position_embeddings"], inputs["token_is_real"]
+        index_queries, raw_keys, gate_logits, head_weights = layer.indexer(hidden_states, cos, sin)
+        pooled_keys, _ = IndexPoolLayerCache(layer.pool_size).update_index(
+            raw_keys, gate_logits, positions, token_is_real, partial(layer.indexer.pool_windows, rotary_emb=rotary_emb)
+        )
+        r, num_slots = layer.pool_size, weights.shape[-1]
+        num_visible = (positions + 1) // r
+        pruned = num_visible > layer.topk_windows
+        if not pruned.any():
+            per_layer.append(1.0)
+            continue
+        selected = pooled_index_topk(index_queries, pooled_keys, num_visible, layer.topk_windows, head_weights)
+        num_windows = pooled_keys.shape[1]
+        chosen = torch.zeros(*selected.shape[:2], num_windows + 1, dtype=torch.bool, device=selected.device)
+        chosen.scatter_(-1, selected.masked_fill(selected < 0, num_windows), True)
+        chosen[..., num_windows] = False  # the column that absorbed the empty (-1) picks
+        slots = torch.arange(num_slots, device=selected.device)
+        window_of_slot = (slots // r).clamp(max=num_windows)  # slots past the last complete window: the tail
+        tail_start = (num_visible * r)[..., None]
+        kept = chosen.gather(-1, window_of_slot.expand(*selected.shape[:2], -1))
+        kept = kept | ((slots >= tail_start) & (slots <= positions[..., None]))
+        captured = (weights * kept[:, None]).sum(-1)  # [batch, heads, queries]
+        per_layer.append(captured.mean(dim=1)[pruned].mean().item())
+    return {"mass": sum(per_layer) / len(per_layer), "per_layer": per_layer, "dense_kl": outputs.indexer_loss.item()}

@@ -1,0 +1,366 @@
+"""Quality benchmark of the indexers on real text: learned pooling r = 4, mean pooling r = 4, unpooled r = 1, dense.
+
+The text is the Python standard library's source on this machine (`sysconfig.get_paths()["stdlib"]`, every `*.py`
+file, non-ASCII characters replaced by `?`), split by file: a file is held out when the CRC-32 of its relative path
+is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
+
+1. Train a small hybrid model (Gated DeltaNet and IndexPool layers alternating) with dense attention (budget >= the
+   context) on random windows of the training files, a fraction of them turned into passkey samples: the line
+   `# passkey: 12345` inserted at a random depth and repeated as the sample's last line, so retrieval is learnable.
+2. From those weights, build each indexer (learned r = 4, mean r = 4, mean r = 1) with the sparse budget and run the
+   same number of dense warm-up steps on each (DeepSeek-V3.2 stage 1: only the indexer trains, KL to the dense
+   attention) through `hybrid_indexpool.indexer_training`.
+3. On held-out text at the full context measure (a) the fraction of the dense attention mass that the selection
+   (selected windows + tail) captures, averaged over heads, layers and the queries that see more windows than the
+   budget keeps; (b) perplexity with the sparse attention, over all tokens and over the tokens beyond the budget,
+   relative to dense; (c) passkey accuracy (all five digits right, teacher-forced, i.e. what greedy decoding gives)
+   with the key at a random depth, and the fraction of single digits right (chance: 10%).
+
+    python -m hybrid_indexpool.scripts.bench_quality --quick
+    python -m hybrid_indexpool.scripts.bench_quality --json docs/bench_quality.json --plot docs/bench_quality.png
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import sysconfig
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+SETTINGS = ("learned_r4", "mean_r4", "unpooled_r1", "dense")
+LABELS = {"learned_r4": "learned pooling r=4", "mean_r4": "mean pooling r=4", "unpooled_r1": "unpooled r=1",
+          "dense": "dense"}
+POOLING = {"learned_r4": (4, "learned"), "mean_r4": (4, "mean"), "unpooled_r1": (1, "mean"), "dense": (4, "learned")}
+PASSKEY_DIGITS = 5
+# Sizes of the full run and of `--quick` (any of them can be set on the command line).
+PRESETS = {
+    "full": dict(context=512, budget=64, hidden_size=128, layers=4, batch_size=8, train_steps=600, warmup_steps=100,
+                 eval_blocks=32, passkey_samples=64),
+    "quick": dict(context=256, budget=32, hidden_size=64, layers=4, batch_size=8, train_steps=150, warmup_steps=30,
+                  eval_blocks=16, passkey_samples=32),
+}
+
+
+def stdlib_texts() -> tuple[str, str, int, int]:
+    """Training text, held-out text and their file counts from the standard library's `*.py` files (ASCII)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(path for path in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(path.parts))
+    if not files:
+        raise RuntimeError(f"No *.py files under the standard library folder {root}; this benchmark needs its source.")
+    train, held_out = [], []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace").encode("ascii", "replace").decode("ascii")
+        (held_out if zlib.crc32(str(path.relative_to(root)).encode()) % 10 == 0 else train).append(text)
+    return "\n".join(train), "\n".join(held_out), len(train), len(held_out)
+
+
+def text_window(text: str, length: int, rng: random.Random) -> str:
+    start = rng.randrange(len(text) - length)
+    return text[start:start + length]
+
+
+def passkey_sample(text: str, context: int, rng: random.Random) -> tuple[str, float]:
+    """`context` characters of code with `# passkey: NNNNN` on a line at a random depth and again as the last line
+    (whose digits are the answer). Returns the sample and the needle's relative depth."""
+    key = f"{rng.randrange(10 ** PASSKEY_DIGITS):0{PASSKEY_DIGITS}d}"
+    needle, question = f"# passkey: {key}\n", f"\n# passkey: {key}"
+    filler = text_window(text, context - len(needle) - len(question), rng)
+    depth = rng.random()
+    cut = filler.find("\n", int(depth * len(filler))) + 1 or int(depth * len(filler))  # at a line start if any
+    return filler[:cut] + needle + filler[cut:] + question, cut / len(filler)
+
+
+def training_samples(text: str, count: int, context: int, passkey_fraction: float, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [passkey_sample(text, context, rng)[0] if rng.random() < passkey_fraction
+            else text_window(text, context, rng) for _ in range(count)]
+
+
+def token_dataset(samples: list[str], tokenizer, context: int):
+    from datasets import Dataset
+
+    ids = tokenizer(samples, add_special_tokens=False)["input_ids"]
+    if any(len(row) != context for row in ids):
+        raise RuntimeError("A sample does not tokenize to exactly one token per character; the benchmark needs the "
+                           "byte-level tokenizer and ASCII text.")
+    return Dataset.from_dict({"input_ids": ids})
+
+
+def model_config(setting: str, args, tokenizer):
+    from hybrid_indexpool import HybridIndexPoolConfig
+
+    pool_size, weighting = POOLING[setting]
+    head_dim = max(16, args.hidden_size // 4)
+    return HybridIndexPoolConfig(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=args.layers,
+        layer_types=["linear_attention" if i % 2 == 0 else "indexpool_attention" for i in range(args.layers)],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, index_n_heads=4, index_head_dim=head_dim,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        index_pool_size=pool_size, index_pool_weighting=weighting,
+        index_topk=-(-args.context // 4) * 4 if setting == "dense" else args.budget,
+    )
+
+
+def trainer_arguments(output_dir: str, steps: int, learning_rate: float, args):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10),
+        logging_steps=max(1, steps // 20), save_strategy="no", report_to="none", use_cpu=True, seed=args.seed,
+        dataloader_num_workers=0,
+    )
+
+
+@torch.no_grad()
+def evaluate(model, blocks: torch.Tensor, passkeys: torch.Tensor, args) -> dict:
+    """Perplexity (all tokens, tokens beyond the budget), captured attention mass, passkey accuracy."""
+    from hybrid_indexpool.indexer_training import selection_attention_mass
+
+    model.eval()
+    # A query is pruned (for r = 4 and r = 1 alike) from position budget + 3 on.
+    beyond = torch.arange(args.context - 1) >= args.budget + 3
+    nll_sum = nll_beyond = 0.0
+    masses, kls = [], []
+    for batch in blocks.split(args.eval_batch_size):
+        logits = model(batch, use_cache=False).logits[:, :-1].float()
+        nll = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
+        nll_sum += nll.sum().item()
+        nll_beyond += nll[:, beyond].sum().item()
+        mass = selection_attention_mass(model, batch)
+        masses.append(mass["mass"])
+        kls.append(mass["dense_kl"])
+    correct = digits_correct = 0
+    for batch in passkeys.split(args.eval_batch_size):
+        logits = model(batch, use_cache=False).logits
+        right = logits[:, -PASSKEY_DIGITS - 1:-1].argmax(-1) == batch[:, -PASSKEY_DIGITS:]
+        correct += right.all(dim=-1).sum().item()
+        digits_correct += right.sum().item()
+    tokens = blocks.shape[0] * (args.context - 1)
+    return {
+        "ppl": float(torch.tensor(nll_sum / tokens).exp()),
+        "ppl_beyond_budget": float(torch.tensor(nll_beyond / (blocks.shape[0] * int(beyond.sum()))).exp()),
+        "attention_mass": sum(masses) / len(masses),
+        "dense_kl": sum(kls) / len(kls),
+        "passkey_accuracy": correct / passkeys.shape[0],
+        "passkey_digit_accuracy": digits_correct / (passkeys.shape[0] * PASSKEY_DIGITS),
+    }
+
+
+def run(args) -> dict:
+    from transformers import DataCollatorForLanguageModeling, Trainer
+    from transformers.utils import logging as transformers_logging
+
+    from hybrid_indexpool import HybridIndexPoolForCausalLM
+    from hybrid_indexpool.indexer_training import kl_summary, train_indexer_stage
+    from hybrid_indexpool.tokenization import byte_level_tokenizer
+
+    transformers_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    tokenizer = byte_level_tokenizer()
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    train_text, held_out_text, train_files, held_out_files = stdlib_texts()
+    base_data = token_dataset(
+        training_samples(train_text, args.train_steps * args.batch_size, args.context, args.passkey_fraction,
+                         args.seed), tokenizer, args.context)
+    warmup_data = token_dataset(
+        training_samples(train_text, args.warmup_steps * args.batch_size, args.context, args.passkey_fraction,
+                         args.seed + 1), tokenizer, args.context)
+    rng = random.Random(args.seed + 2)
+    blocks = torch.tensor(tokenizer([text_window(held_out_text, args.context, rng) for _ in range(args.eval_blocks)],
+                                    add_special_tokens=False)["input_ids"])
+    passkey_texts, depths = zip(*(passkey_sample(held_out_text, args.context, rng)
+                                  for _ in range(args.passkey_samples)))
+    passkeys = torch.tensor(tokenizer(list(passkey_texts), add_special_tokens=False)["input_ids"])
+
+    results, warmup_curves = {}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        print(f"1/3 training the dense base model: {args.train_steps} steps of {args.batch_size} x {args.context} "
+              "tokens", flush=True)
+        torch.manual_seed(args.seed)
+        base = HybridIndexPoolForCausalLM(model_config("dense", args, tokenizer))
+        trainer = Trainer(model=base, args=trainer_arguments(scratch, args.train_steps, args.learning_rate, args),
+                          train_dataset=base_data, data_collator=collator)
+        trainer.train()
+        base_losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        base_seconds = time.time() - started
+        base_state = base.state_dict()
+
+        print("2/3 dense warm-up of each indexer, 3/3 evaluation on held-out text", flush=True)
+        for setting in tqdm(SETTINGS, desc="indexers"):
+            if setting == "dense":
+                model = base
+            else:
+                model = HybridIndexPoolForCausalLM(model_config(setting, args, tokenizer))
+                missing, unexpected = model.load_state_dict(base_state, strict=False)
+                if missing or any("pool_" not in name for name in unexpected):
+                    raise RuntimeError(f"{setting}: the base weights do not fit ({missing}, {unexpected}).")
+                warmup = train_indexer_stage(
+                    model, "warmup", warmup_data,
+                    trainer_arguments(scratch, args.warmup_steps, args.warmup_learning_rate, args), collator,
+                )
+                warmup_curves[setting] = [(entry["step"], entry["indexer_kl"])
+                                          for entry in warmup.state.log_history if "indexer_kl" in entry]
+            row = {"setting": setting, "pool_size": model.config.index_pool_size,
+                   "weighting": model.config.index_pool_weighting, "budget": model.config.index_topk}
+            row.update(evaluate(model, blocks, passkeys, args))
+            if setting == "dense":
+                row["dense_kl"] = None  # no selection, and its indexer was never trained
+            else:
+                row["warmup_kl_first"], row["warmup_kl_last"] = kl_summary(warmup.state.log_history)
+            results[setting] = row
+
+    dense = results["dense"]
+    for row in results.values():
+        row["ppl_vs_dense"] = row["ppl"] / dense["ppl"] - 1
+        row["ppl_beyond_budget_vs_dense"] = row["ppl_beyond_budget"] / dense["ppl_beyond_budget"] - 1
+    return {
+        "machine": machine(),
+        "settings": {**vars(args), "train_files": train_files, "held_out_files": held_out_files,
+                     "train_chars": len(train_text), "held_out_chars": len(held_out_text),
+                     "passkey_depths": [round(depth, 3) for depth in depths]},
+        "base_training": {"losses": base_losses, "seconds": round(base_seconds, 1)},
+        "results": [results[setting] for setting in SETTINGS],
+        "warmup_kl": warmup_curves,
+        "seconds": round(time.time() - started, 1),
+    }
+
+
+def machine() -> dict:
+    import transformers
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def format_table(report: dict) -> str:
+    """The machine, the settings and a Markdown table of the results."""
+    settings, machine_info = report["settings"], report["machine"]
+    lines = [
+        f"machine: {machine_info['platform']}, {machine_info['processor']}, {machine_info['cpu_count']} CPUs "
+        f"({machine_info['torch_threads']} torch threads), "
+        f"python {machine_info['python']}, torch {machine_info['torch']}, transformers {machine_info['transformers']}",
+        f"text: standard library *.py, {settings['train_files']} training files ({settings['train_chars']:,} chars), "
+        f"{settings['held_out_files']} held-out files ({settings['held_out_chars']:,} chars)",
+        f"model: {settings['layers']} layers (Gated DeltaNet / IndexPool alternating), hidden "
+        f"{settings['hidden_size']}, byte-level; context {settings['context']}, budget {settings['budget']} tokens; "
+        f"base {settings['train_steps']} steps x {settings['batch_size']} (final loss "
+        f"{report['base_training']['losses'][-1]:.3f}, {report['base_training']['seconds']:.0f} s); "
+        f"warm-up {settings['warmup_steps']} steps per indexer; "
+        f"{settings['eval_blocks']} held-out blocks, {settings['passkey_samples']} passkey samples; "
+        f"{report['seconds']:.0f} s in all",
+        "",
+        "| indexer | attention mass captured | warm-up KL first -> last | held-out KL | ppl | ppl vs dense | "
+        "ppl beyond budget | vs dense | passkey accuracy | passkey digits right |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["results"]:
+        kl = "-"
+        if row.get("warmup_kl_first") is not None:
+            kl = f"{row['warmup_kl_first']:.3f} -> {row['warmup_kl_last']:.3f}"
+        held_out_kl = "-" if row["dense_kl"] is None else f"{row['dense_kl']:.3f}"
+        lines.append(
+            f"| {LABELS[row['setting']]} | {row['attention_mass']:.3f} | {kl} | {held_out_kl} | {row['ppl']:.3f} | "
+            f"{row['ppl_vs_dense']:+.2%} | {row['ppl_beyond_budget']:.3f} | {row['ppl_beyond_budget_vs_dense']:+.2%} | "
+            f"{row['passkey_accuracy']:.1%} | {row['passkey_digit_accuracy']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Warm-up KL per step, captured attention mass and perplexity beyond the budget relative to dense."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    figure, (curves, masses, ppls) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for setting, points in report["warmup_kl"].items():
+        steps, values = zip(*points)
+        curves.plot(steps, values, marker=".", label=LABELS[setting])
+    curves.set(title="dense warm-up: indexer KL", xlabel="step", ylabel="KL(attention || indexer)")
+    curves.legend()
+    names = [LABELS[row["setting"]] for row in rows]
+    masses.bar(names, [row["attention_mass"] for row in rows], color="tab:blue")
+    masses.set(title=f"attention mass captured (budget {report['settings']['budget']})", ylim=(0, 1.05))
+    ppls.bar(names, [100 * row["ppl_beyond_budget_vs_dense"] for row in rows], color="tab:orange")
+    ppls.set(title="perplexity beyond the budget vs dense", ylabel="%")
+    for axis in (masses, ppls):
+        axis.tick_params(axis="x", labelrotation=15)
+    figure.suptitle(f"held-out stdlib source, context {report['settings']['context']} tokens")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="Small sizes: about 2 minutes on 2 CPU cores.")
+    for name, help_text in (("context", "Tokens per sequence (training and evaluation)."),
+                            ("budget", "Token budget index_topk of the sparse settings (a multiple of 4)."),
+                            ("hidden-size", "Model width."),
+                            ("layers", "Layers, Gated DeltaNet and IndexPool alternating."),
+                            ("batch-size", "Sequences per training step."),
+                            ("train-steps", "Training steps of the dense base model."),
+                            ("warmup-steps", "Dense warm-up steps of each indexer."),
+                            ("eval-blocks", "Held-out sequences for perplexity and attention mass."),
+                            ("passkey-samples", "Held-out passkey samples.")):
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"{help_text} Default: full / --quick preset.")
+    parser.add_argument("--eval-batch-size", type=int, default=4)
+    parser.add_argument("--passkey-fraction", type=float, default=0.5,
+                        help="Fraction of training sequences that are passkey samples.")
+    parser.add_argument("--learning-rate", type=float, default=2e-3, help="Of the base model.")
+    parser.add_argument("--warmup-learning-rate", type=float, default=2e-3, help="Of the indexer warm-up.")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads for torch (default 1: the matrices are small, and on a shared CPU more "
+                             "threads oversubscribe the cores and slow everything down many times).")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="Write the report (settings, table, curves) as JSON.")
+    parser.add_argument("--plot", metavar="FILE", help="Draw warm-up KL, attention mass and perplexity (matplotlib).")
+    args = parser.parse_args(argv)
+    for name, value in PRESETS["quick" if args.quick else "full"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.budget % 4 or args.budget <= 0:
+        parser.error(f"--budget {args.budget} must be a positive multiple of 4 (the pool size of the r=4 settings).")
+    if args.context < 2 * args.budget:
+        parser.error(f"--context {args.context} must be at least twice --budget {args.budget}, or nothing is pruned.")
+    if args.context < 64:
+        parser.error(f"--context {args.context} is too short for a passkey sample; use at least 64.")
+    if args.layers < 2:
+        parser.error("--layers must be at least 2 (one Gated DeltaNet and one IndexPool layer).")
+    if not 0.0 <= args.passkey_fraction <= 1.0:
+        parser.error(f"--passkey-fraction {args.passkey_fraction} must lie between 0 and 1.")
+    for name in ("threads", "hidden_size", "batch_size", "train_steps", "warmup_steps", "eval_blocks",
+                 "passkey_samples", "eval_batch_size"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive.")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_arguments(argv)
+    report = run(args)
+    print(format_table(report), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Train the indexer of a HybridIndexPool model in two stages (DeepSeek-V3.2 recipe, DESIGN §3) with
+`transformers.Trainer` on local text or JSON files.
+
+Stage 1, dense warm-up (`--stage warmup`): only the indexer and pooling parameters train, on the KL divergence between
+their window scores and the dense attention. Stage 2, sparse training (`--stage sparse`): every parameter trains on
+the language-model loss plus `indexer_loss_weight` times the KL over the selected windows. `--stage both` runs one
+after the other. The KL is logged as `indexer_kl` every `--logging_steps` (default 1). Works on a saved checkpoint
+(`--model_name_or_path`, e.g. a converted one) or a new model (`--init_config`); the result is saved with
+`save_pretrained` (weights, config, remote code, model card) plus the tokenizer. Every `TrainingArguments` option is
+accepted except `--max_steps` (each stage has its own step count). Example:
+
+    python -m hybrid_indexpool.scripts.train_indexer --model_name_or_path ckpt --train_files data.txt \\
+        --block_size 8192 --output_dir out --stage both --dense_warmup_steps 1000 --sparse_steps 1000 \\
+        --dense_warmup_learning_rate 1e-3 --learning_rate 7e-6 --per_device_train_batch_size 4
+"""
+
+import sys
+
+import torch
+from transformers import HfArgumentParser, TrainingArguments
+
+from hybrid_indexpool.indexer_training import IndexerTrainingArguments, run_indexer_training
+
+
+def parse_arguments(argv=None) -> tuple[IndexerTrainingArguments, TrainingArguments]:
+    """Parse the command line (or a single .json file of arguments)."""
+    parser = HfArgumentParser((IndexerTrainingArguments, TrainingArguments), description=__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(argv[0])
+    if not torch.cuda.is_available() and "--use_cpu" not in argv:
+        argv.append("--use_cpu")  # without it the Trainer ignores a CPU launch by `accelerate launch`
+    if not any(option.startswith("--logging_steps") for option in argv):
+        argv += ["--logging_steps", "1"]  # the KL of every step, so the warm-up's progress is visible
+    args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.bf16 is False and "--bf16" not in argv and torch.cuda.is_available() \
+            and torch.cuda.is_bf16_supported():
+        training_args.bf16 = True  # bf16 by default where the hardware supports it
+    return args, training_args
+
+
+def main(argv=None) -> dict:
+    args, training_args = parse_arguments(argv)
+    return run_indexer_training(args, training_args)
+
+
+if __name__ == "__main__":
+    main()
