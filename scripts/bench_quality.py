@@ -15,12 +15,17 @@ is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
    budget keeps; (b) perplexity with the sparse attention, over all tokens and over the tokens beyond the budget,
    relative to dense; (c) passkey accuracy (all five digits right, teacher-forced, i.e. what greedy decoding gives)
    with the key at a random depth, and the fraction of single digits right (chance: 10%).
+4. Unless `--sparse-steps 0`: continue each indexer's model with the sparse stage (DeepSeek-V3.2 stage 2: every
+   parameter trains, sparse attention, language-model loss plus `indexer_loss_weight` times the KL over the selected
+   windows), and the dense model with the same number of plain language-model steps on the same data, so that every
+   setting gets the same extra training; then measure everything again.
 
     python -m hybrid_indexpool.scripts.bench_quality --quick
     python -m hybrid_indexpool.scripts.bench_quality --json docs/bench_quality.json --plot docs/bench_quality.png
 """
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -43,9 +48,9 @@ PASSKEY_DIGITS = 5
 # Sizes of the full run and of `--quick` (any of them can be set on the command line).
 PRESETS = {
     "full": dict(context=512, budget=64, hidden_size=128, layers=4, batch_size=8, train_steps=600, warmup_steps=100,
-                 eval_blocks=32, passkey_samples=64),
+                 sparse_steps=100, eval_blocks=32, passkey_samples=64),
     "quick": dict(context=256, budget=32, hidden_size=64, layers=4, batch_size=8, train_steps=150, warmup_steps=30,
-                  eval_blocks=16, passkey_samples=32),
+                  sparse_steps=20, eval_blocks=16, passkey_samples=32),
 }
 
 
@@ -157,6 +162,16 @@ def evaluate(model, blocks: torch.Tensor, passkeys: torch.Tensor, args) -> dict:
     }
 
 
+def evaluated_row(setting: str, model, blocks: torch.Tensor, passkeys: torch.Tensor, args) -> dict:
+    """A result row: the setting's indexer, then `evaluate`'s metrics (no held-out KL for dense)."""
+    row = {"setting": setting, "pool_size": model.config.index_pool_size,
+           "weighting": model.config.index_pool_weighting, "budget": model.config.index_topk}
+    row.update(evaluate(model, blocks, passkeys, args))
+    if setting == "dense":
+        row["dense_kl"] = None  # no selection, and its indexer was never trained
+    return row
+
+
 def run(args) -> dict:
     from transformers import DataCollatorForLanguageModeling, Trainer
     from transformers.utils import logging as transformers_logging
@@ -177,6 +192,10 @@ def run(args) -> dict:
     warmup_data = token_dataset(
         training_samples(train_text, args.warmup_steps * args.batch_size, args.context, args.passkey_fraction,
                          args.seed + 1), tokenizer, args.context)
+    # The extra training after the warm-up: the same sequences, in the same order, for every setting.
+    sparse_data = token_dataset(
+        training_samples(train_text, args.sparse_steps * args.batch_size, args.context, args.passkey_fraction,
+                         args.seed + 3), tokenizer, args.context) if args.sparse_steps else None
     rng = random.Random(args.seed + 2)
     blocks = torch.tensor(tokenizer([text_window(held_out_text, args.context, rng) for _ in range(args.eval_blocks)],
                                     add_special_tokens=False)["input_ids"])
@@ -184,7 +203,7 @@ def run(args) -> dict:
                                   for _ in range(args.passkey_samples)))
     passkeys = torch.tensor(tokenizer(list(passkey_texts), add_special_tokens=False)["input_ids"])
 
-    results, warmup_curves = {}, {}
+    results, warmup_curves, sparse_results, sparse_curves = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         print(f"1/3 training the dense base model: {args.train_steps} steps of {args.batch_size} x {args.context} "
               "tokens", flush=True)
@@ -195,9 +214,11 @@ def run(args) -> dict:
         trainer.train()
         base_losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         base_seconds = time.time() - started
-        base_state = base.state_dict()
+        base_state = copy.deepcopy(base.state_dict())  # the dense setting trains `base` further in the sparse stage
 
-        print("2/3 dense warm-up of each indexer, 3/3 evaluation on held-out text", flush=True)
+        print("2/3 dense warm-up of each indexer, 3/3 evaluation on held-out text"
+              + (f", then {args.sparse_steps} sparse-stage steps and evaluation again" if args.sparse_steps else ""),
+              flush=True)
         for setting in tqdm(SETTINGS, desc="indexers"):
             if setting == "dense":
                 model = base
@@ -212,19 +233,30 @@ def run(args) -> dict:
                 )
                 warmup_curves[setting] = [(entry["step"], entry["indexer_kl"])
                                           for entry in warmup.state.log_history if "indexer_kl" in entry]
-            row = {"setting": setting, "pool_size": model.config.index_pool_size,
-                   "weighting": model.config.index_pool_weighting, "budget": model.config.index_topk}
-            row.update(evaluate(model, blocks, passkeys, args))
+            results[setting] = evaluated_row(setting, model, blocks, passkeys, args)
+            if setting != "dense":
+                results[setting]["warmup_kl_first"], results[setting]["warmup_kl_last"] = \
+                    kl_summary(warmup.state.log_history)
+            if not args.sparse_steps:
+                continue
+            stage_arguments = trainer_arguments(scratch, args.sparse_steps, args.sparse_learning_rate, args)
             if setting == "dense":
-                row["dense_kl"] = None  # no selection, and its indexer was never trained
+                sparse = Trainer(model=model, args=stage_arguments, train_dataset=sparse_data, data_collator=collator)
+                sparse.train()
             else:
-                row["warmup_kl_first"], row["warmup_kl_last"] = kl_summary(warmup.state.log_history)
-            results[setting] = row
+                sparse = train_indexer_stage(model, "sparse", sparse_data, stage_arguments, collator)
+            # The language-model part of the loss (all of it for dense) and, for the indexers, the KL.
+            sparse_curves[setting] = [(entry["step"], entry.get("lm_loss", entry["loss"]), entry.get("indexer_kl"))
+                                      for entry in sparse.state.log_history if "loss" in entry]
+            sparse_results[setting] = evaluated_row(setting, model, blocks, passkeys, args)
+            if setting != "dense":
+                sparse_results[setting]["sparse_kl_first"], sparse_results[setting]["sparse_kl_last"] = \
+                    kl_summary(sparse.state.log_history)
 
-    dense = results["dense"]
-    for row in results.values():
-        row["ppl_vs_dense"] = row["ppl"] / dense["ppl"] - 1
-        row["ppl_beyond_budget_vs_dense"] = row["ppl_beyond_budget"] / dense["ppl_beyond_budget"] - 1
+    for rows in (results, sparse_results):
+        for row in rows.values():
+            row["ppl_vs_dense"] = row["ppl"] / rows["dense"]["ppl"] - 1
+            row["ppl_beyond_budget_vs_dense"] = row["ppl_beyond_budget"] / rows["dense"]["ppl_beyond_budget"] - 1
     return {
         "machine": machine(),
         "settings": {**vars(args), "train_files": train_files, "held_out_files": held_out_files,
@@ -233,6 +265,8 @@ def run(args) -> dict:
         "base_training": {"losses": base_losses, "seconds": round(base_seconds, 1)},
         "results": [results[setting] for setting in SETTINGS],
         "warmup_kl": warmup_curves,
+        "results_after_sparse": [sparse_results[setting] for setting in SETTINGS if setting in sparse_results],
+        "sparse_curves": sparse_curves,
         "seconds": round(time.time() - started, 1),
     }
 
@@ -258,29 +292,35 @@ def format_table(report: dict) -> str:
         f"{settings['hidden_size']}, byte-level; context {settings['context']}, budget {settings['budget']} tokens; "
         f"base {settings['train_steps']} steps x {settings['batch_size']} (final loss "
         f"{report['base_training']['losses'][-1]:.3f}, {report['base_training']['seconds']:.0f} s); "
-        f"warm-up {settings['warmup_steps']} steps per indexer; "
+        f"warm-up {settings['warmup_steps']} steps per indexer; sparse stage {settings['sparse_steps']} steps per "
+        f"setting (lr {settings['sparse_learning_rate']:g}; dense: language-model steps); "
         f"{settings['eval_blocks']} held-out blocks, {settings['passkey_samples']} passkey samples; "
         f"{report['seconds']:.0f} s in all",
         "",
-        "| indexer | attention mass captured | warm-up KL first -> last | held-out KL | ppl | ppl vs dense | "
+        "| indexer | after | attention mass captured | training KL first -> last | held-out KL | ppl | ppl vs dense | "
         "ppl beyond budget | vs dense | passkey accuracy | passkey digits right |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in report["results"]:
-        kl = "-"
-        if row.get("warmup_kl_first") is not None:
-            kl = f"{row['warmup_kl_first']:.3f} -> {row['warmup_kl_last']:.3f}"
-        held_out_kl = "-" if row["dense_kl"] is None else f"{row['dense_kl']:.3f}"
-        lines.append(
-            f"| {LABELS[row['setting']]} | {row['attention_mass']:.3f} | {kl} | {held_out_kl} | {row['ppl']:.3f} | "
-            f"{row['ppl_vs_dense']:+.2%} | {row['ppl_beyond_budget']:.3f} | {row['ppl_beyond_budget_vs_dense']:+.2%} | "
-            f"{row['passkey_accuracy']:.1%} | {row['passkey_digit_accuracy']:.1%} |"
-        )
+    stages = [("warm-up", "warmup", report["results"]),
+              (f"+ stage 2 ({settings['sparse_steps']} steps)", "sparse", report.get("results_after_sparse", []))]
+    for after, stage, rows in stages:
+        for row in rows:
+            kl = "-"
+            if row.get(f"{stage}_kl_first") is not None:
+                kl = f"{row[f'{stage}_kl_first']:.3f} -> {row[f'{stage}_kl_last']:.3f}"
+            held_out_kl = "-" if row["dense_kl"] is None else f"{row['dense_kl']:.3f}"
+            lines.append(
+                f"| {LABELS[row['setting']]} | {after} | {row['attention_mass']:.3f} | {kl} | {held_out_kl} | "
+                f"{row['ppl']:.3f} | {row['ppl_vs_dense']:+.2%} | {row['ppl_beyond_budget']:.3f} | "
+                f"{row['ppl_beyond_budget_vs_dense']:+.2%} | {row['passkey_accuracy']:.1%} | "
+                f"{row['passkey_digit_accuracy']:.1%} |"
+            )
     return "\n".join(lines)
 
 
 def plot(report: dict, path: str) -> None:
-    """Warm-up KL per step, captured attention mass and perplexity beyond the budget relative to dense."""
+    """Warm-up KL per step, captured attention mass and perplexity beyond the budget relative to dense, after the
+    warm-up and (when it ran) after the sparse stage."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,13 +333,19 @@ def plot(report: dict, path: str) -> None:
         curves.plot(steps, values, marker=".", label=LABELS[setting])
     curves.set(title="dense warm-up: indexer KL", xlabel="step", ylabel="KL(attention || indexer)")
     curves.legend()
-    names = [LABELS[row["setting"]] for row in rows]
-    masses.bar(names, [row["attention_mass"] for row in rows], color="tab:blue")
+    groups = [("after warm-up", rows)]
+    if report.get("results_after_sparse"):
+        groups.append((f"+ stage 2 ({report['settings']['sparse_steps']} steps)", report["results_after_sparse"]))
+    width = 0.8 / len(groups)
+    for index, (label, group) in enumerate(groups):
+        positions = [position + (index - (len(groups) - 1) / 2) * width for position in range(len(group))]
+        masses.bar(positions, [row["attention_mass"] for row in group], width, label=label)
+        ppls.bar(positions, [100 * row["ppl_beyond_budget_vs_dense"] for row in group], width, label=label)
     masses.set(title=f"attention mass captured (budget {report['settings']['budget']})", ylim=(0, 1.05))
-    ppls.bar(names, [100 * row["ppl_beyond_budget_vs_dense"] for row in rows], color="tab:orange")
     ppls.set(title="perplexity beyond the budget vs dense", ylabel="%")
     for axis in (masses, ppls):
-        axis.tick_params(axis="x", labelrotation=15)
+        axis.set_xticks(range(len(rows)), [LABELS[row["setting"]] for row in rows], rotation=15)
+        axis.legend()
     figure.suptitle(f"held-out stdlib source, context {report['settings']['context']} tokens")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -316,6 +362,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                             ("batch-size", "Sequences per training step."),
                             ("train-steps", "Training steps of the dense base model."),
                             ("warmup-steps", "Dense warm-up steps of each indexer."),
+                            ("sparse-steps", "Sparse-stage steps after the warm-up (dense: as many language-model "
+                                             "steps); 0 skips the stage."),
                             ("eval-blocks", "Held-out sequences for perplexity and attention mass."),
                             ("passkey-samples", "Held-out passkey samples.")):
         parser.add_argument(f"--{name}", type=int, default=None, help=f"{help_text} Default: full / --quick preset.")
@@ -324,6 +372,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="Fraction of training sequences that are passkey samples.")
     parser.add_argument("--learning-rate", type=float, default=2e-3, help="Of the base model.")
     parser.add_argument("--warmup-learning-rate", type=float, default=2e-3, help="Of the indexer warm-up.")
+    parser.add_argument("--sparse-learning-rate", type=float, default=5e-4,
+                        help="Of the sparse stage (all parameters) and of dense's matching language-model steps.")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (default 1: the matrices are small, and on a shared CPU more "
                              "threads oversubscribe the cores and slow everything down many times).")
@@ -348,6 +398,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                  "passkey_samples", "eval_batch_size"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive.")
+    if args.sparse_steps < 0:
+        parser.error(f"--sparse-steps {args.sparse_steps} must not be negative (0 skips the sparse stage).")
     return args
 
 

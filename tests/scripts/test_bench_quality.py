@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 
@@ -7,10 +8,11 @@ from hybrid_indexpool.scripts import bench_quality
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 TINY = ["--context", "128", "--budget", "16", "--hidden-size", "32", "--layers", "2", "--batch-size", "2",
-        "--train-steps", "4", "--warmup-steps", "3", "--eval-blocks", "2", "--passkey-samples", "4"]
+        "--train-steps", "4", "--warmup-steps", "3", "--sparse-steps", "2", "--eval-blocks", "2",
+        "--passkey-samples", "4"]
 
 
-def test_tiny_run_writes_all_four_rows_as_json_and_a_plot(tmp_path, capsys):
+def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (in the dev extra)")
     report = bench_quality.main(TINY + ["--json", str(tmp_path / "quality.json"), "--plot", str(tmp_path / "q.png")])
     printed = capsys.readouterr().out
@@ -27,6 +29,18 @@ def test_tiny_run_writes_all_four_rows_as_json_and_a_plot(tmp_path, capsys):
         assert 0.0 < row["attention_mass"] < 1.0 and row["ppl"] > 1.0 and 0.0 <= row["passkey_accuracy"] <= 1.0
         assert len(written["warmup_kl"][setting]) == 3 and row["warmup_kl_first"] > 0
     assert (tmp_path / "q.png").stat().st_size > 0
+    # After the sparse stage (dense: as many language-model steps) every setting is measured again.
+    assert "| learned pooling r=4 | + stage 2 (2 steps) |" in printed
+    after = {row["setting"]: row for row in written["results_after_sparse"]}
+    assert list(after) == list(bench_quality.SETTINGS) and list(written["sparse_curves"]) == list(after)
+    assert after["dense"]["ppl_vs_dense"] == 0.0 and "sparse_kl_first" not in after["dense"]
+    for setting, row in after.items():
+        for key in ("attention_mass", "ppl", "ppl_vs_dense", "ppl_beyond_budget", "ppl_beyond_budget_vs_dense",
+                    "passkey_accuracy"):
+            assert math.isfinite(row[key]), (setting, key)
+        assert all(math.isfinite(lm_loss) for _, lm_loss, _ in written["sparse_curves"][setting])
+        if setting != "dense":
+            assert 0.0 < row["attention_mass"] < 1.0 and math.isfinite(row["sparse_kl_last"])
 
 
 def test_passkey_samples_have_the_context_length_and_end_with_the_key():
