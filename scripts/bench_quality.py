@@ -282,6 +282,7 @@ def machine() -> dict:
 def format_table(report: dict) -> str:
     """The machine, the settings and a Markdown table of the results."""
     settings, machine_info = report["settings"], report["machine"]
+    sparse_steps = settings.get("sparse_steps", 0)  # reports from before the sparse stage have none
     lines = [
         f"machine: {machine_info['platform']}, {machine_info['processor']}, {machine_info['cpu_count']} CPUs "
         f"({machine_info['torch_threads']} torch threads), "
@@ -292,8 +293,9 @@ def format_table(report: dict) -> str:
         f"{settings['hidden_size']}, byte-level; context {settings['context']}, budget {settings['budget']} tokens; "
         f"base {settings['train_steps']} steps x {settings['batch_size']} (final loss "
         f"{report['base_training']['losses'][-1]:.3f}, {report['base_training']['seconds']:.0f} s); "
-        f"warm-up {settings['warmup_steps']} steps per indexer; sparse stage {settings['sparse_steps']} steps per "
-        f"setting (lr {settings['sparse_learning_rate']:g}; dense: language-model steps); "
+        f"warm-up {settings['warmup_steps']} steps per indexer; "
+        + (f"sparse stage {sparse_steps} steps per setting (lr {settings['sparse_learning_rate']:g}; dense: "
+           "language-model steps); " if sparse_steps else "") +
         f"{settings['eval_blocks']} held-out blocks, {settings['passkey_samples']} passkey samples; "
         f"{report['seconds']:.0f} s in all",
         "",
@@ -301,16 +303,20 @@ def format_table(report: dict) -> str:
         "ppl beyond budget | vs dense | passkey accuracy | passkey digits right |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    stages = [("warm-up", "warmup", report["results"]),
-              (f"+ stage 2 ({settings['sparse_steps']} steps)", "sparse", report.get("results_after_sparse", []))]
-    for after, stage, rows in stages:
+    # What each row comes after: the indexer's warm-up (for dense: the base model), then the sparse stage (for dense:
+    # as many language-model steps).
+    stages = [("warm-up", "base", "warmup", report["results"]),
+              (f"+ stage 2 ({sparse_steps} steps)", f"+ {sparse_steps} LM steps", "sparse",
+               report.get("results_after_sparse", []))]
+    for after, dense_after, stage, rows in stages:
         for row in rows:
             kl = "-"
             if row.get(f"{stage}_kl_first") is not None:
                 kl = f"{row[f'{stage}_kl_first']:.3f} -> {row[f'{stage}_kl_last']:.3f}"
             held_out_kl = "-" if row["dense_kl"] is None else f"{row['dense_kl']:.3f}"
             lines.append(
-                f"| {LABELS[row['setting']]} | {after} | {row['attention_mass']:.3f} | {kl} | {held_out_kl} | "
+                f"| {LABELS[row['setting']]} | {dense_after if row['setting'] == 'dense' else after} | "
+                f"{row['attention_mass']:.3f} | {kl} | {held_out_kl} | "
                 f"{row['ppl']:.3f} | {row['ppl_vs_dense']:+.2%} | {row['ppl_beyond_budget']:.3f} | "
                 f"{row['ppl_beyond_budget_vs_dense']:+.2%} | {row['passkey_accuracy']:.1%} | "
                 f"{row['passkey_digit_accuracy']:.1%} |"
