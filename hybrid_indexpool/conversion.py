@@ -510,6 +510,45 @@ def _own_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# For text, the position streams of the Qwen multimodal RoPE are equal, which makes it plain RoPE.
+MULTIMODAL_ROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def qwen_hybrid_settings(full_config, text_config) -> dict:
+    """Our config fields that every Qwen hybrid (Qwen3-Next, Qwen3.5, Qwen4-Exp) maps the same way: widths, gated
+    attention with partial RoPE (multimodal-RoPE sections dropped), Gated DeltaNet, norms, special tokens, dtype.
+    `full_config` is the checkpoint's config, `text_config` its text part (the same object for text checkpoints)."""
+    text = text_config
+    rope = {key: value for key, value in text.rope_parameters.items() if key not in MULTIMODAL_ROPE_KEYS}
+    return dict(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        num_hidden_layers=text.num_hidden_layers,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads,
+        head_dim=text.head_dim,
+        partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
+        rope_parameters=rope,
+        attention_output_gate=True,
+        attention_bias=text.attention_bias,
+        attention_dropout=text.attention_dropout,
+        linear_num_key_heads=text.linear_num_key_heads,
+        linear_num_value_heads=text.linear_num_value_heads,
+        linear_key_head_dim=text.linear_key_head_dim,
+        linear_value_head_dim=text.linear_value_head_dim,
+        linear_conv_kernel_dim=text.linear_conv_kernel_dim,
+        hidden_act=text.hidden_act,
+        rms_norm_eps=text.rms_norm_eps,
+        max_position_embeddings=text.max_position_embeddings,
+        initializer_range=text.initializer_range,
+        tie_word_embeddings=bool(full_config.tie_word_embeddings),
+        pad_token_id=text.pad_token_id,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        dtype=full_config.dtype or text.dtype,
+    )
+
+
 def convert_checkpoint(
     source: SourceCheckpoint,
     plan: ConversionPlan,
@@ -720,5 +759,6 @@ __all__ = [
     "expected_weights",
     "fresh_weights",
     "fuse_experts",
+    "qwen_hybrid_settings",
     "rename",
 ]

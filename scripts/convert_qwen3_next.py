@@ -31,6 +31,7 @@ from hybrid_indexpool.conversion import (
     convert_checkpoint,
     fresh_weights,
     fuse_experts,
+    qwen_hybrid_settings,
     rename,
 )
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolIndexer
@@ -38,8 +39,6 @@ from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolI
 SCRIPT = "scripts/convert_qwen3_next.py"
 TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
-# For text, the three position streams of Qwen3.5's multimodal RoPE are equal, which makes it plain RoPE.
-MULTIMODAL_ROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
 @dataclass
@@ -74,7 +73,6 @@ def build_config(source: SourceCheckpoint, indexer: IndexerSettings) -> HybridIn
             f"The source mixes dense-MLP layers (mlp_only_layers={text.mlp_only_layers}, decoder_sparse_step="
             f"{text.decoder_sparse_step}) with MoE layers; our model uses one MLP kind in every layer."
         )
-    rope = {key: value for key, value in text.rope_parameters.items() if key not in MULTIMODAL_ROPE_KEYS}
     moe = {}
     if num_experts:
         moe = dict(
@@ -86,40 +84,16 @@ def build_config(source: SourceCheckpoint, indexer: IndexerSettings) -> HybridIn
         )
     try:
         return HybridIndexPoolConfig(
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
+            **qwen_hybrid_settings(full, text),
             # MoE sources have no dense MLP width; ours keeps its default there (no layer uses it).
             intermediate_size=getattr(text, "intermediate_size", None) or HybridIndexPoolConfig.intermediate_size,
-            num_hidden_layers=text.num_hidden_layers,
             layer_types=layer_types,
-            num_attention_heads=text.num_attention_heads,
-            num_key_value_heads=text.num_key_value_heads,
-            head_dim=text.head_dim,
-            partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
-            rope_parameters=rope,
-            attention_output_gate=True,
-            attention_bias=text.attention_bias,
-            attention_dropout=text.attention_dropout,
             index_n_heads=indexer.n_heads,
             index_head_dim=indexer.head_dim,
             index_topk=indexer.topk,
             index_pool_size=indexer.pool_size,
             index_pool_weighting=indexer.pool_weighting,
             index_head_weights=indexer.head_weights,
-            linear_num_key_heads=text.linear_num_key_heads,
-            linear_num_value_heads=text.linear_num_value_heads,
-            linear_key_head_dim=text.linear_key_head_dim,
-            linear_value_head_dim=text.linear_value_head_dim,
-            linear_conv_kernel_dim=text.linear_conv_kernel_dim,
-            hidden_act=text.hidden_act,
-            rms_norm_eps=text.rms_norm_eps,
-            max_position_embeddings=text.max_position_embeddings,
-            initializer_range=text.initializer_range,
-            tie_word_embeddings=bool(full.tie_word_embeddings),
-            pad_token_id=text.pad_token_id,
-            bos_token_id=text.bos_token_id,
-            eos_token_id=text.eos_token_id,
-            dtype=full.dtype or text.dtype,
             **moe,
         )
     except ValueError as error:

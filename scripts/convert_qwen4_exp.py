@@ -30,6 +30,7 @@ from hybrid_indexpool.conversion import (
     WeightGroup,
     convert_checkpoint,
     fuse_experts,
+    qwen_hybrid_settings,
     rename,
 )
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolNGramEmbedding
@@ -37,8 +38,6 @@ from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolN
 SCRIPT = "scripts/convert_qwen4_exp.py"
 TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE = "qwen4_exp_text", "qwen4_exp"
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
-# For text, the position streams of the multimodal RoPE are equal, which makes it plain RoPE.
-MULTIMODAL_ROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
 def source_text_config(source: SourceCheckpoint):
@@ -57,39 +56,22 @@ def build_config(source: SourceCheckpoint, pool_weighting: str = "learned") -> H
             "with an indexer (for full-attention checkpoints without one, use scripts/convert_qwen3_next.py)."
         )
     layer_types = ["indexpool_attention" if kind == "indexed_attention" else kind for kind in text.layer_types]
-    rope = {key: value for key, value in text.rope_parameters.items() if key not in MULTIMODAL_ROPE_KEYS}
     try:
         return HybridIndexPoolConfig(
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            num_hidden_layers=text.num_hidden_layers,
+            **qwen_hybrid_settings(full, text),
             layer_types=layer_types,
-            num_attention_heads=text.num_attention_heads,
-            num_key_value_heads=text.num_key_value_heads,
-            head_dim=text.head_dim,
-            partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
-            rope_parameters=rope,
-            attention_output_gate=True,
-            attention_bias=text.attention_bias,
-            attention_dropout=text.attention_dropout,
             index_n_heads=text.indexer_n_heads,
             index_head_dim=text.indexer_head_dim,
             index_topk=text.indexer_budget,
             index_pool_size=text.indexer_compress_ratio,
             index_pool_weighting=pool_weighting,
             index_head_weights=False,
-            linear_num_key_heads=text.linear_num_key_heads,
-            linear_num_value_heads=text.linear_num_value_heads,
-            linear_key_head_dim=text.linear_key_head_dim,
-            linear_value_head_dim=text.linear_value_head_dim,
-            linear_conv_kernel_dim=text.linear_conv_kernel_dim,
             linear_output_gate_act=text.output_gate_type or text.hidden_act,
             num_experts=text.num_experts,
             num_experts_per_tok=text.num_experts_per_tok,
             moe_intermediate_size=text.moe_intermediate_size,
             shared_expert_intermediate_size=text.shared_expert_intermediate_size,
             norm_topk_prob=text.norm_topk_prob,
-            hidden_act=text.hidden_act,
             hc_count=text.hc_count,
             hc_lowrank=text.hc_lowrank,
             ple_layers=[layer_id - 1 for layer_id in text.ple_layer_ids],  # Qwen4-Exp counts layers from 1
@@ -100,14 +82,6 @@ def build_config(source: SourceCheckpoint, pool_weighting: str = "learned") -> H
             ple_ngram_vocab_size_base=text.ngram_vocab_size_base,
             ple_vocab_size_multiple=text.make_ngram_vocab_size_divisible_by,
             ple_hash_seed=text.seed,
-            rms_norm_eps=text.rms_norm_eps,
-            max_position_embeddings=text.max_position_embeddings,
-            initializer_range=text.initializer_range,
-            tie_word_embeddings=bool(full.tie_word_embeddings),
-            pad_token_id=text.pad_token_id,
-            bos_token_id=text.bos_token_id,
-            eos_token_id=text.eos_token_id,
-            dtype=full.dtype or text.dtype,
         )
     except ValueError as error:
         raise ConversionError(f"The source config does not map to ours: {error}") from error
