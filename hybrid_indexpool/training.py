@@ -7,6 +7,7 @@ with packing or padding, gradient checkpointing, resuming, and LoRA through `pef
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
+    HfArgumentParser,
     PreTrainedTokenizerBase,
     Trainer,
     TrainingArguments,
@@ -82,6 +84,29 @@ class FinetuneArguments(ModelDataArguments):
     merge_lora: bool = field(
         default=True, metadata={"help": "Merge the adapters into the weights for the final checkpoint."}
     )
+
+
+def parse_training_command_line(arguments_class, argv=None, description=None, default_options=()):
+    """Parse `arguments_class` and `TrainingArguments` from the command line (or a single .json file of arguments).
+
+    On a machine without CUDA `--use_cpu` is added (without it the Trainer ignores a CPU launch by
+    `accelerate launch`, and each process would train alone); `default_options` are `(flag, value)` pairs added when
+    the flag is absent; bf16 is turned on where the GPU supports it unless `--bf16` was given.
+    """
+    parser = HfArgumentParser((arguments_class, TrainingArguments), description=description)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(argv[0])
+    if not torch.cuda.is_available() and "--use_cpu" not in argv:
+        argv.append("--use_cpu")
+    for flag, value in default_options:
+        if not any(option.startswith(flag) for option in argv):
+            argv += [flag, value]
+    args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.bf16 is False and "--bf16" not in argv and torch.cuda.is_available() \
+            and torch.cuda.is_bf16_supported():
+        training_args.bf16 = True
+    return args, training_args
 
 
 def load_tokenizer(args: ModelDataArguments) -> PreTrainedTokenizerBase:

@@ -9,28 +9,14 @@ Every `TrainingArguments` option is accepted (`--learning_rate`, `--max_steps`, 
                                                                            # (gloo on CPU, NCCL on GPUs)
 """
 
-import sys
+from transformers import TrainingArguments
 
-import torch
-from transformers import HfArgumentParser, TrainingArguments
-
-from hybrid_indexpool.training import FinetuneArguments, run_finetune
+from hybrid_indexpool.training import FinetuneArguments, parse_training_command_line, run_finetune
 
 
 def parse_arguments(argv=None) -> tuple[FinetuneArguments, TrainingArguments]:
     """Parse the command line (or a single .json file of arguments)."""
-    parser = HfArgumentParser((FinetuneArguments, TrainingArguments), description=__doc__)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(argv[0])
-    if not torch.cuda.is_available() and "--use_cpu" not in argv:
-        # Without it the Trainer ignores a CPU launch by `accelerate launch` (each process would train alone).
-        argv.append("--use_cpu")
-    args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    if training_args.bf16 is False and "--bf16" not in argv and torch.cuda.is_available() \
-            and torch.cuda.is_bf16_supported():
-        training_args.bf16 = True  # bf16 by default where the hardware supports it
-    return args, training_args
+    return parse_training_command_line(FinetuneArguments, argv, description=__doc__)
 
 
 def main(argv=None) -> dict:

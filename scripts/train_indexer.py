@@ -14,29 +14,18 @@ accepted except `--max_steps` (each stage has its own step count). Example:
         --dense_warmup_learning_rate 1e-3 --learning_rate 7e-6 --per_device_train_batch_size 4
 """
 
-import sys
-
-import torch
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import TrainingArguments
 
 from hybrid_indexpool.indexer_training import IndexerTrainingArguments, run_indexer_training
+from hybrid_indexpool.training import parse_training_command_line
 
 
 def parse_arguments(argv=None) -> tuple[IndexerTrainingArguments, TrainingArguments]:
     """Parse the command line (or a single .json file of arguments)."""
-    parser = HfArgumentParser((IndexerTrainingArguments, TrainingArguments), description=__doc__)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(argv[0])
-    if not torch.cuda.is_available() and "--use_cpu" not in argv:
-        argv.append("--use_cpu")  # without it the Trainer ignores a CPU launch by `accelerate launch`
-    if not any(option.startswith("--logging_steps") for option in argv):
-        argv += ["--logging_steps", "1"]  # the KL of every step, so the warm-up's progress is visible
-    args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    if training_args.bf16 is False and "--bf16" not in argv and torch.cuda.is_available() \
-            and torch.cuda.is_bf16_supported():
-        training_args.bf16 = True  # bf16 by default where the hardware supports it
-    return args, training_args
+    # Log every step by default: the KL of each step shows the warm-up's progress.
+    return parse_training_command_line(
+        IndexerTrainingArguments, argv, description=__doc__, default_options=[("--logging_steps", "1")]
+    )
 
 
 def main(argv=None) -> dict:
