@@ -549,6 +549,43 @@ def qwen_hybrid_settings(full_config, text_config) -> dict:
     )
 
 
+def qwen_outer_plan(prefix: str, config: HybridIndexPoolConfig, multimodal: bool) -> ConversionPlan:
+    """The part of a Qwen hybrid's plan outside the layers: the embedding, the head (or its tie), and what is left
+    out (an MTP head, a multimodal checkpoint's vision tower). `prefix` is where the source's text model lives."""
+    groups = [rename(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight")]
+    ignore = [IgnoreRule(r"mtp\.", "multi-token-prediction head: our model has none")]
+    if multimodal:
+        ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
+    if config.tie_word_embeddings:
+        ignore.append(IgnoreRule(r"lm_head\.weight$", "tied to the input embeddings"))
+    else:
+        groups.append(rename("lm_head.weight", "lm_head.weight"))
+    return ConversionPlan(groups, ignore)
+
+
+def qwen_attention_parts(config: HybridIndexPoolConfig) -> list[str]:
+    """Gated attention weights named alike in every Qwen hybrid and in ours (relative to the layer)."""
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    parts = [f"self_attn.{name}.weight" for name in projections + ("q_norm", "k_norm")]
+    if config.attention_bias:
+        parts += [f"self_attn.{name}.bias" for name in projections]
+    return parts
+
+
+def qwen_moe_plan(src: str, dst: str, config: HybridIndexPoolConfig, weight_names) -> tuple[list[str], list]:
+    """A Qwen MoE block: the parts renamed as they are (router, shared expert) and the groups that fuse per-expert
+    weights (none when the experts are already fused on disk, in our layout)."""
+    parts, groups = ["mlp.gate.weight"], []
+    if config.shared_expert_intermediate_size:
+        parts += [f"mlp.shared_expert.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
+        parts += ["mlp.shared_expert_gate.weight"]
+    if f"{src}mlp.experts.gate_up_proj" in weight_names:
+        parts += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    else:
+        groups = fuse_experts(f"{src}mlp.experts", f"{dst}mlp.experts", config.num_experts)
+    return parts, groups
+
+
 def convert_checkpoint(
     source: SourceCheckpoint,
     plan: ConversionPlan,
@@ -759,6 +796,9 @@ __all__ = [
     "expected_weights",
     "fresh_weights",
     "fuse_experts",
+    "qwen_attention_parts",
     "qwen_hybrid_settings",
+    "qwen_moe_plan",
+    "qwen_outer_plan",
     "rename",
 ]

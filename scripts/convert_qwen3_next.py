@@ -25,13 +25,14 @@ from hybrid_indexpool.conversion import (
     ConversionError,
     ConversionPlan,
     ConversionReport,
-    IgnoreRule,
     SourceCheckpoint,
     WeightGroup,
     convert_checkpoint,
     fresh_weights,
-    fuse_experts,
+    qwen_attention_parts,
     qwen_hybrid_settings,
+    qwen_moe_plan,
+    qwen_outer_plan,
     rename,
 )
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolIndexer
@@ -144,18 +145,8 @@ def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> Conve
     model_type = source.model_type
     prefix = "model.language_model." if model_type in MULTIMODAL_MODEL_TYPES else "model."
     names = set(source.weight_names)
-    groups = [
-        rename(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight"),
-        rename(f"{prefix}norm.weight", "model.norm.weight"),
-    ]
-    ignore = [IgnoreRule(r"mtp\.", "multi-token-prediction head: our model has none")]
-    if model_type != "qwen3_next":
-        ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
-    if config.tie_word_embeddings:
-        ignore.append(IgnoreRule(r"lm_head\.weight$", "tied to the input embeddings"))
-    else:
-        groups.append(rename("lm_head.weight", "lm_head.weight"))
-
+    outer = qwen_outer_plan(prefix, config, multimodal=model_type in MULTIMODAL_MODEL_TYPES)
+    groups, ignore = outer.groups + [rename(f"{prefix}norm.weight", "model.norm.weight")], outer.ignore
     for index, kind in enumerate(config.layer_types):
         src, dst = f"{prefix}layers.{index}.", f"model.layers.{index}."
         parts = ["input_layernorm.weight", "post_attention_layernorm.weight"]
@@ -170,21 +161,12 @@ def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> Conve
             else:
                 parts += [f"linear_attn.in_proj_{name}.weight" for name in ("qkv", "z", "b", "a")]
         else:
-            projections = ("q_proj", "k_proj", "v_proj", "o_proj")
-            parts += [f"self_attn.{name}.weight" for name in projections + ("q_norm", "k_norm")]
-            if config.attention_bias:
-                parts += [f"self_attn.{name}.bias" for name in projections]
+            parts += qwen_attention_parts(config)
         if config.num_experts == 0:
             parts += [f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
         else:
-            parts += ["mlp.gate.weight"]
-            if config.shared_expert_intermediate_size:
-                parts += [f"mlp.shared_expert.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
-                parts += ["mlp.shared_expert_gate.weight"]
-            if f"{src}mlp.experts.gate_up_proj" in names:  # already fused on disk, in our layout
-                parts += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-            else:
-                groups += fuse_experts(f"{src}mlp.experts", f"{dst}mlp.experts", config.num_experts)
+            moe_parts, moe_groups = qwen_moe_plan(src, dst, config, names)
+            parts, groups = parts + moe_parts, groups + moe_groups
         groups += [rename(src + part, dst + part) for part in parts]
     return ConversionPlan(groups, ignore)
 

@@ -25,12 +25,13 @@ from hybrid_indexpool.conversion import (
     ConversionError,
     ConversionPlan,
     ConversionReport,
-    IgnoreRule,
     SourceCheckpoint,
     WeightGroup,
     convert_checkpoint,
-    fuse_experts,
+    qwen_attention_parts,
     qwen_hybrid_settings,
+    qwen_moe_plan,
+    qwen_outer_plan,
     rename,
 )
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolNGramEmbedding
@@ -128,19 +129,12 @@ def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> Conve
     multimodal = source.model_type == MULTIMODAL_MODEL_TYPE
     prefix = "model.language_model." if multimodal else "model."
     names = source.weight_names
-    groups = [rename(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight")]
+    outer = qwen_outer_plan(prefix, config, multimodal)
+    groups, ignore, concatenations = list(outer.groups), outer.ignore, []
     groups += [
         rename(f"{prefix}hyper_connection_mixer.{part}", f"model.hyper_connection_mixer.{part}")
         for part in ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight")
     ]
-    concatenations = []
-    ignore = [IgnoreRule(r"mtp\.", "multi-token-prediction head: our model has none")]
-    if multimodal:
-        ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
-    if config.tie_word_embeddings:
-        ignore.append(IgnoreRule(r"lm_head\.weight$", "tied to the input embeddings"))
-    else:
-        groups.append(rename("lm_head.weight", "lm_head.weight"))
 
     hyper_connection = ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight",
                         "block_inject_weight.weight")
@@ -152,20 +146,13 @@ def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> Conve
                 "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
                 "dt_bias", "A_log", "norm.weight", "out_proj.weight")]
         else:
-            projections = ("q_proj", "k_proj", "v_proj", "o_proj")
-            parts += [f"self_attn.{name}.weight" for name in projections + ("q_norm", "k_norm")]
-            if config.attention_bias:
-                parts += [f"self_attn.{name}.bias" for name in projections]
+            parts += qwen_attention_parts(config)
             groups.append(split_index_projection(f"{src}self_attn.indexer.index_qk_proj.weight",
                                                  f"{dst}self_attn.indexer", config))
             groups.append(rename(f"{src}self_attn.indexer.q_layernorm.weight", f"{dst}self_attn.indexer.q_norm.weight"))
             groups.append(rename(f"{src}self_attn.indexer.k_layernorm.weight", f"{dst}self_attn.indexer.k_norm.weight"))
-        parts += ["mlp.gate.weight", "mlp.shared_expert_gate.weight"]
-        parts += [f"mlp.shared_expert.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
-        if f"{src}mlp.experts.gate_up_proj" in names:  # already fused on disk, in our layout
-            parts += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        else:
-            groups += fuse_experts(f"{src}mlp.experts", f"{dst}mlp.experts", config.num_experts)
+        moe_parts, moe_groups = qwen_moe_plan(src, dst, config, names)
+        parts, groups = parts + moe_parts, groups + moe_groups
         if index in config.ple_layers:
             parts += [f"ple.{name}.weight" for name in (
                 "conv1d", "key_proj", "value_proj", "norm_key", "norm_query", "norm_conv")]

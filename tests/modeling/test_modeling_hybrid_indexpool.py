@@ -6,7 +6,6 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 from hybrid_indexpool import (
     HybridIndexPoolCache,
-    HybridIndexPoolConfig,
     HybridIndexPoolForCausalLM,
     HybridIndexPoolForSequenceClassification,
     HybridIndexPoolModel,
