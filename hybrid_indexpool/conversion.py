@@ -439,7 +439,7 @@ class _ConcatenationFile:
         while self.next_part in self.waiting:
             part = self.waiting.pop(self.next_part)
             self.waiting_bytes -= part.numel()
-            self.handle.write(part.numpy().tobytes())
+            self.handle.write(part.numpy())  # the buffer itself, no copy
             self.next_part += 1
         if self.next_part == len(self.part_bytes):
             self.handle.close()
