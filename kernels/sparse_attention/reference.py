@@ -35,10 +35,8 @@ def attention_slots(
     within_window = torch.arange(pool_size, device=selected_windows.device)
     window_slots = window_slot_offset[:, None, None, None] + selected_windows[..., None] * pool_size + within_window
     window_valid = (selected_windows >= 0)[..., None].expand_as(window_slots)
-    within_tail = torch.arange(pool_size - 1, device=selected_windows.device)
-    tail_slots = query_slots[..., None] - tail_length[..., None] + 1 + within_tail
-    tail_valid = within_tail < tail_length[..., None]
-    slots = torch.cat([window_slots.flatten(-2), tail_slots], dim=-1)
+    tail, tail_valid = tail_slots(query_slots, tail_length, pool_size)
+    slots = torch.cat([window_slots.flatten(-2), tail], dim=-1)
     valid = torch.cat([window_valid.flatten(-2), tail_valid], dim=-1)
     return slots.clamp(min=0).masked_fill(~valid, 0), valid
 
@@ -55,6 +53,35 @@ def gather_slots(tensor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     tensor."""
     rows = [slot_rows(tensor, b).index_select(0, slots[b].flatten()) for b in range(tensor.shape[0])]
     return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+
+
+def gather_windows(
+    tensor: torch.Tensor, windows: torch.Tensor, window_slot_offset: torch.Tensor, pool_size: int
+) -> torch.Tensor:
+    """`[batch, n, pool_size * kv_heads * head_dim]`: each selected window's `pool_size` slots as one row, from a
+    `[batch, kv_heads, slots, head_dim]` tensor whose window `c` starts at slot `window_slot_offset + c * pool_size`.
+    Negative ids read window 0 (callers mask them). One index per window instead of one per slot: the copy runs
+    in rows `pool_size` times longer, which is most of the sparse attention's cost on a CPU."""
+    gathered = []
+    for b in range(tensor.shape[0]):
+        rows = slot_rows(tensor, b).contiguous()  # [slots, width]; already contiguous for a cache's storage
+        start = int(window_slot_offset[b])
+        count = max(0, (rows.shape[0] - start) // pool_size)
+        ids = windows[b].flatten()
+        if count == 0:  # no complete window in this row: every id is masked
+            gathered.append(rows.new_zeros(ids.numel(), pool_size * rows.shape[1]))
+            continue
+        window_rows = rows[start:start + count * pool_size].view(count, pool_size * rows.shape[1])
+        gathered.append(window_rows.index_select(0, ids.clamp(min=0, max=count - 1)))
+    return gathered[0].unsqueeze(0) if len(gathered) == 1 else torch.stack(gathered)
+
+
+def tail_slots(query_slots: torch.Tensor, tail_length: torch.Tensor, pool_size: int):
+    """`[batch, queries, pool_size - 1]` slots of each query's tail (gatherable) and which are valid."""
+    within_tail = torch.arange(pool_size - 1, device=query_slots.device)
+    slots = query_slots[..., None] - tail_length[..., None] + 1 + within_tail
+    valid = within_tail < tail_length[..., None]
+    return slots.clamp(min=0).masked_fill(~valid, 0), valid
 
 
 def masked_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -103,26 +130,34 @@ def sparse_attention_torch(
     weights = None
     if return_weights:
         weights = query.new_zeros(batch_size, num_heads, num_queries, num_slots, dtype=torch.float32)
+    window_length = selected_windows.shape[-1] * pool_size
     for start in range(0, num_queries, query_chunk):
         end = min(start + query_chunk, num_queries)
-        slots, valid = attention_slots(
-            selected_windows[:, start:end], window_slot_offset, query_slots[:, start:end],
-            tail_length[:, start:end], pool_size,
-        )
-        # Gather whole slots (every head) as rows; the cache's slot-major storage makes them contiguous.
-        gathered_shape = (batch_size, end - start, slots_per_query, num_kv_heads, head_dim)
-        chunk_key = gather_slots(key, slots).view(gathered_shape).float()
-        chunk_value = gather_slots(value, slots).view(gathered_shape).float()
+        windows = selected_windows[:, start:end]
+        tail, tail_valid = tail_slots(query_slots[:, start:end], tail_length[:, start:end], pool_size)
+        valid = torch.cat([(windows >= 0).repeat_interleave(pool_size, dim=-1), tail_valid], dim=-1)
+        # Whole windows (every slot and head) as rows; the cache's slot-major storage makes them contiguous.
+        window_shape = (batch_size, end - start, window_length, num_kv_heads, head_dim)
+        tail_shape = (batch_size, end - start, pool_size - 1, num_kv_heads, head_dim)
+        window_key = gather_windows(key, windows, window_slot_offset, pool_size).view(window_shape).float()
+        window_value = gather_windows(value, windows, window_slot_offset, pool_size).view(window_shape).float()
+        tail_key = gather_slots(key, tail).view(tail_shape).float()
+        tail_value = gather_slots(value, tail).view(tail_shape).float()
         for kv_head in range(num_kv_heads):
             heads = slice(kv_head * group, (kv_head + 1) * group)
             chunk_query = query[:, heads, start:end].transpose(1, 2).float()  # [b, t, group, d]
             # [b, t, group, d] x [b, t, d, l]: strided views of the gathered rows, no copies
-            scores = torch.matmul(chunk_query, chunk_key[..., kv_head, :].transpose(-1, -2)) * scaling
-            probs = masked_softmax(scores, valid[:, :, None])
+            scores = torch.cat([torch.matmul(chunk_query, window_key[..., kv_head, :].transpose(-1, -2)),
+                                torch.matmul(chunk_query, tail_key[..., kv_head, :].transpose(-1, -2))], dim=-1)
+            probs = masked_softmax(scores * scaling, valid[:, :, None])
             if training and dropout > 0.0:
                 probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
-            output[:, start:end, heads] = torch.matmul(probs, chunk_value[..., kv_head, :]).to(query.dtype)
+            chunk_output = torch.matmul(probs[..., :window_length], window_value[..., kv_head, :])
+            chunk_output = chunk_output + torch.matmul(probs[..., window_length:], tail_value[..., kv_head, :])
+            output[:, start:end, heads] = chunk_output.to(query.dtype)
             if return_weights:
+                slots, _ = attention_slots(windows, window_slot_offset, query_slots[:, start:end],
+                                           tail_length[:, start:end], pool_size)
                 scatter_index = slots[:, None].expand(batch_size, group, end - start, slots_per_query)
                 weights[:, heads, start:end].scatter_add_(-1, scatter_index, probs.transpose(1, 2))
     return output, weights
