@@ -8,8 +8,9 @@ key/value head also share the selection. Queries go in chunks, so memory is boun
 
 import torch
 
-# Gathered key/value elements per query chunk (about 128 MiB in float32 for keys and values together).
-GATHER_BLOCK_ELEMENTS = 1 << 24
+# Gathered key/value elements per query chunk (32 MiB in float32 for keys and values together): small enough that
+# the allocator reuses the memory instead of faulting in fresh pages for every chunk.
+GATHER_BLOCK_ELEMENTS = 1 << 22
 
 
 def attention_slots(
@@ -48,20 +49,28 @@ def slot_rows(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     return rows.reshape(rows.shape[0], -1)  # a view when each slot's heads are adjacent, a copy otherwise
 
 
-def gather_slots(tensor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gather_slots(tensor: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`[batch, n, kv_heads * head_dim]` rows of the given `[batch, ...]` slots of a `[batch, kv_heads, slots, d]`
-    tensor."""
+    tensor, written into `out` when given (not differentiable then)."""
+    if out is not None:
+        for b in range(tensor.shape[0]):
+            torch.index_select(slot_rows(tensor, b), 0, slots[b].flatten(), out=out[b])
+        return out
     rows = [slot_rows(tensor, b).index_select(0, slots[b].flatten()) for b in range(tensor.shape[0])]
     return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
 
 
 def gather_windows(
-    tensor: torch.Tensor, windows: torch.Tensor, window_slot_offset: torch.Tensor, pool_size: int
+    tensor: torch.Tensor,
+    windows: torch.Tensor,
+    window_slot_offset: torch.Tensor,
+    pool_size: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[batch, n, pool_size * kv_heads * head_dim]`: each selected window's `pool_size` slots as one row, from a
-    `[batch, kv_heads, slots, head_dim]` tensor whose window `c` starts at slot `window_slot_offset + c * pool_size`.
-    Negative ids read window 0 (callers mask them). One index per window instead of one per slot: the copy runs
-    in rows `pool_size` times longer, which is most of the sparse attention's cost on a CPU."""
+    `[batch, kv_heads, slots, head_dim]` tensor whose window `c` starts at slot `window_slot_offset + c * pool_size`;
+    written into `out` when given (not differentiable then). Negative ids read window 0 (callers mask them). One
+    index per window instead of one per slot: the copy runs in rows `pool_size` times longer."""
     gathered = []
     for b in range(tensor.shape[0]):
         rows = slot_rows(tensor, b).contiguous()  # [slots, width]; already contiguous for a cache's storage
@@ -69,10 +78,17 @@ def gather_windows(
         count = max(0, (rows.shape[0] - start) // pool_size)
         ids = windows[b].flatten()
         if count == 0:  # no complete window in this row: every id is masked
-            gathered.append(rows.new_zeros(ids.numel(), pool_size * rows.shape[1]))
+            empty = rows.new_zeros(ids.numel(), pool_size * rows.shape[1])
+            gathered.append(empty if out is None else out[b].copy_(empty))
             continue
         window_rows = rows[start:start + count * pool_size].view(count, pool_size * rows.shape[1])
-        gathered.append(window_rows.index_select(0, ids.clamp(min=0, max=count - 1)))
+        ids = ids.clamp(min=0, max=count - 1)
+        if out is None:
+            gathered.append(window_rows.index_select(0, ids))
+        else:
+            gathered.append(torch.index_select(window_rows, 0, ids, out=out[b]))
+    if out is not None:
+        return out
     return gathered[0].unsqueeze(0) if len(gathered) == 1 else torch.stack(gathered)
 
 
@@ -131,18 +147,32 @@ def sparse_attention_torch(
     if return_weights:
         weights = query.new_zeros(batch_size, num_heads, num_queries, num_slots, dtype=torch.float32)
     window_length = selected_windows.shape[-1] * pool_size
+    width = num_kv_heads * head_dim
+    buffers = [None] * 4
+    if not (torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)):
+        # Inference: every chunk gathers into the same buffers. Fresh tensors of this size would each fault in new
+        # pages, which costs more than the gather itself.
+        chunk = min(query_chunk, num_queries)
+        window_rows = (selected_windows.shape[-1], pool_size * width)
+        tail_rows = (pool_size - 1, width)
+        buffers = [key.new_empty(batch_size, chunk, *rows) for rows in (window_rows, window_rows, tail_rows, tail_rows)]
     for start in range(0, num_queries, query_chunk):
         end = min(start + query_chunk, num_queries)
         windows = selected_windows[:, start:end]
         tail, tail_valid = tail_slots(query_slots[:, start:end], tail_length[:, start:end], pool_size)
         valid = torch.cat([(windows >= 0).repeat_interleave(pool_size, dim=-1), tail_valid], dim=-1)
+        # [batch, queries * rows per query, row width] views of the buffers (each batch row contiguous)
+        window_out, window_value_out, tail_out, tail_value_out = (
+            None if buffer is None else buffer[:, : end - start].flatten(1, 2) for buffer in buffers
+        )
         # Whole windows (every slot and head) as rows; the cache's slot-major storage makes them contiguous.
         window_shape = (batch_size, end - start, window_length, num_kv_heads, head_dim)
         tail_shape = (batch_size, end - start, pool_size - 1, num_kv_heads, head_dim)
-        window_key = gather_windows(key, windows, window_slot_offset, pool_size).view(window_shape).float()
-        window_value = gather_windows(value, windows, window_slot_offset, pool_size).view(window_shape).float()
-        tail_key = gather_slots(key, tail).view(tail_shape).float()
-        tail_value = gather_slots(value, tail).view(tail_shape).float()
+        window_key = gather_windows(key, windows, window_slot_offset, pool_size, window_out)
+        window_value = gather_windows(value, windows, window_slot_offset, pool_size, window_value_out)
+        tail_key = gather_slots(key, tail, tail_out).view(tail_shape).float()
+        tail_value = gather_slots(value, tail, tail_value_out).view(tail_shape).float()
+        window_key, window_value = window_key.view(window_shape).float(), window_value.view(window_shape).float()
         for kv_head in range(num_kv_heads):
             heads = slice(kv_head * group, (kv_head + 1) * group)
             chunk_query = query[:, heads, start:end].transpose(1, 2).float()  # [b, t, group, d]
