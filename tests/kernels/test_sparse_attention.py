@@ -82,3 +82,26 @@ def test_gradients_flow_to_query_key_and_value():
     output.square().sum().backward()
     for tensor in (query, key, value):
         assert torch.isfinite(tensor.grad).all() and tensor.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("gather_block", [1 << 20, 1500])
+def test_reused_gather_buffers_give_the_differentiable_result(monkeypatch, gather_block):
+    """Inference gathers into buffers reused across query chunks (the last chunk smaller); training gathers fresh,
+    differentiable tensors. Both read the same slots, on a left-padded batch in the cache's slot-major layout."""
+    monkeypatch.setattr(reference, "GATHER_BLOCK_ELEMENTS", gather_block)  # 1500: chunks of 3, 3, 3 and 1 queries
+    generator = torch.Generator().manual_seed(1)
+    batch, kv_heads, dim, queries, pool_size, num_slots = 2, 2, 8, 10, 4, 48
+    key = torch.randn(batch, num_slots, kv_heads, dim, generator=generator).transpose(1, 2)
+    value = torch.randn(batch, num_slots, kv_heads, dim, generator=generator).transpose(1, 2)
+    query = torch.randn(batch, 2 * kv_heads, queries, dim, generator=generator)
+    offsets = torch.tensor([0, 3])
+    positions = torch.arange(num_slots - queries - 3, num_slots - 3).expand(batch, -1)
+    query_slots = offsets[:, None] + positions
+    selected = torch.stack([torch.randperm(8, generator=generator)[:3].sort().values for _ in range(batch * queries)])
+    selected = selected.view(batch, queries, 3)
+    selected[0, 0, 2] = -1  # a query with fewer windows
+    args = (selected, offsets, query_slots, (positions + 1) % pool_size, pool_size, dim**-0.5)
+    with torch.no_grad():
+        buffered, _ = sparse_attention(query, key, value, *args)
+    fresh, _ = sparse_attention(query, key.requires_grad_(), value.requires_grad_(), *args)
+    torch.testing.assert_close(buffered, fresh.detach(), rtol=0, atol=0)
