@@ -10,10 +10,11 @@ memory, cache bytes per component; for the pooled settings also the decode index
 and the fraction of the machine's memory bandwidth it reaches, the bandwidth measured by a large copy in the same run.
 
 From `--synthetic-from` tokens on (default 256K) the prompt is not run through the model: the prefill on the PyTorch
-path costs O(N^2 / r) indexer work, hours at 1M tokens on a small CPU. Instead a short real prefill is followed by
-filling each IndexPool layer's cache to the context with random keys, values and pooled keys, so that the cache has
-exactly the shapes, counts and bytes of a real one and a decode step does exactly the work it does after a real
-prefill (its cost does not depend on the values). Those rows say `synthetic` in the prefill column.
+path costs O(N^2 / r) indexer work (a real 1M-token prefill of the default model takes about 22 minutes on 2 CPU
+cores; r = 1 and dense take hours). Instead a short real prefill is followed by filling each IndexPool layer's
+cache to the context with random keys, values and pooled keys, so that the cache has exactly the shapes, counts and
+bytes of a real one and a decode step does exactly the work it does after a real prefill (its cost does not depend
+on the values). Those rows say `synthetic` in the prefill column.
 
     python -m hybrid_indexpool.scripts.bench_decode --quick
     python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,16384,32768,65536 --json docs/bench.json \\
