@@ -24,7 +24,7 @@ WINDOW_CHUNK = 32768
 HEAD_BLOCK_ELEMENTS = 1 << 18
 
 
-def _chunk_sizes(batch_size: int, num_queries: int, num_heads: int, num_windows: int, topk: int) -> tuple[int, int]:
+def _chunk_sizes(batch_size: int, num_queries: int, num_windows: int, topk: int) -> tuple[int, int]:
     window_chunk = max(1, min(num_windows, WINDOW_CHUNK))
     query_chunk = max(1, min(num_queries, SCORE_BLOCK_ELEMENTS // max(1, batch_size * (topk + window_chunk))))
     return query_chunk, window_chunk
@@ -33,7 +33,7 @@ def _chunk_sizes(batch_size: int, num_queries: int, num_heads: int, num_windows:
 def _write_scores(out, queries, keys, weights, head_buffer):
     """Scores of `queries` `[batch, rows * heads, d]` (float32) against `keys` `[batch, n, d]` into `out`
     `[batch, rows, n]` (may be a strided view), with `weights` `[batch, rows, heads]` already holding the
-    `1 / sqrt(d)` scale. Heads are summed in ascending order, so every caller gets the same float32 rounding."""
+    `1 / sqrt(d)` scale."""
     batch_size, rows, num_heads = weights.shape
     block = head_buffer.shape[-1]
     for start in range(0, keys.shape[1], block):
@@ -117,7 +117,7 @@ def pooled_index_topk_torch(
     selected = torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=device)
     if num_windows == 0 or num_queries == 0 or topk == 0:
         return selected
-    query_chunk, window_chunk = _chunk_sizes(batch_size, num_queries, num_heads, num_windows, topk)
+    query_chunk, window_chunk = _chunk_sizes(batch_size, num_queries, num_windows, topk)
     weights = _scaled_head_weights(index_queries, head_weights)
     # Columns [0, kept) hold the running best (ascending ids), the chunk's scores follow them.
     score_buffer = torch.empty(batch_size, query_chunk, topk + window_chunk, device=device)

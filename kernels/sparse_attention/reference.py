@@ -173,6 +173,9 @@ def sparse_attention_torch(
         tail_key = gather_slots(key, tail, tail_out).view(tail_shape).float()
         tail_value = gather_slots(value, tail, tail_value_out).view(tail_shape).float()
         window_key, window_value = window_key.view(window_shape).float(), window_value.view(window_shape).float()
+        if return_weights:
+            slots, _ = attention_slots(windows, window_slot_offset, query_slots[:, start:end],
+                                       tail_length[:, start:end], pool_size)
         for kv_head in range(num_kv_heads):
             heads = slice(kv_head * group, (kv_head + 1) * group)
             chunk_query = query[:, heads, start:end].transpose(1, 2).float()  # [b, t, group, d]
@@ -186,8 +189,6 @@ def sparse_attention_torch(
             chunk_output = chunk_output + torch.matmul(probs[..., window_length:], tail_value[..., kv_head, :])
             output[:, start:end, heads] = chunk_output.to(query.dtype)
             if return_weights:
-                slots, _ = attention_slots(windows, window_slot_offset, query_slots[:, start:end],
-                                           tail_length[:, start:end], pool_size)
                 scatter_index = slots[:, None].expand(batch_size, group, end - start, slots_per_query)
                 weights[:, heads, start:end].scatter_add_(-1, scatter_index, probs.transpose(1, 2))
     return output, weights
