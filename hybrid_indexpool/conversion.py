@@ -12,6 +12,7 @@ shards of bounded size. Peak memory therefore follows the largest shard, not the
     print(report.summary())
 """
 
+import argparse
 import json
 import math
 import os
@@ -802,3 +803,25 @@ __all__ = [
     "qwen_outer_plan",
     "rename",
 ]
+
+
+def conversion_argument_parser(description: str, source_help: str) -> argparse.ArgumentParser:
+    """A converter's command line with the arguments every converter shares: `--source`, `--output`, `--overwrite`,
+    `--max_shard_size` and `--no_progress`; the converter adds its own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", required=True, help=source_help)
+    parser.add_argument("--output", required=True, help="folder to write (must not exist unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output once the conversion succeeded")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest output shard (default 5GB)")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def run_conversion_command(parser: argparse.ArgumentParser, convert: Callable[[], "ConversionReport"]):
+    """Run a converter from its command line: print the report, or exit with status 2 and the refusal's message."""
+    try:
+        report = convert()
+    except ConversionError as error:
+        parser.exit(2, f"error: {error}\n")
+    print(report.summary())
+    return report

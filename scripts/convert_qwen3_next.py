@@ -13,7 +13,6 @@ folders (their vision tower is left out). It streams shard by shard, so memory s
         --output Qwen3-Next-80B-A3B-IndexPool --index_topk 2048 --index_pool_size 4
 """
 
-import argparse
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,6 +26,7 @@ from hybrid_indexpool.conversion import (
     ConversionReport,
     SourceCheckpoint,
     WeightGroup,
+    conversion_argument_parser,
     convert_checkpoint,
     fresh_weights,
     qwen_attention_parts,
@@ -34,6 +34,7 @@ from hybrid_indexpool.conversion import (
     qwen_moe_plan,
     qwen_outer_plan,
     rename,
+    run_conversion_command,
 )
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolIndexer
 
@@ -196,11 +197,7 @@ def convert(
 
 def main(argv=None) -> ConversionReport:
     defaults = IndexerSettings()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", required=True, help="folder of the Qwen3-Next / Qwen3.5 checkpoint")
-    parser.add_argument("--output", required=True, help="folder to write (must not exist unless --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --output once the conversion succeeded")
-    parser.add_argument("--max_shard_size", default="5GB", help="largest output shard (default 5GB)")
+    parser = conversion_argument_parser(__doc__, "folder of the Qwen3-Next / Qwen3.5 checkpoint")
     parser.add_argument("--index_n_heads", type=int, default=defaults.n_heads,
                         help=f"indexer query heads (default {defaults.n_heads})")
     parser.add_argument("--index_head_dim", type=int, default=defaults.head_dim,
@@ -214,19 +211,15 @@ def main(argv=None) -> ConversionReport:
     parser.add_argument("--index_head_weights", action="store_true",
                         help="learned per-head indexer weights (DeepSeek style) instead of a plain sum")
     parser.add_argument("--seed", type=int, default=0, help="seed of the new indexer's initialisation (default 0)")
-    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     indexer = IndexerSettings(
         n_heads=args.index_n_heads, head_dim=args.index_head_dim, topk=args.index_topk,
         pool_size=args.index_pool_size, pool_weighting=args.index_pool_weighting, head_weights=args.index_head_weights,
     )
-    try:
-        report = convert(args.source, args.output, indexer, seed=args.seed, overwrite=args.overwrite,
-                         max_shard_size=args.max_shard_size, progress=not args.no_progress)
-    except ConversionError as error:
-        parser.exit(2, f"error: {error}\n")
-    print(report.summary())
-    return report
+    return run_conversion_command(parser, lambda: convert(
+        args.source, args.output, indexer, seed=args.seed, overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size, progress=not args.no_progress,
+    ))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ memory stays near the largest shard, not the model (the real model has about 180
     python -m hybrid_indexpool.scripts.convert_qwen4_exp --source Qwen3.8-Flash-Next --output Qwen3.8-Flash-IndexPool
 """
 
-import argparse
 import re
 
 import torch
@@ -27,12 +26,14 @@ from hybrid_indexpool.conversion import (
     ConversionReport,
     SourceCheckpoint,
     WeightGroup,
+    conversion_argument_parser,
     convert_checkpoint,
     qwen_attention_parts,
     qwen_hybrid_settings,
     qwen_moe_plan,
     qwen_outer_plan,
     rename,
+    run_conversion_command,
 )
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolNGramEmbedding
 
@@ -209,22 +210,14 @@ def convert(
 
 
 def main(argv=None) -> ConversionReport:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", required=True, help="folder of the Qwen4-Exp checkpoint")
-    parser.add_argument("--output", required=True, help="folder to write (must not exist unless --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --output once the conversion succeeded")
-    parser.add_argument("--max_shard_size", default="5GB", help="largest output shard (default 5GB)")
+    parser = conversion_argument_parser(__doc__, "folder of the Qwen4-Exp checkpoint")
     parser.add_argument("--index_pool_weighting", choices=("learned", "mean"), default="learned",
                         help="pooling of the indexer keys (default learned, starting exactly at Qwen4-Exp's mean)")
-    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    try:
-        report = convert(args.source, args.output, pool_weighting=args.index_pool_weighting, overwrite=args.overwrite,
-                         max_shard_size=args.max_shard_size, progress=not args.no_progress)
-    except ConversionError as error:
-        parser.exit(2, f"error: {error}\n")
-    print(report.summary())
-    return report
+    return run_conversion_command(parser, lambda: convert(
+        args.source, args.output, pool_weighting=args.index_pool_weighting, overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size, progress=not args.no_progress,
+    ))
 
 
 if __name__ == "__main__":
