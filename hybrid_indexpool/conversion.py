@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 from transformers.utils.hub import convert_file_size_to_int
 
 from .configuration import HybridIndexPoolConfig
@@ -550,10 +550,22 @@ def qwen_hybrid_settings(full_config, text_config) -> dict:
     )
 
 
-def qwen_outer_plan(prefix: str, config: HybridIndexPoolConfig, multimodal: bool) -> ConversionPlan:
+def qwen_source_configs(source: SourceCheckpoint, multimodal: bool):
+    """A Qwen source's full config, read by transformers (which fills defaults and old field names), and its text
+    part (the same object for a text-only checkpoint)."""
+    full = AutoConfig.from_pretrained(source.folder)
+    return full, (full.get_text_config() if multimodal else full)
+
+
+def qwen_text_prefix(multimodal: bool) -> str:
+    """Where a Qwen checkpoint keeps its text model's weights."""
+    return "model.language_model." if multimodal else "model."
+
+
+def qwen_outer_plan(config: HybridIndexPoolConfig, multimodal: bool) -> ConversionPlan:
     """The part of a Qwen hybrid's plan outside the layers: the embedding, the head (or its tie), and what is left
-    out (an MTP head, a multimodal checkpoint's vision tower). `prefix` is where the source's text model lives."""
-    groups = [rename(f"{prefix}embed_tokens.weight", "model.embed_tokens.weight")]
+    out (an MTP head, a multimodal checkpoint's vision tower)."""
+    groups = [rename(f"{qwen_text_prefix(multimodal)}embed_tokens.weight", "model.embed_tokens.weight")]
     ignore = [IgnoreRule(r"mtp\.", "multi-token-prediction head: our model has none")]
     if multimodal:
         ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
@@ -784,27 +796,6 @@ def _replace(work_dir: Path, output_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = [
-    "CONVERTER_SCRIPTS",
-    "ConcatenatedWeight",
-    "ConversionError",
-    "ConversionPlan",
-    "ConversionReport",
-    "IgnoreRule",
-    "SourceCheckpoint",
-    "WeightGroup",
-    "convert_checkpoint",
-    "expected_weights",
-    "fresh_weights",
-    "fuse_experts",
-    "qwen_attention_parts",
-    "qwen_hybrid_settings",
-    "qwen_moe_plan",
-    "qwen_outer_plan",
-    "rename",
-]
-
-
 def conversion_argument_parser(description: str, source_help: str) -> argparse.ArgumentParser:
     """A converter's command line with the arguments every converter shares: `--source`, `--output`, `--overwrite`,
     `--max_shard_size` and `--no_progress`; the converter adds its own."""
@@ -825,3 +816,28 @@ def run_conversion_command(parser: argparse.ArgumentParser, convert: Callable[[]
         parser.exit(2, f"error: {error}\n")
     print(report.summary())
     return report
+
+
+__all__ = [
+    "CONVERTER_SCRIPTS",
+    "ConcatenatedWeight",
+    "ConversionError",
+    "ConversionPlan",
+    "ConversionReport",
+    "IgnoreRule",
+    "SourceCheckpoint",
+    "WeightGroup",
+    "conversion_argument_parser",
+    "convert_checkpoint",
+    "expected_weights",
+    "fresh_weights",
+    "fuse_experts",
+    "qwen_attention_parts",
+    "qwen_hybrid_settings",
+    "qwen_moe_plan",
+    "qwen_outer_plan",
+    "qwen_source_configs",
+    "qwen_text_prefix",
+    "rename",
+    "run_conversion_command",
+]

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from transformers import AutoConfig
 
 from hybrid_indexpool import HybridIndexPoolConfig
 from hybrid_indexpool.conversion import (
@@ -33,6 +32,8 @@ from hybrid_indexpool.conversion import (
     qwen_hybrid_settings,
     qwen_moe_plan,
     qwen_outer_plan,
+    qwen_source_configs,
+    qwen_text_prefix,
     rename,
     run_conversion_command,
 )
@@ -55,15 +56,9 @@ class IndexerSettings:
     head_weights: bool = False
 
 
-def source_text_config(source: SourceCheckpoint):
-    """The source's full config (through transformers, which fills defaults and old field names) and its text part."""
-    full = AutoConfig.from_pretrained(source.folder)
-    return full, (full.get_text_config() if source.model_type in MULTIMODAL_MODEL_TYPES else full)
-
-
 def build_config(source: SourceCheckpoint, indexer: IndexerSettings) -> HybridIndexPoolConfig:
     """Our config for the source: every architectural field mapped, full attention turned into IndexPool."""
-    full, text = source_text_config(source)
+    full, text = qwen_source_configs(source, multimodal=source.model_type in MULTIMODAL_MODEL_TYPES)
     layer_types = []
     for index, kind in enumerate(text.layer_types):
         if kind not in ("linear_attention", "full_attention"):
@@ -144,9 +139,10 @@ def split_ba(source: str, targets: tuple[str, str], config: HybridIndexPoolConfi
 def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> ConversionPlan:
     """Which source weights become which of ours, and which are left out."""
     model_type = source.model_type
-    prefix = "model.language_model." if model_type in MULTIMODAL_MODEL_TYPES else "model."
+    multimodal = model_type in MULTIMODAL_MODEL_TYPES
+    prefix = qwen_text_prefix(multimodal)
     names = set(source.weight_names)
-    outer = qwen_outer_plan(prefix, config, multimodal=model_type in MULTIMODAL_MODEL_TYPES)
+    outer = qwen_outer_plan(config, multimodal)
     groups, ignore = outer.groups + [rename(f"{prefix}norm.weight", "model.norm.weight")], outer.ignore
     for index, kind in enumerate(config.layer_types):
         src, dst = f"{prefix}layers.{index}.", f"model.layers.{index}."

@@ -16,7 +16,6 @@ memory stays near the largest shard, not the model (the real model has about 180
 import re
 
 import torch
-from transformers import AutoConfig
 
 from hybrid_indexpool import HybridIndexPoolConfig
 from hybrid_indexpool.conversion import (
@@ -32,6 +31,8 @@ from hybrid_indexpool.conversion import (
     qwen_hybrid_settings,
     qwen_moe_plan,
     qwen_outer_plan,
+    qwen_source_configs,
+    qwen_text_prefix,
     rename,
     run_conversion_command,
 )
@@ -42,15 +43,9 @@ TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE = "qwen4_exp_text", "qwen4_exp"
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
 
-def source_text_config(source: SourceCheckpoint):
-    """The source's config read by transformers (defaults and old names filled in) and its text part."""
-    full = AutoConfig.from_pretrained(source.folder)
-    return full, (full.get_text_config() if source.model_type == MULTIMODAL_MODEL_TYPE else full)
-
-
 def build_config(source: SourceCheckpoint, pool_weighting: str = "learned") -> HybridIndexPoolConfig:
     """Our config for the source: every field mapped; QSA becomes IndexPool with the same budget and pool size."""
-    full, text = source_text_config(source)
+    full, text = qwen_source_configs(source, multimodal=source.model_type == MULTIMODAL_MODEL_TYPE)
     missing = [name for name in QSA_FIELDS if getattr(text, name, None) is None]
     if missing:
         raise ConversionError(
@@ -128,9 +123,9 @@ def check_hash_tables(sources: tuple[str, ...], embedding: HybridIndexPoolNGramE
 def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> ConversionPlan:
     """Which source weights become which of ours, and which are left out."""
     multimodal = source.model_type == MULTIMODAL_MODEL_TYPE
-    prefix = "model.language_model." if multimodal else "model."
+    prefix = qwen_text_prefix(multimodal)
     names = source.weight_names
-    outer = qwen_outer_plan(prefix, config, multimodal)
+    outer = qwen_outer_plan(config, multimodal)
     groups, ignore, concatenations = list(outer.groups), outer.ignore, []
     groups += [
         rename(f"{prefix}hyper_connection_mixer.{part}", f"model.hyper_connection_mixer.{part}")
