@@ -15,14 +15,12 @@ import copy
 import inspect
 import os
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 from transformers.utils import logging
 
 from .kernels.pooled_index_topk import pooled_index_topk
-from .modeling.cache_hybrid_indexpool import IndexPoolLayerCache
 from .modeling.modeling_hybrid_indexpool import HybridIndexPoolAttention
 from .training import ModelDataArguments, check_output_dir, load_datasets, load_model, load_tokenizer
 
@@ -250,12 +248,17 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
     for layer, weights in zip(layers, outputs.attentions):
         inputs = entered[layer]
         hidden_states, positions, rotary_emb = inputs["hidden_states"], inputs["positions"], inputs["rotary_emb"]
-        (cos, sin), token_is_real = inputs["position_embeddings"], inputs["token_is_real"]
+        cos, sin = inputs["position_embeddings"]
         index_queries, raw_keys, gate_logits, head_weights = layer.indexer(hidden_states, cos, sin)
-        pooled_keys, _ = IndexPoolLayerCache(layer.pool_size).update_index(
-            raw_keys, gate_logits, positions, token_is_real, partial(layer.indexer.pool_windows, rotary_emb=rotary_emb)
-        )
+        # Unpadded rows: window c is tokens c * r .. c * r + r - 1 of every row.
         r, num_slots = layer.pool_size, weights.shape[-1]
+        num_windows = hidden_states.shape[1] // r
+        window_ids = torch.arange(num_windows, device=raw_keys.device).expand(raw_keys.shape[0], -1)
+        pooled_keys = layer.indexer.pool_windows(
+            raw_keys[:, : num_windows * r].unflatten(1, (num_windows, r)),
+            None if gate_logits is None else gate_logits[:, : num_windows * r].unflatten(1, (num_windows, r)),
+            window_ids, rotary_emb,
+        )
         num_visible = (positions + 1) // r
         pruned = num_visible > layer.topk_windows
         if not pruned.any():

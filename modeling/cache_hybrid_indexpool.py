@@ -1,12 +1,24 @@
 """`HybridIndexPoolCache`: the generation cache of the hybrid model.
 
-Per Gated DeltaNet layer: the convolution state and the float32 recurrent state. Per IndexPool layer: the raw
-keys/values of every cache slot; the *pooled* indexer keys of complete windows only (window `c` of a row at index
-`c`, with a per-row count); and the raw indexer keys (and pooling-gate logits) of each row's open window, at most
-`r - 1` tokens. A window is pooled and moved to the pooled store in the step that completes it.
+Per Gated DeltaNet layer: the convolution state and the float32 recurrent state, whose sizes do not depend on the
+context. Per IndexPool layer, every row is stored **by position**: a row's entries are its real tokens (attention mask
+1) in order, entry `p` holding the token at position `p`, so padding is never written and costs nothing, and a row's
+windows are contiguous in its own storage whatever the mask looked like:
 
-Slots are physical (left padding occupies slots); windows follow each row's positions, which start at 0 on its
-first real token.
+- the keys and values of every real token, `[batch, capacity, kv_heads, head_dim]`;
+- the pooled indexer keys (after norm and RoPE) of complete windows, window `c` at index `c`;
+- the raw indexer keys (and pooling-gate logits) of each row's open window, at most `r - 1` tokens;
+- `lengths [batch]`, the real tokens of each row: `lengths // r` pooled windows and `lengths % r` open tokens.
+
+Memory is reserved, not grown by doubling. With `max_cache_len` (which `generate()` sets to prompt + new tokens) the
+storage is allocated once, at the first update, for exactly what the rows can reach. Without it the storage grows by
+at most 1/16 of what it holds, rounded up to `GROWTH_CHUNK` positions, so reserved bytes stay within ~6% of the bytes
+in use plus one chunk. `memory_footprint()` reports both.
+
+A decode step (one new token per row) uses fixed shapes and makes no host synchronisation: tokens are written at
+each row's length with indexed writes, the window it completes (if any) is pooled and written with a masked write,
+and the lengths are advanced in place. With `max_cache_len` nothing in the step depends on host-side counters, so a
+compiled step is reused at every length (`is_compileable`).
 """
 
 from collections.abc import Callable
@@ -14,38 +26,46 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache
 
+# Positions a growing (non-reserved) cache adds at least, and the fraction of its size it adds at most beyond need.
+GROWTH_CHUNK = 256
+GROWTH_FRACTION = 16
+
 
 def _bytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
-def _reserve(storage: torch.Tensor | None, like: torch.Tensor, used: int, needed: int, dim: int) -> torch.Tensor:
-    """`storage` with room for `needed` entries along `dim`, keeping its first `used` ones.
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
-    Capacity grows to the next power of two, so appending one token at a time copies the cache only
-    logarithmically often and a decode step allocates nothing proportional to the context.
-    """
-    if storage is not None and storage.shape[dim] >= needed:
-        return storage
-    shape = list(like.shape)
-    shape[dim] = max(256, 1 << (needed - 1).bit_length())
-    grown = like.new_empty(shape)
-    if storage is not None and used:
-        grown.narrow(dim, 0, used).copy_(storage.narrow(dim, 0, used))
-    return grown
+
+def _store(current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """Keep `new` as the state: copied into `current` when it has the same layout and no gradient is involved (so the
+    state keeps its address for CUDA graphs), otherwise `new` itself."""
+    if (
+        current is not None and current.shape == new.shape and current.dtype == new.dtype
+        and current.device == new.device and not (torch.is_grad_enabled() and (new.requires_grad or current.requires_grad))
+    ):
+        return current.copy_(new)
+    return new
+
+
+def _mark_static(*tensors: torch.Tensor | None) -> None:
+    """Tell torch.compile that these tensors keep their address (needed for CUDA graphs of the decode step)."""
+    if torch.compiler.is_compiling():
+        return
+    for tensor in tensors:
+        if tensor is not None:
+            torch._dynamo.mark_static_address(tensor)
 
 
 class _LayerCache:
     """Shared batch bookkeeping: every tensor attribute named in `_batch_tensors` has the batch first."""
 
     _batch_tensors: tuple[str, ...] = ()
-    is_compileable = False
+    is_compileable = True
     is_croppable = False
     supports_early_init = False
-    is_initialized = False
-
-    def __init__(self):
-        self.num_slots = 0  # physical positions seen (left padding included)
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in self._batch_tensors:
@@ -53,12 +73,16 @@ class _LayerCache:
             if tensor is not None:
                 setattr(self, name, fn(tensor))
 
+    @property
+    def is_initialized(self) -> bool:
+        return any(getattr(self, name) is not None for name in self._batch_tensors)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder the batch for beam search."""
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        """Reorder the batch for beam search, in place (the storage keeps its address)."""
+        self._map_batch(lambda t: t.copy_(t.index_select(0, beam_idx.to(t.device))))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every row `repeats` times in place (expanding a prompt to beams or samples)."""
+        """Repeat every row `repeats` times (expanding a prompt to beams or samples)."""
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -69,7 +93,6 @@ class _LayerCache:
         """Forget everything (the next forward starts a new sequence)."""
         for name in self._batch_tensors:
             setattr(self, name, None)
-        self.num_slots = 0
 
     def offload(self) -> None:  # called by `Cache` only when offloading, which this cache does not do
         raise NotImplementedError("HybridIndexPoolCache does not support offloading.")
@@ -81,194 +104,311 @@ class _LayerCache:
         tensors = [getattr(self, name) for name in self._batch_tensors if getattr(self, name) is not None]
         return tensors[0].shape[0] if tensors else -1
 
-    def get_seq_length(self) -> int:
-        return self.num_slots
-
     def get_max_length(self) -> int:
         return -1
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise if `crop(-tokens_to_remove)` is impossible; change nothing."""
+
+    def reserved_bytes(self) -> int:
+        """Bytes of every tensor this layer holds."""
+        return sum(_bytes(getattr(self, name)) for name in self._batch_tensors)
 
 
 class LinearAttentionLayerCache(_LayerCache):
     """Convolution state `[batch, conv_dim, kernel - 1]` and recurrent state `[batch, heads, key_dim, value_dim]`;
-    on a PLE layer also the last `ple_ngram_size - 1` token ids and the PLE convolution's input history."""
+    on a PLE layer also the last `ple_ngram_size - 1` token ids and the PLE convolution's input history. Their sizes do
+    not depend on the context."""
 
     _batch_tensors = ("conv_state", "recurrent_state", "ple_token_context", "ple_conv_state")
 
     def __init__(self):
-        super().__init__()
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
         self.ple_token_context: torch.Tensor | None = None
         self.ple_conv_state: torch.Tensor | None = None
 
-    def update(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, num_new_slots: int) -> None:
-        """Store the states after `num_new_slots` more tokens."""
-        self.conv_state, self.recurrent_state = conv_state, recurrent_state
-        self.num_slots += num_new_slots
+    def update(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        """Store the states after the new tokens."""
+        self.conv_state = _store(self.conv_state, conv_state)
+        self.recurrent_state = _store(self.recurrent_state, recurrent_state)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
+    def update_ple(self, token_context: torch.Tensor, conv_state: torch.Tensor) -> None:
+        """Store the PLE token context and convolution history after the new tokens."""
+        self.ple_token_context = _store(self.ple_token_context, token_context)
+        self.ple_conv_state = _store(self.ple_conv_state, conv_state)
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0 and self.is_initialized:
             raise ValueError(
                 "HybridIndexPoolCache cannot crop a Gated DeltaNet layer: its recurrent state cannot be rolled back. "
                 "Cropping works only for models whose layers are all IndexPool attention."
             )
 
-    def memory_footprint(self) -> dict[str, int]:
-        return {
-            "conv_state": _bytes(self.conv_state), "recurrent_state": _bytes(self.recurrent_state),
-            "ple_state": _bytes(self.ple_token_context) + _bytes(self.ple_conv_state),
-        }
+    def crop(self, tokens_to_remove: int) -> None:
+        self.check_crop(tokens_to_remove)
+
+    def memory_footprint(self) -> dict[str, tuple[int, int]]:
+        """`{component: (bytes in use, bytes reserved)}`; fixed-size states are entirely in use."""
+        ple = _bytes(self.ple_token_context) + _bytes(self.ple_conv_state)
+        conv, recurrent = _bytes(self.conv_state), _bytes(self.recurrent_state)
+        return {"conv_state": (conv, conv), "recurrent_state": (recurrent, recurrent), "ple_state": (ple, ple)}
 
 
 class IndexPoolLayerCache(_LayerCache):
-    """Raw keys/values of every slot, pooled indexer keys of complete windows, the raw open window of each row.
-
-    The keys, values and pooled keys live in storage that grows by doubling and is written in place; the attributes
-    below are views of the part in use.
+    """One IndexPool layer's keys/values, pooled indexer keys and open windows, stored by position per row.
 
     Attributes:
-        keys, values: `[batch, kv_heads, slots, head_dim]`.
-        pooled_index_keys: `[batch, max windows, index_head_dim]`, after norm and RoPE; row `b` holds
-            `num_pooled[b]` valid windows.
-        open_index_keys: `[batch, pool_size - 1, index_head_dim]` raw indexer keys of the row's open window, the
-            first `num_open[b]` valid.
+        key_storage, value_storage: `[batch, capacity, kv_heads, head_dim]`; entry `p` of row `b` is its token at
+            position `p`, valid for `p < lengths[b]`. `keys` / `values` present them as `[batch, kv_heads, capacity,
+            head_dim]` views.
+        pooled_storage: `[batch, capacity // r, index_head_dim]`, after norm and RoPE; window `c` at index `c`, valid
+            for `c < lengths[b] // r`.
+        open_index_keys: `[batch, r - 1, index_head_dim]` raw indexer keys of the open window, the first
+            `lengths[b] % r` valid.
         open_gate_logits: the same for the pooling-gate logits (float32), or None with mean pooling.
+        lengths: `[batch]` int64, real tokens per row.
+        capacity: positions reserved per row (a multiple of r).
     """
 
     _batch_tensors = (
-        "key_storage", "value_storage", "pooled_storage", "num_pooled", "open_index_keys", "open_gate_logits",
-        "num_open",
+        "key_storage", "value_storage", "pooled_storage", "open_index_keys", "open_gate_logits", "lengths",
     )
+    is_croppable = True
 
-    def __init__(self, pool_size: int):
-        super().__init__()
+    def __init__(self, pool_size: int, max_cache_len: int | None = None):
         self.pool_size = pool_size
-        # Slot-major [batch, capacity, kv_heads, head_dim]: the sparse attention gathers whole slots (all heads) as
-        # contiguous rows. `keys` / `values` present them as [batch, kv_heads, slots, head_dim] views.
+        self.max_cache_len = max_cache_len
+        self.is_compileable = max_cache_len is not None
         self.key_storage: torch.Tensor | None = None
         self.value_storage: torch.Tensor | None = None
-        self.pooled_storage: torch.Tensor | None = None  # [batch, capacity, index_head_dim]
-        self.num_pooled: torch.Tensor | None = None
+        self.pooled_storage: torch.Tensor | None = None
         self.open_index_keys: torch.Tensor | None = None
         self.open_gate_logits: torch.Tensor | None = None
-        self.num_open: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
+        self.capacity = 0
+        # Host-side upper bound of `lengths.max()`: decides growth without reading the device. Exact after every
+        # prefill; a decode step adds one (not maintained inside a compiled step, where the capacity is fixed).
+        self.length_bound = 0
+        self._planned_capacity = 0
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self.key_storage is None else self.key_storage[:, : self.num_slots].transpose(1, 2)
+        return None if self.key_storage is None else self.key_storage.transpose(1, 2)
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self.value_storage is None else self.value_storage[:, : self.num_slots].transpose(1, 2)
+        return None if self.value_storage is None else self.value_storage.transpose(1, 2)
 
     @property
     def pooled_index_keys(self) -> torch.Tensor | None:
-        if self.pooled_storage is None:
-            return None
-        return self.pooled_storage[:, : int(self.num_pooled.max()) if self.num_pooled.numel() else 0]
+        return self.pooled_storage
 
     @property
-    def num_positions(self) -> torch.Tensor | None:
-        """`[batch]` real tokens seen by each row (the next position), or None before the first update."""
-        return None if self.num_pooled is None else self.num_pooled * self.pool_size + self.num_open
+    def num_pooled(self) -> torch.Tensor | None:
+        """`[batch]` complete windows per row."""
+        return None if self.lengths is None else self.lengths // self.pool_size
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `[batch, kv_heads, new, head_dim]` keys/values in place and return views of all of them."""
-        end = self.num_slots + key_states.shape[-2]
-        key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
-        self.key_storage = _reserve(self.key_storage, key_states, self.num_slots, end, dim=1)
-        self.value_storage = _reserve(self.value_storage, value_states, self.num_slots, end, dim=1)
-        self.key_storage[:, self.num_slots:end] = key_states
-        self.value_storage[:, self.num_slots:end] = value_states
-        self.num_slots = end
-        return self.keys, self.values
+    @property
+    def num_open(self) -> torch.Tensor | None:
+        """`[batch]` tokens in each row's open window."""
+        return None if self.lengths is None else self.lengths % self.pool_size
 
-    def update_index(
+    def reset(self) -> None:
+        super().reset()
+        self.capacity = self.length_bound = self._planned_capacity = 0
+
+    def plan(self, token_is_real: torch.Tensor) -> None:
+        """Decide, on the host, the capacity the next update needs for the new tokens `token_is_real [batch, new]`.
+
+        A multi-token input (or the first one) counts its real tokens, which reads the device once; a decode step
+        adds one to the host-side bound and reads nothing.
+        """
+        batch_size, num_new = token_is_real.shape
+        if self.lengths is not None and self.lengths.shape[0] != batch_size:
+            raise ValueError(
+                f"The cache holds {self.lengths.shape[0]} rows but the input has {batch_size}; use a new cache, or "
+                "expand the cache with batch_repeat_interleave / batch_select_indices first."
+            )
+        if num_new == 1 and self.lengths is not None:
+            if torch.compiler.is_compiling():
+                if self.max_cache_len is None:
+                    raise RuntimeError(
+                        "A compiled decode step needs a cache with reserved storage: build it with "
+                        "HybridIndexPoolCache(config, max_cache_len=N) (generate() does this), so that its shapes "
+                        "never change."
+                    )
+                return  # the reserved capacity holds every token up to max_cache_len
+            self.length_bound += 1
+        else:
+            new_real = token_is_real.sum(dim=1)
+            if self.lengths is not None:
+                new_real = new_real + self.lengths.to(new_real.device)
+            self.length_bound = int(new_real.max()) if batch_size else 0
+        if self.lengths is None:
+            if self.max_cache_len is not None:
+                # The rows can reach their real prompt tokens plus the tokens still to come.
+                needed = self.length_bound + max(0, self.max_cache_len - num_new)
+            else:
+                needed = _round_up(max(self.length_bound, 1), GROWTH_CHUNK)
+            self._planned_capacity = _round_up(max(needed, 1), self.pool_size)
+        elif self.length_bound > self.capacity:
+            if self.max_cache_len is not None:
+                raise ValueError(
+                    f"The cache was reserved for max_cache_len={self.max_cache_len} tokens ({self.capacity} real "
+                    f"tokens per row) and this input needs {self.length_bound}; build a larger cache."
+                )
+            grown = max(self.length_bound, self.capacity + self.capacity // GROWTH_FRACTION)
+            self._planned_capacity = _round_up(_round_up(grown, GROWTH_CHUNK), self.pool_size)
+
+    def _allocate(self, key_states, value_states, raw_index_keys, gate_logits) -> None:
+        """Allocate (first update) or grow the storage to the planned capacity, keeping what it holds."""
+        capacity, r = self._planned_capacity, self.pool_size
+        batch_size, kv_heads, _, head_dim = key_states.shape
+        index_head_dim = raw_index_keys.shape[-1]
+        # Zero-filled: entries beyond a row's length are read (and masked) by fixed-shape decode steps.
+        key_storage = key_states.new_zeros(batch_size, capacity, kv_heads, head_dim)
+        value_storage = value_states.new_zeros(batch_size, capacity, kv_heads, value_states.shape[-1])
+        pooled_storage = raw_index_keys.new_zeros(batch_size, capacity // r, index_head_dim)
+        if self.key_storage is None:
+            self.lengths = torch.zeros(batch_size, dtype=torch.long, device=key_states.device)
+            self.open_index_keys = raw_index_keys.new_zeros(batch_size, r - 1, index_head_dim)
+            if gate_logits is not None:
+                self.open_gate_logits = gate_logits.new_zeros(batch_size, r - 1, index_head_dim)
+        else:
+            kept = self.capacity
+            key_storage[:, :kept] = self.key_storage
+            value_storage[:, :kept] = self.value_storage
+            pooled_storage[:, : kept // r] = self.pooled_storage
+        self.key_storage, self.value_storage, self.pooled_storage = key_storage, value_storage, pooled_storage
+        self.capacity = capacity
+        _mark_static(self.key_storage, self.value_storage, self.pooled_storage, self.open_index_keys,
+                     self.open_gate_logits, self.lengths)
+
+    def update(
         self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
         raw_index_keys: torch.Tensor,
         gate_logits: torch.Tensor | None,
-        positions: torch.Tensor,
-        is_real: torch.Tensor,
+        token_is_real: torch.Tensor,
         pool_windows: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add new tokens to the open windows, pool every window they complete, and return the pooled store.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store the new tokens' keys/values at their rows' positions, pool every window they complete, and advance
+        the lengths. Call `plan` first (the model does, once per forward).
 
         Args:
+            key_states, value_states: `[batch, kv_heads, new, head_dim]`.
             raw_index_keys: `[batch, new, index_head_dim]` indexer keys before norm and RoPE.
             gate_logits: `[batch, new, index_head_dim]` float32 pooling-gate logits (without the slot bias) or None.
-            positions: `[batch, new]` position of each token.
-            is_real: `[batch, new]` False for padding, which never enters a window.
+            token_is_real: `[batch, new]` bool; padding is not stored.
             pool_windows: `(window_keys [b, w, r, d], window_gate_logits or None, window_ids [b, w]) -> [b, w, d]`,
                 the indexer's pooling with norm and RoPE.
 
         Returns:
-            The pooled store `[batch, windows, index_head_dim]` and `num_pooled` `[batch]` after the update.
+            Keys and values `[batch, kv_heads, capacity, head_dim]` and pooled keys `[batch, capacity // r,
+            index_head_dim]` (views of the storage; entries beyond each row's length are stale or zero).
         """
-        batch_size, _, index_head_dim = raw_index_keys.shape
+        if self.key_storage is None or self._planned_capacity > self.capacity:
+            self._allocate(key_states, value_states, raw_index_keys, gate_logits)
+        if key_states.shape[-2] == 1:
+            self._write_one(key_states, value_states, raw_index_keys, gate_logits, token_is_real, pool_windows)
+        else:
+            self._write_many(key_states, value_states, raw_index_keys, gate_logits, token_is_real, pool_windows)
+        self.lengths.add_(token_is_real.sum(dim=1))
+        return self.keys, self.values, self.pooled_storage
+
+    def _write_one(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, pool_windows):
+        """Decode: one token per row, fixed shapes, masked writes, no host synchronisation."""
         r = self.pool_size
+        rows = torch.arange(key_states.shape[0], device=key_states.device)
+        real = token_is_real[:, 0]
+        target = self.lengths.clamp(max=self.capacity - 1)
+        for storage, new in ((self.key_storage, key_states), (self.value_storage, value_states)):
+            new = new[:, :, 0].to(storage.dtype)  # [batch, kv_heads, head_dim]
+            storage[rows, target] = torch.where(real[:, None, None], new, storage[rows, target])
+
+        num_open, num_pooled = self.lengths % r, self.lengths // r
+        # The open window with the new token at its place: [batch, r, d].
+        slot = num_open[:, None, None].expand(-1, 1, raw_index_keys.shape[-1])
+
+        def with_new(open_part, new_part):
+            window = torch.cat([open_part, new_part.to(open_part.dtype)], dim=1)  # room for r tokens
+            return window.scatter(1, slot, new_part.to(open_part.dtype))
+
+        window_keys = with_new(self.open_index_keys, raw_index_keys)
+        window_logits = None if gate_logits is None else with_new(self.open_gate_logits, gate_logits)
+        pooled = pool_windows(window_keys[:, None], None if window_logits is None else window_logits[:, None],
+                              num_pooled[:, None])[:, 0]
+        completes = real & (num_open == r - 1)
+        window_target = num_pooled.clamp(max=self.pooled_storage.shape[1] - 1)
+        self.pooled_storage[rows, window_target] = torch.where(
+            completes[:, None], pooled.to(self.pooled_storage.dtype), self.pooled_storage[rows, window_target])
+        # A completed window leaves stale entries behind, which its zero count makes invisible.
+        if r > 1:
+            self.open_index_keys.copy_(torch.where(real[:, None, None], window_keys[:, : r - 1], self.open_index_keys))
+            if window_logits is not None:
+                self.open_gate_logits.copy_(
+                    torch.where(real[:, None, None], window_logits[:, : r - 1], self.open_gate_logits))
+
+    def _write_many(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, pool_windows):
+        """Prefill: any number of tokens per row; may read the device for its shapes."""
+        r = self.pool_size
+        batch_size, num_new, index_head_dim = raw_index_keys.shape
         device = raw_index_keys.device
-        if self.num_pooled is None:
-            self.num_pooled = torch.zeros(batch_size, dtype=torch.long, device=device)
-            self.num_open = torch.zeros(batch_size, dtype=torch.long, device=device)
-            self.open_index_keys = raw_index_keys.new_zeros(batch_size, r - 1, index_head_dim)
-            if gate_logits is not None:
-                self.open_gate_logits = gate_logits.new_zeros(batch_size, r - 1, index_head_dim)
+        positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1  # of the real tokens
+        rows, columns = token_is_real.nonzero(as_tuple=True)
+        targets = positions[rows, columns]
+        self.key_storage[rows, targets] = key_states.transpose(1, 2)[rows, columns].to(self.key_storage.dtype)
+        self.value_storage[rows, targets] = value_states.transpose(1, 2)[rows, columns].to(self.value_storage.dtype)
 
         # Lay the open window and the new real tokens side by side by position, starting at the open window.
-        relative = positions - self.num_pooled[:, None] * r
-        total_open = self.num_open + is_real.sum(dim=1)
+        num_pooled, num_open = self.lengths // r, self.lengths % r
+        total_open = num_open + token_is_real.sum(dim=1)
         num_complete = total_open // r
-        num_windows = max(1, -(-int(total_open.max()) // r))
+        num_windows = max(1, -(-(r - 1 + num_new) // r))
         width = num_windows * r
-        scatter_index = torch.where(is_real, relative, width)[..., None].expand(-1, -1, index_head_dim)
+        relative = targets - num_pooled[rows] * r  # of each real token, from its row's open window start
+        key_buffer = self._scatter_rows(raw_index_keys, self.open_index_keys, rows, columns, relative, width)
+        logit_buffer = None
+        if gate_logits is not None:
+            logit_buffer = self._scatter_rows(gate_logits, self.open_gate_logits, rows, columns, relative, width)
 
-        def lay_out(open_part: torch.Tensor, new_part: torch.Tensor) -> torch.Tensor:
-            buffer = new_part.new_zeros(batch_size, width + 1, index_head_dim)  # last column absorbs padding
-            buffer[:, : r - 1] = open_part
-            return buffer.scatter(1, scatter_index, new_part)
-
-        key_buffer = lay_out(self.open_index_keys, raw_index_keys)
-        logit_buffer = None if gate_logits is None else lay_out(self.open_gate_logits, gate_logits)
-
-        if int(num_complete.max()) > 0:
-            window_ids = self.num_pooled[:, None] + torch.arange(num_windows, device=device)
-            window_keys = key_buffer[:, :width].view(batch_size, num_windows, r, index_head_dim)
+        complete_rows, complete_windows = (
+            torch.arange(num_windows, device=device) < num_complete[:, None]).nonzero(as_tuple=True)
+        if complete_rows.numel():
+            window_ids = num_pooled[:, None] + torch.arange(num_windows, device=device)
+            window_keys = key_buffer.view(batch_size, num_windows, r, index_head_dim)
             window_logits = None
             if logit_buffer is not None:
-                window_logits = logit_buffer[:, :width].view(batch_size, num_windows, r, index_head_dim)
+                window_logits = logit_buffer.view(batch_size, num_windows, r, index_head_dim)
             pooled = pool_windows(window_keys, window_logits, window_ids)
-            # Write each row's new windows after its own; the last storage column absorbs the rows' extras.
-            new_width = int((self.num_pooled + num_complete).max())
-            used = int(self.num_pooled.max())
-            self.pooled_storage = _reserve(self.pooled_storage, pooled, used, new_width + 1, dim=1)
-            dump = self.pooled_storage.shape[1] - 1
-            target = torch.where(torch.arange(num_windows, device=device) < num_complete[:, None], window_ids, dump)
-            self.pooled_storage.scatter_(1, target[..., None].expand(-1, -1, index_head_dim),
-                                         pooled.to(self.pooled_storage.dtype))
-        elif self.pooled_storage is None:
-            self.pooled_storage = raw_index_keys.new_zeros(batch_size, 1, index_head_dim)
+            self.pooled_storage[complete_rows, window_ids[complete_rows, complete_windows]] = (
+                pooled[complete_rows, complete_windows].to(self.pooled_storage.dtype))
+        if r > 1:
+            # The tokens after the last complete window form the new open window.
+            open_index = (num_complete[:, None] * r + torch.arange(r - 1, device=device)).clamp(max=width - 1)
+            open_index = open_index[..., None].expand(-1, -1, index_head_dim)
+            self.open_index_keys.copy_(key_buffer.gather(1, open_index))
+            if logit_buffer is not None:
+                self.open_gate_logits.copy_(logit_buffer.gather(1, open_index))
 
-        # The tokens after the last complete window form the new open window.
-        open_index = (num_complete[:, None] * r + torch.arange(r - 1, device=device)).clamp(max=width)
-        open_index = open_index[..., None].expand(-1, -1, index_head_dim)
-        self.open_index_keys = key_buffer.gather(1, open_index)
-        if logit_buffer is not None:
-            self.open_gate_logits = logit_buffer.gather(1, open_index)
-        self.num_pooled = self.num_pooled + num_complete
-        self.num_open = total_open - num_complete * r
-        return self.pooled_index_keys, self.num_pooled
+    @staticmethod
+    def _scatter_rows(new, open_part, rows, columns, relative, width):
+        """`[batch, width, d]`: each row's open window followed by its new real tokens, by position."""
+        buffer = new.new_zeros(new.shape[0], width, new.shape[-1])
+        buffer[:, : open_part.shape[1]] = open_part.to(buffer.dtype)
+        buffer[rows, relative] = new[rows, columns].to(buffer.dtype)
+        return buffer
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `tokens_to_remove` slots (real tokens, as generated ones are).
-
-        Pooled windows keep no raw keys, so a cut must fall inside each row's open window or on a window boundary.
-        """
-        if tokens_to_remove <= 0 or self.key_storage is None:
+    def check_crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove <= 0 or self.lengths is None:
             return
-        if tokens_to_remove > self.num_slots:
-            raise ValueError(f"Cannot crop {tokens_to_remove} tokens from a cache of {self.num_slots}.")
-        remaining = self.num_positions - tokens_to_remove
-        inside_open = remaining >= self.num_pooled * self.pool_size
+        remaining = self.lengths - tokens_to_remove
+        if bool((remaining < 0).any()):
+            raise ValueError(
+                f"Cannot crop {tokens_to_remove} tokens: a row holds only {int(self.lengths.min())} real tokens.")
+        inside_open = remaining >= (self.lengths // self.pool_size) * self.pool_size
         on_boundary = remaining % self.pool_size == 0
         if not bool((inside_open | on_boundary).all()):
             raise ValueError(
@@ -276,70 +416,158 @@ class IndexPoolLayerCache(_LayerCache):
                 f"raw indexer keys are gone. Crop to a multiple of index_pool_size ({self.pool_size}) or within the "
                 "open window."
             )
-        self.num_slots -= tokens_to_remove
-        self.num_open = torch.where(inside_open, self.num_open - tokens_to_remove, torch.zeros_like(self.num_open))
-        self.num_pooled = torch.where(inside_open, self.num_pooled, remaining // self.pool_size)
 
-    def memory_footprint(self) -> dict[str, int]:
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `tokens_to_remove` real tokens of every row (as generated tokens are).
+
+        Pooled windows keep no raw keys, so a cut must fall inside each row's open window or on a window boundary.
+        Entries beyond the new lengths stay in the storage and are overwritten by the next tokens.
+        """
+        self.check_crop(tokens_to_remove)
+        if tokens_to_remove > 0 and self.lengths is not None:
+            self.lengths.sub_(tokens_to_remove)
+            self.length_bound = max(0, self.length_bound - tokens_to_remove)
+
+    def memory_footprint(self) -> dict[str, tuple[int, int]]:
+        """`{component: (bytes in use, bytes reserved)}`."""
+        if self.lengths is None:
+            return {"key_value": (0, 0), "pooled_index_keys": (0, 0), "open_window": (0, 0), "lengths": (0, 0)}
+        total_tokens = int(self.lengths.sum())
+        total_windows = int((self.lengths // self.pool_size).sum())
+        total_open = total_tokens - total_windows * self.pool_size
+        key_value_per_token = (self.key_storage[0, 0].numel() * self.key_storage.element_size()
+                               + self.value_storage[0, 0].numel() * self.value_storage.element_size())
+        index_head_dim = self.pooled_storage.shape[-1]
+        open_per_token = index_head_dim * (self.open_index_keys.element_size() + (
+            0 if self.open_gate_logits is None else self.open_gate_logits.element_size()))
+        lengths = _bytes(self.lengths)
         return {
-            "key_value": _bytes(self.keys) + _bytes(self.values),
-            "pooled_index_keys": _bytes(self.pooled_index_keys),
-            "open_window": _bytes(self.open_index_keys) + _bytes(self.open_gate_logits),
+            "key_value": (total_tokens * key_value_per_token, _bytes(self.key_storage) + _bytes(self.value_storage)),
+            "pooled_index_keys": (total_windows * index_head_dim * self.pooled_storage.element_size(),
+                                  _bytes(self.pooled_storage)),
+            "open_window": (total_open * open_per_token, _bytes(self.open_index_keys) + _bytes(self.open_gate_logits)),
+            "lengths": (lengths, lengths),
         }
 
     def unpooled_index_bytes(self) -> int:
-        """Bytes a per-token (r = 1) indexer key cache would hold for the same rows and positions."""
-        if self.num_pooled is None:
+        """Bytes a per-token (r = 1) indexer key cache would hold for the same tokens."""
+        if self.lengths is None:
             return 0
-        batch_size, _, index_head_dim = self.pooled_index_keys.shape
-        return batch_size * int(self.num_positions.max()) * index_head_dim * self.pooled_index_keys.element_size()
+        return int(self.lengths.sum()) * self.pooled_storage.shape[-1] * self.pooled_storage.element_size()
 
 
 class HybridIndexPoolCache(Cache):
     """Cache of a [`HybridIndexPoolModel`]: one `LinearAttentionLayerCache` or `IndexPoolLayerCache` per layer.
 
+    Args:
+        config: the model's config.
+        max_cache_len: the most tokens (attention-mask columns, padding included) the cache will see. When given,
+            the IndexPool storage is reserved once for that, never grows, and the cache is compileable; `generate()`
+            passes prompt + new tokens. Without it the storage grows in bounded steps.
+
     Built by `generate()` and by `forward(use_cache=True)`; supports beam-search reordering,
-    `batch_repeat_interleave`, `batch_select_indices`, `reset`, and `crop` where the layers allow it.
-    `memory_footprint()` reports its size in bytes per component.
+    `batch_repeat_interleave`, `batch_select_indices`, `reset`, and `crop(-n)` where the layers allow it.
+    `memory_footprint()` reports its size in bytes per component, in use and reserved.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, max_cache_len: int | None = None):
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"max_cache_len is {max_cache_len}; give a positive number of tokens or None.")
         layers = [
-            IndexPoolLayerCache(config.index_pool_size) if layer_type == "indexpool_attention"
+            IndexPoolLayerCache(config.index_pool_size, max_cache_len) if layer_type == "indexpool_attention"
             else LinearAttentionLayerCache()
             for layer_type in config.layer_types
         ]
         super().__init__(layers=layers)
+        self.max_cache_len = max_cache_len
+        self.pool_size = config.index_pool_size
+        # Attention-mask columns seen (padding included): a device tensor advanced in place, so a compiled decode
+        # step neither reads nor specialises on it.
+        self.seen_tokens: torch.Tensor | None = None
+
+    @property
+    def index_layers(self) -> list[IndexPoolLayerCache]:
+        return [layer for layer in self.layers if isinstance(layer, IndexPoolLayerCache)]
+
+    def begin_update(self, token_is_real: torch.Tensor) -> torch.Tensor:
+        """Plan the storage for new tokens `token_is_real [batch, new]` and return their positions `[batch, new]`
+        (each row counts its real tokens; padding gets the position of the token before it, or 0).
+
+        Called once per forward, before the layers update; a decode step reads nothing from the device.
+        """
+        if self.seen_tokens is None:
+            self.seen_tokens = torch.zeros((), dtype=torch.long, device=token_is_real.device)
+            _mark_static(self.seen_tokens)
+        past = self.num_positions()
+        for layer in self.index_layers:
+            layer.plan(token_is_real)
+        self.seen_tokens.add_(token_is_real.shape[1])
+        positions = token_is_real.long().cumsum(dim=1) - 1
+        if past is not None:
+            positions = positions + past.to(positions.device)[:, None]
+        return positions.clamp(min=0)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Slots seen so far (padding included), the same for every layer."""
-        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+        """Attention-mask columns seen so far (padding included), the same for every layer."""
+        return 0 if self.seen_tokens is None else int(self.seen_tokens)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length(layer_idx) + query_length, 0
 
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1 if self.max_cache_len is None else self.max_cache_len
+
     def num_positions(self) -> torch.Tensor | None:
         """`[batch]` real tokens seen by each row, from the first IndexPool layer (None without one, or empty)."""
-        for layer in self.layers:
-            if isinstance(layer, IndexPoolLayerCache):
-                return layer.num_positions
+        for layer in self.index_layers:
+            return layer.lengths
         return None
 
-    def memory_footprint(self) -> dict[str, int]:
-        """Bytes held per component, summed over layers; `unpooled_index_keys` is what an r = 1 indexer would hold."""
-        totals = {
-            "key_value": 0, "pooled_index_keys": 0, "open_window": 0, "conv_state": 0, "recurrent_state": 0,
-            "ple_state": 0,
-        }
-        unpooled = 0
+    def reset(self) -> None:
+        super().reset()
+        self.seen_tokens = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`).
+
+        Every layer is checked before any changes: a Gated DeltaNet layer cannot roll back, and an IndexPool layer
+        can cut only inside its open window or on a window boundary.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative number, crop(-n), to remove the last n tokens (the "
+                "transformers convention); cropping to an absolute length is not supported."
+            )
+        count = -tokens_to_remove
+        if count == 0:
+            return
+        if count > self.get_seq_length():
+            raise ValueError(f"Cannot crop {count} tokens from a cache of {self.get_seq_length()}.")
         for layer in self.layers:
-            for name, size in layer.memory_footprint().items():
-                totals[name] += size
-            if isinstance(layer, IndexPoolLayerCache):
-                unpooled += layer.unpooled_index_bytes()
-        totals["total"] = sum(totals.values())
-        totals["unpooled_index_keys"] = unpooled
-        return totals
+            layer.check_crop(count)
+        for layer in self.layers:
+            layer.crop(count)
+        self.seen_tokens.sub_(count)
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes per component, summed over layers: in use under each component's name, reserved under
+        `<name>_reserved`; `total` and `reserved` sum them; `unpooled_index_keys` is what an r = 1 indexer would
+        hold for the same tokens. `reserved` counts every tensor the cache holds."""
+        used: dict[str, int] = {}
+        reserved: dict[str, int] = {}
+        for layer in self.layers:
+            for name, (in_use, held) in layer.memory_footprint().items():
+                used[name] = used.get(name, 0) + in_use
+                reserved[name] = reserved.get(name, 0) + held
+        counter = _bytes(self.seen_tokens)
+        used["lengths"] = used.get("lengths", 0) + counter
+        reserved["lengths"] = reserved.get("lengths", 0) + counter
+        footprint = dict(used)
+        footprint.update({f"{name}_reserved": size for name, size in reserved.items()})
+        footprint["total"] = sum(used.values())
+        footprint["reserved"] = sum(reserved.values())
+        footprint["unpooled_index_keys"] = sum(layer.unpooled_index_bytes() for layer in self.index_layers)
+        return footprint
 
 
 __all__ = ["HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache"]

@@ -209,7 +209,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         mode = "recurrent" if initial_state is not None and seq_len == 1 else "chunk"
         core, final_state = gated_delta_rule(query, key, value, log_decay, beta, initial_state, mode=mode)
         if layer_cache is not None:
-            layer_cache.update(conv_input[..., -(self.conv_kernel_size - 1):], final_state, seq_len)
+            layer_cache.update(conv_input[..., -(self.conv_kernel_size - 1):], final_state)
 
         gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, self.num_value_heads, self.value_head_dim)
         core = self.norm(core, gate).reshape(batch_size, seq_len, self.value_dim)
@@ -348,69 +348,78 @@ class HybridIndexPoolAttention(nn.Module):
         query = apply_rotary(query, cos[:, None], sin[:, None])
         key = apply_rotary(key, cos[:, None], sin[:, None])
 
-        # Without a cache, a fresh per-call state does the same bookkeeping.
-        state = layer_cache if layer_cache is not None else IndexPoolLayerCache(self.pool_size)
-        past_slots = state.num_slots
-        key, value = state.update(key, value)  # every slot: [batch, kv_heads, slots, head_dim]
         # The indexer reads a detached input: only its own loss trains it, and it never trains the model (the
         # selection passes no gradient either way).
         index_queries, raw_index_keys, gate_logits, head_weights = self.indexer(hidden_states.detach(), cos, sin)
-        pooled_index_keys, _ = state.update_index(
-            raw_index_keys, gate_logits, positions, token_is_real,
+        state = layer_cache
+        if state is None:  # without a cache, a per-call state does the same bookkeeping
+            state = IndexPoolLayerCache(self.pool_size)
+            state.plan(token_is_real)
+        # Everything by position: [batch, kv_heads, capacity, head_dim] and [batch, capacity // r, index_head_dim]
+        key, value, pooled_index_keys = state.update(
+            key, value, raw_index_keys, gate_logits, token_is_real,
             partial(self.indexer.pool_windows, rotary_emb=rotary_emb),
         )
-
-        query_slots = past_slots + torch.arange(seq_len, device=hidden_states.device).expand(batch_size, -1)
-        # A padding query sees only its own slot: finite output, never read.
+        # A padding query sees no window, only its tail: a finite output that is never read.
         num_visible = torch.where(token_is_real, (positions + 1) // self.pool_size, 0)
-        tail_length = torch.where(token_is_real, (positions + 1) % self.pool_size, 1)
-        # Slot of each row's position 0 (positions are contiguous from the first real token).
-        window_slot_offset = (query_slots - positions).masked_fill(~token_is_real, -1).amax(dim=1).clamp(min=0)
 
         selected = None
-        if indexer_loss == "dense" or int(num_visible.max()) <= self.topk_windows:
-            output, weights = self._dense_attention(
-                query, key, value, query_slots, window_slot_offset, token_is_real, output_attentions
-            )
-        else:
+        if seq_len == 1 and layer_cache is not None and indexer_loss is None:
+            # Decode: fixed shapes and no host synchronisation. The selection is everything visible while that fits
+            # the budget, so this is the dense result too.
             selected = pooled_index_topk(
                 index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows,
                 None if head_weights is None else head_weights.detach(),
             )
             output, weights = sparse_attention(
-                query, key, value, selected, window_slot_offset, query_slots, tail_length, self.pool_size,
-                self.scaling, self.attention_dropout, self.training, output_attentions,
+                query, key, value, selected, positions, self.pool_size, self.scaling, self.attention_dropout,
+                self.training, output_attentions,
             )
+        else:
+            max_visible = int(num_visible.max())
+            length = int(positions.max()) + 1  # no query of this input sees beyond
+            key, value = key[:, :, :length], value[:, :, :length]
+            pooled_index_keys = pooled_index_keys[:, : length // self.pool_size]
+            if indexer_loss == "dense" or max_visible <= self.topk_windows:
+                output, weights = self._dense_attention(query, key, value, positions, output_attentions)
+            else:
+                selected = pooled_index_topk(
+                    index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows,
+                    None if head_weights is None else head_weights.detach(), window_limit=max_visible,
+                )
+                output, weights = sparse_attention(
+                    query, key, value, selected, positions, self.pool_size, self.scaling, self.attention_dropout,
+                    self.training, output_attentions,
+                )
         output = output.reshape(batch_size, seq_len, -1)
         if gate is not None:
             output = output * torch.sigmoid(gate)
         kl = None
         if indexer_loss is not None:
             kl = self._indexer_kl(query.detach(), key.detach(), index_queries, pooled_index_keys, head_weights,
-                                  num_visible, window_slot_offset, query_slots, token_is_real,
+                                  num_visible, positions, token_is_real,
                                   selected if indexer_loss == "sparse" else None)
         return self.o_proj(output), weights, kl
 
-    def _indexer_kl(self, query, key, index_queries, pooled_index_keys, head_weights, num_visible,
-                    window_slot_offset, query_slots, token_is_real, selected):
+    def _indexer_kl(self, query, key, index_queries, pooled_index_keys, head_weights, num_visible, positions,
+                    token_is_real, selected):
         """Mean over real queries of KL(p || softmax(s)) between the attention mass of each complete visible window
         (summed over heads and the window's tokens, renormalised) and the indexer's scores; with `selected`, over the
         selected windows only. Queries go in chunks: memory linear in the context."""
         batch_size, num_heads, num_queries, _ = query.shape
-        num_slots, num_windows, r = key.shape[-2], pooled_index_keys.shape[1], self.pool_size
+        num_positions, r = key.shape[-2], self.pool_size
+        num_windows = min(pooled_index_keys.shape[1], num_positions // r)
+        pooled_index_keys = pooled_index_keys[:, :num_windows]
         key = key.repeat_interleave(num_heads // self.num_kv_heads, dim=1).float()
-        slots = torch.arange(num_slots, device=key.device)
-        window_slots = (window_slot_offset[:, None] + torch.arange(num_windows * r, device=key.device))
-        window_slots = window_slots.clamp(max=max(num_slots - 1, 0))
-        chunk = max(1, (1 << 24) // max(1, batch_size * num_heads * num_slots))
+        key_positions = torch.arange(num_positions, device=key.device)
+        chunk = max(1, (1 << 24) // max(1, batch_size * num_heads * num_positions))
         total, count = query.new_zeros((), dtype=torch.float32), 0
         for start in range(0, num_queries, chunk):
             end = min(start + chunk, num_queries)
-            visible_slots = (slots >= window_slot_offset[:, None, None]) & (slots <= query_slots[:, start:end, None])
+            visible_keys = key_positions <= positions[:, start:end, None]
             scores = (query[:, :, start:end].float() @ key.transpose(-1, -2)) * self.scaling
-            mass = masked_softmax(scores, visible_slots[:, None]).sum(dim=1)  # [batch, queries, slots]
-            index = window_slots[:, None].expand(-1, end - start, -1)
-            mass = mass.gather(-1, index).view(batch_size, end - start, num_windows, r).sum(-1)
+            mass = masked_softmax(scores, visible_keys[:, None]).sum(dim=1)  # [batch, queries, positions]
+            mass = mass[..., : num_windows * r].unflatten(-1, (num_windows, r)).sum(-1)
             visible = torch.arange(num_windows, device=key.device) < num_visible[:, start:end, None]
             if selected is not None:
                 chosen = torch.zeros(batch_size, end - start, num_windows + 1, dtype=torch.bool, device=key.device)
@@ -426,12 +435,11 @@ class HybridIndexPoolAttention(nn.Module):
             count += int(rows.sum())
         return total / max(count, 1)
 
-    def _dense_attention(self, query, key, value, query_slots, window_slot_offset, token_is_real, output_attentions):
-        """Causal attention over every real slot up to the query's own (the selection when nothing is pruned)."""
-        slots = torch.arange(key.shape[-2], device=key.device)
-        visible = (slots >= window_slot_offset[:, None, None]) & (slots <= query_slots[..., None])
-        visible = torch.where(token_is_real[..., None], visible, slots == query_slots[..., None])
-        visible = visible[:, None]  # [batch, 1, queries, slots]
+    def _dense_attention(self, query, key, value, positions, output_attentions):
+        """Causal attention over every stored position up to the query's own (the selection when nothing is
+        pruned). Keys are stored by position, so a row's padding is simply absent."""
+        key_positions = torch.arange(key.shape[-2], device=key.device)
+        visible = (key_positions <= positions[..., None])[:, None]  # [batch, 1, queries, positions]
         dropout = self.attention_dropout if self.training else 0.0
         if not output_attentions:
             output = F.scaled_dot_product_attention(
@@ -642,8 +650,7 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
             conv_state = conv_input.new_zeros(*conv_input.shape[:2], self.conv_state_length)
         conv_input = torch.cat([conv_state.to(conv_input.dtype), conv_input], dim=-1)
         if layer_cache is not None:
-            layer_cache.ple_token_context = token_context
-            layer_cache.ple_conv_state = conv_input[..., conv_input.shape[-1] - self.conv_state_length:]
+            layer_cache.update_ple(token_context, conv_input[..., conv_input.shape[-1] - self.conv_state_length:])
         conv_output = F.conv1d(conv_input, self.conv1d.weight, dilation=self.conv_dilation, groups=conv_input.shape[1])
         return gated_values + F.silu(conv_output).transpose(1, 2)
 
@@ -849,10 +856,13 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             cache = HybridIndexPoolCache(self.config)
 
         batch_size, seq_len = inputs_embeds.shape[:2]
-        past_slots = cache.get_seq_length() if cache is not None else 0
-        token_is_real, positions = self._real_tokens_and_positions(
-            attention_mask, position_ids, cache, batch_size, seq_len, past_slots, inputs_embeds.device
-        )
+        token_is_real = self._token_is_real(attention_mask, cache, batch_size, seq_len, inputs_embeds.device)
+        # Storage positions: each row counts its real tokens (the cache's per-row lengths come first).
+        if cache is not None:
+            positions = cache.begin_update(token_is_real)
+        else:
+            positions = (token_is_real.long().cumsum(dim=1) - 1).clamp(min=0)
+        rope_positions = self._rope_positions(position_ids, positions, batch_size, seq_len)
         ple_token_ids = None
         if self.config.ple_layers:
             # Padding never enters an n-gram: it reads as end-of-sequence, after which the n-gram context restarts.
@@ -868,7 +878,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             chunk = seq_len
         pieces = [
             self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
-                             token_is_real[:, start:start + chunk], cache, output_attentions, output_hidden_states,
+                             rope_positions[:, start:start + chunk], token_is_real[:, start:start + chunk], cache,
+                             output_attentions, output_hidden_states,
                              indexer_loss, None if ple_token_ids is None else ple_token_ids[:, start:start + chunk])
             for start in range(0, seq_len, chunk)
         ]
@@ -886,11 +897,11 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             indexer_loss=torch.stack(layer_losses).mean() if layer_losses else None,
         )
 
-    def _run_layers(self, hidden_states, positions, token_is_real, cache, output_attentions, output_hidden_states,
-                    indexer_loss=None, ple_token_ids=None):
+    def _run_layers(self, hidden_states, positions, rope_positions, token_is_real, cache, output_attentions,
+                    output_hidden_states, indexer_loss=None, ple_token_ids=None):
         """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions and
         the IndexPool layers' indexer losses."""
-        position_embeddings = self.rotary_emb(hidden_states, positions)
+        position_embeddings = self.rotary_emb(hidden_states, rope_positions)
         all_hidden_states, all_attentions, indexer_losses = (), (), []
         for decoder_layer in self.layers:
             if output_hidden_states:
@@ -912,46 +923,45 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         return hidden_states, all_hidden_states, all_attentions, indexer_losses
 
     @staticmethod
-    def _real_tokens_and_positions(attention_mask, position_ids, cache, batch_size, seq_len, past_slots, device):
-        """Which new tokens are real (not padding), and their positions (each row counts from its first real one)."""
+    def _token_is_real(attention_mask, cache, batch_size, seq_len, device):
+        """`[batch, seq]` bool: which new tokens exist (mask 1); padding and holes are absent for everything."""
         if attention_mask is None:
-            token_is_real = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
-        else:
-            if attention_mask.dim() != 2:
+            return torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"`attention_mask` has {attention_mask.dim()} dimensions; give the 2-D padding mask "
+                "`[batch, past + new tokens]` (1 = token, 0 = padding): the sparse selection builds its own."
+            )
+        if seq_len > 1 or cache is None or cache.seen_tokens is None:
+            past = 0 if cache is None else cache.get_seq_length()
+        else:  # a decode step reads only the new token's column, and nothing from the device
+            past = max(attention_mask.shape[1] - seq_len, 0)
+        if attention_mask.shape != (batch_size, past + seq_len):
+            raise ValueError(
+                f"`attention_mask` has shape {tuple(attention_mask.shape)} but the cache holds {past} tokens and "
+                f"{seq_len} new ones arrive for {batch_size} rows; it must be ({batch_size}, {past + seq_len})."
+            )
+        return attention_mask[:, attention_mask.shape[1] - seq_len:].to(device=device, dtype=torch.bool)
+
+    @staticmethod
+    def _rope_positions(position_ids, positions, batch_size, seq_len):
+        """Rotary positions `[batch, seq]`: `position_ids` when given, else the storage positions."""
+        if position_ids is None:
+            return positions
+        if position_ids.dim() == 3:
+            if not bool((position_ids == position_ids[:1]).all()):
                 raise ValueError(
-                    f"`attention_mask` has {attention_mask.dim()} dimensions; give the 2-D padding mask "
-                    "`[batch, past + new tokens]` (1 = token, 0 = padding): the sparse selection builds its own."
+                    "`position_ids` has several different position streams (multimodal RoPE for images or "
+                    "video); this text model needs one position per token: give `[batch, seq]`."
                 )
-            if attention_mask.shape != (batch_size, past_slots + seq_len):
-                raise ValueError(
-                    f"`attention_mask` has shape {tuple(attention_mask.shape)} but the cache holds {past_slots} "
-                    f"tokens and {seq_len} new ones arrive for {batch_size} rows; it must be "
-                    f"({batch_size}, {past_slots + seq_len})."
-                )
-            token_is_real = attention_mask[:, past_slots:].to(device=device, dtype=torch.bool)
-        if position_ids is not None:
-            if position_ids.dim() == 3:
-                if not bool((position_ids == position_ids[:1]).all()):
-                    raise ValueError(
-                        "`position_ids` has several different position streams (multimodal RoPE for images or "
-                        "video); this text model needs one position per token: give `[batch, seq]`."
-                    )
-                position_ids = position_ids[0]
-            if position_ids.shape == (1, seq_len):
-                position_ids = position_ids.expand(batch_size, seq_len)
-            if position_ids.shape != (batch_size, seq_len):
-                raise ValueError(
-                    f"`position_ids` has shape {tuple(position_ids.shape)}; it must be ({batch_size}, {seq_len})."
-                )
-            return token_is_real, position_ids.to(device=device, dtype=torch.long)
-        if cache is not None and cache.num_positions() is not None:
-            seen = cache.num_positions().to(device)
-        elif attention_mask is not None:
-            seen = attention_mask[:, :past_slots].to(device=device, dtype=torch.long).sum(dim=1)
-        else:
-            seen = torch.full((batch_size,), past_slots, dtype=torch.long, device=device)
-        positions = seen[:, None] + token_is_real.long().cumsum(dim=1) - 1
-        return token_is_real, positions.clamp(min=0)
+            position_ids = position_ids[0]
+        if position_ids.shape == (1, seq_len):
+            position_ids = position_ids.expand(batch_size, seq_len)
+        if position_ids.shape != (batch_size, seq_len):
+            raise ValueError(
+                f"`position_ids` has shape {tuple(position_ids.shape)}; it must be ({batch_size}, {seq_len})."
+            )
+        return position_ids.to(device=positions.device, dtype=torch.long)
 
 
 class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin):
@@ -1021,7 +1031,22 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
                 f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
                 "HybridIndexPool; leave it unset (a HybridIndexPoolCache is built) or pass `cache=`."
             )
-        model_kwargs["cache"] = HybridIndexPoolCache(self.config)
+        # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
+        model_kwargs["cache"] = HybridIndexPoolCache(self.config, max_cache_len=max_cache_length)
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
+        if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
+            # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
+            # every length: say so up front instead of recompiling once the length changes.
+            torch._dynamo.maybe_mark_dynamic(attention_mask, 1)
+        return model_inputs
+
+    @staticmethod
+    def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs):
+        """The layers build their own selections from the 2-D padding mask: `generate()` passes it through."""
+        return attention_mask
 
 
 class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):

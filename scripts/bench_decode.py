@@ -4,10 +4,14 @@ Qwen4-Exp, side by side in one run.
 The HybridIndexPool settings share one model's weights (mean pooling, so r changes nothing else) and one prompt;
 "dense" is the same model with a budget beyond the context. Qwen4-Exp (`Qwen4ExpForCausalLM`, the mean-pooled QSA
 indexer this design modifies) gets the same widths and runs at the contexts it can finish (`--reference-max-context`).
-Each measurement runs in its own process (started from a fork server that has already imported everything), so its
-peak memory is its own. Per setting and context: prefill seconds, milliseconds per decoded token (median), peak
-memory, cache bytes per component; for the pooled settings also the decode indexer step (top-k over the pooled keys)
-and the fraction of the machine's memory bandwidth it reaches, the bandwidth measured by a large copy in the same run.
+Each measurement runs in its own process (started from a fork server that has already imported everything). The
+HybridIndexPool settings decode from a cache reserved the way `generate()` reserves it (prompt + new tokens). Per
+setting and context: prefill seconds, milliseconds per decoded token (median) in eager mode and, with `--compile`,
+compiled whole (`torch.compile(fullgraph=True)`, inductor; compile time reported apart), the aten operator calls of one
+decode step (from `torch.profiler`, nested calls included), and the cache's bytes reserved and in use per component
+(what a GPU would hold, not resident-set growth); for the HybridIndexPool settings also the decode indexer step (top-k
+over the pooled keys) and the fraction of the machine's memory bandwidth it reaches, the bandwidth measured by a
+large copy in the same run.
 
 From `--synthetic-from` tokens on (default 256K) the prompt is not run through the model: the prefill on the PyTorch
 path costs O(N^2 / r) indexer work (a real 1M-token prefill of the default model takes about 22 minutes on 2 CPU
@@ -17,6 +21,8 @@ bytes of a real one and a decode step does exactly the work it does after a real
 on the values). Those rows say `synthetic` in the prefill column.
 
     python -m hybrid_indexpool.scripts.bench_decode --quick
+    python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,131072 --settings pooled_r4,unpooled_r1,dense \
+        --compile --threads 1
     python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,16384,32768,65536 --json docs/bench.json \\
         --plot docs/bench_decode.png
 """
@@ -25,7 +31,6 @@ import argparse
 import json
 import multiprocessing
 import platform
-import resource
 import statistics
 import time
 
@@ -89,21 +94,22 @@ def qwen4_cache_bytes(cache) -> dict:
                 if isinstance(tensor, torch.Tensor):
                     sizes["linear_states"] += tensor.numel() * tensor.element_size()
     sizes["total"] = sum(sizes.values())
+    sizes["reserved"] = sizes["total"]  # its tensors hold exactly what they store
     return sizes
 
 
 def indexer_step(model, cache, args) -> dict:
-    """Time the decode indexer step alone: one query scored against every pooled key of each IndexPool layer."""
+    """Time the decode indexer step alone: one query scored against the pooled keys of each IndexPool layer, as a
+    decode step does (the whole reserved store, windows beyond each row's count masked)."""
     from hybrid_indexpool.kernels.pooled_index_topk import pooled_index_topk
-    from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
 
-    layers = [layer for layer in cache.layers if isinstance(layer, IndexPoolLayerCache)]
+    layers = cache.index_layers
     query = torch.randn(1, 1, args.index_heads, args.index_head_dim)
     topk = model.config.index_topk_windows
 
     def run():
         for layer in layers:
-            pooled = layer.pooled_index_keys
+            pooled = layer.pooled_storage
             pooled_index_topk(query.to(pooled.dtype), pooled, layer.num_pooled[:, None], topk)
 
     samples = []
@@ -112,61 +118,89 @@ def indexer_step(model, cache, args) -> dict:
         run()
         samples.append(time.perf_counter() - start)
     seconds = statistics.median(samples)
-    read = sum(layer.pooled_index_keys.numel() * layer.pooled_index_keys.element_size() for layer in layers)
+    read = sum(layer.pooled_storage.numel() * layer.pooled_storage.element_size() for layer in layers)
     return {"indexer_ms": seconds * 1e3, "indexer_bytes": read, "indexer_bytes_per_second": read / seconds}
 
 
 def fill_cache_synthetically(cache, context: int, seed: int) -> None:
-    """Grow every IndexPool layer of a prefilled cache to `context` tokens with random keys, values and pooled keys:
-    the shapes, counts and bytes of a real prefill of `context` tokens (the linear layers' states are fixed-size)."""
-    from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
-
+    """Bring every IndexPool layer of a prefilled cache to `context` tokens with random keys, values and pooled keys:
+    the counts and bytes of a real prefill of `context` tokens (the linear layers' states are fixed-size). The cache
+    must have been reserved for at least `context` tokens."""
     generator = torch.Generator().manual_seed(seed)
-    for layer in cache.layers:
-        if isinstance(layer, IndexPoolLayerCache):
-            r = layer.pool_size
-            capacity = 1 << context.bit_length()  # room for the decoded tokens without a regrowth
-            for name in ("key_storage", "value_storage"):
-                old = getattr(layer, name)
-                setattr(layer, name, torch.randn(old.shape[0], capacity, *old.shape[2:], generator=generator,
-                                                 dtype=old.dtype))
-            old = layer.pooled_storage
-            layer.pooled_storage = torch.randn(old.shape[0], capacity // r + 1, old.shape[2], generator=generator,
-                                               dtype=old.dtype)
-            layer.num_slots = context
-            layer.num_pooled = torch.full_like(layer.num_pooled, context // r)
-            layer.num_open = torch.full_like(layer.num_open, context % r)
+    for layer in cache.index_layers:
+        start, r = int(layer.lengths.max()), layer.pool_size
+        if context > layer.capacity:
+            raise ValueError(f"the cache holds {layer.capacity} tokens per row, fewer than {context}")
+        for storage in (layer.key_storage, layer.value_storage):
+            storage[:, start:context] = torch.randn(storage[:, start:context].shape, generator=generator,
+                                                    dtype=storage.dtype)
+        pooled = layer.pooled_storage[:, start // r: context // r]
+        pooled.copy_(torch.randn(pooled.shape, generator=generator, dtype=pooled.dtype))
+        layer.lengths.fill_(context)
+        layer.length_bound = context
+    cache.seen_tokens.fill_(context)
+
+
+def aten_calls(step) -> int:
+    """aten operator calls `torch.profiler` records while `step()` runs (nested calls included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        step()
+    return sum(1 for event in profiler.events() if event.name.startswith("aten::"))
 
 
 def measure(setting: str, context: int, args) -> dict:
-    """One run, in a fresh process: prefill, decode, peak memory and cache size."""
+    """One run, in a fresh process: prefill, eager (and compiled) decode, operator counts and cache size."""
+    from hybrid_indexpool import HybridIndexPoolCache
+
     torch.set_num_threads(args.threads)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     model = build_model(setting, args)
-    synthetic = setting != "qwen4_exp" and context >= args.synthetic_from
+    ours = setting != "qwen4_exp"
+    compile_step = args.compile and ours
+    synthetic = ours and context >= args.synthetic_from
     prompt_length = min(context, args.topk * 2) if synthetic else context
     prompt = torch.randint(1, args.vocab_size, (1, prompt_length), generator=torch.Generator().manual_seed(args.seed))
+    # Tokens decoded after the prompt: the timed eager steps and one profiled, then the same compiled after two
+    # warm-up steps (the first one compiles).
+    decoded = (args.new_tokens + 1) * (2 if compile_step else 1) + (2 if compile_step else 0)
+    result = {"setting": setting, "context": context}
     with torch.no_grad():
+        cache = HybridIndexPoolCache(model.config, max_cache_len=context + decoded) if ours else None
         start = time.perf_counter()
-        output = model(prompt, use_cache=True, logits_to_keep=1)
-        prefill = None if synthetic else time.perf_counter() - start
+        output = model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        result["prefill_s"] = None if synthetic else time.perf_counter() - start
         cache, token = output.cache, output.logits[:, -1:].argmax(-1)
         if synthetic:
             fill_cache_synthetically(cache, context, args.seed)
-        steps = []
-        for _ in range(args.new_tokens):
+
+        def decode(forward):
+            nonlocal token
+            token = forward(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+        def timed_steps(forward) -> float:
+            steps = []
+            for _ in range(args.new_tokens):
+                start = time.perf_counter()
+                decode(forward)
+                steps.append(time.perf_counter() - start)
+            return statistics.median(steps) * 1e3
+
+        result["decode_ms"] = timed_steps(model)
+        result["aten_calls"] = aten_calls(lambda: decode(model))
+        if compile_step:
+            compiled = torch.compile(model, fullgraph=True, backend=args.compile_backend)
             start = time.perf_counter()
-            output = model(token, cache=cache, use_cache=True)
-            steps.append(time.perf_counter() - start)
-            token = output.logits[:, -1:].argmax(-1)
-        result = {"setting": setting, "context": context, "prefill_s": prefill,
-                  "decode_ms": statistics.median(steps) * 1e3}
-        if setting == "qwen4_exp":
-            result["cache_bytes"] = qwen4_cache_bytes(cache)
-        else:
+            decode(compiled)
+            result["compile_s"] = time.perf_counter() - start
+            decode(compiled)
+            result["compiled_decode_ms"] = timed_steps(compiled)
+            result["compiled_aten_calls"] = aten_calls(lambda: decode(compiled))
+        if ours:
             result["cache_bytes"] = cache.memory_footprint()
             result.update(indexer_step(model, cache, args))
-    result["peak_memory_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
+        else:
+            result["cache_bytes"] = qwen4_cache_bytes(cache)
     return result
 
 
@@ -185,23 +219,27 @@ def copy_bandwidth(args) -> float:
 
 def print_table(results: list[dict], bandwidth: float) -> None:
     print(f"\nmemory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s")
-    header = ("setting", "context", "prefill s", "decode ms", "peak MB", "KV MiB", "index keys KiB", "indexer ms",
-              "indexer % bw")
+    header = ("setting", "context", "prefill s", "eager ms", "compiled ms", "speedup", "aten calls", "compiled aten",
+              "reserved MiB", "in use MiB", "index keys KiB", "indexer ms", "indexer % bw")
     print("".join(f"{h:>15}" for h in header))
     for row in results:
         cache = row.get("cache_bytes", {})
         index_bytes = cache.get("pooled_index_keys", cache.get("index_keys", 0))
         fraction = row.get("indexer_bytes_per_second", 0) / bandwidth
         prefill = "synthetic" if row["prefill_s"] is None else f"{row['prefill_s']:.2f}"
+        compiled = row.get("compiled_decode_ms")
         cells = (row["setting"], f"{row['context']:,}", prefill, f"{row['decode_ms']:.2f}",
-                 f"{row['peak_memory_mb']:.0f}", f"{cache.get('key_value', 0) / 2**20:.1f}",
+                 "-" if compiled is None else f"{compiled:.2f}",
+                 "-" if compiled is None else f"{row['decode_ms'] / compiled:.1f}x", f"{row['aten_calls']:,}",
+                 f"{row['compiled_aten_calls']:,}" if "compiled_aten_calls" in row else "-",
+                 f"{cache.get('reserved', 0) / 2**20:.1f}", f"{cache.get('total', 0) / 2**20:.1f}",
                  f"{index_bytes / 2**10:.1f}", f"{row['indexer_ms']:.3f}" if "indexer_ms" in row else "-",
                  f"{100 * fraction:.1f}%" if "indexer_ms" in row else "-")
         print("".join(f"{c:>15}" for c in cells))
 
 
 def plot(results: list[dict], path: str) -> None:
-    """Decode latency and peak memory against context, log axes."""
+    """Decode latency (eager, and compiled where measured) and reserved cache bytes against context, log axes."""
     try:
         import matplotlib
 
@@ -215,15 +253,20 @@ def plot(results: list[dict], path: str) -> None:
         if not rows:
             continue
         contexts = [row["context"] for row in rows]
-        latency.plot(contexts, [row["decode_ms"] for row in rows], marker="o", label=setting)
-        memory.plot(contexts, [max(row["peak_memory_mb"], 1) for row in rows], marker="o", label=setting)
-    for axis, label in ((latency, "ms per decoded token"), (memory, "peak memory (MB)")):
+        latency.plot(contexts, [row["decode_ms"] for row in rows], marker="o", label=f"{setting} eager")
+        compiled = [row for row in rows if "compiled_decode_ms" in row]
+        if compiled:
+            latency.plot([row["context"] for row in compiled], [row["compiled_decode_ms"] for row in compiled],
+                         marker="s", linestyle="--", label=f"{setting} compiled")
+        memory.plot(contexts, [max(row["cache_bytes"]["reserved"] / 2**20, 1e-3) for row in rows], marker="o",
+                    label=setting)
+    for axis, label in ((latency, "ms per decoded token"), (memory, "cache reserved (MiB)")):
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xlabel("context (tokens)")
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend()
+        axis.legend(fontsize=7)
     figure.suptitle("HybridIndexPool decode on CPU: pooled r=4 vs r=1 vs dense vs Qwen4-Exp")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -252,6 +295,10 @@ def parse_arguments(argv=None):
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the decode step compiled whole (inductor; minutes of compilation per run)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend for --compile (aot_eager checks the capture without code generation)")
     parser.add_argument("--quick", action="store_true", help="two short contexts (about 2-3 minutes on 2 cores)")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--plot", help="draw latency and memory against context to this image file")

@@ -98,15 +98,13 @@ def check_kernels(device, args, kernels, dtype) -> dict:
     # Sparse attention, prefill-sized with gradients, and a split decode step.
     pool, kv_heads, group, head_dim = 4, args.kv_heads, args.heads // args.kv_heads, args.head_dim
     context, queries, windows = (2048, 64, 16) if not args.smoke else (64, 6, 4)
-    offsets = torch.tensor([0, 3])
-    positions = torch.arange(context - queries, context).expand(2, queries) - offsets[:, None]
-    query_slots = torch.arange(context - queries, context).expand(2, queries)
+    shorter = torch.tensor([0, 3])  # row 1 holds three tokens fewer (it was padded)
+    positions = torch.arange(context - queries, context).expand(2, queries) - shorter[:, None]
     selected = torch.stack([
         torch.stack([torch.randperm(int(p + 1) // pool, generator=generator)[:windows].sort().values for p in row])
         for row in positions
     ])
-    tail = (positions + 1) % pool
-    index_args = [t.to(device) for t in (selected, offsets, query_slots, tail)]
+    index_args = [t.to(device) for t in (selected, positions)]
     tensors = [torch.randn(2, n, s, head_dim, generator=generator).to(device, dtype)
                for n, s in ((kv_heads * group, queries), (kv_heads, context), (kv_heads, context))]
     leaves = [t.float().requires_grad_() for t in tensors]
@@ -141,9 +139,7 @@ def bench_decode(device, args, kernels, dtype, context: int) -> dict:
         visible = torch.tensor([[context // pool]], device=device)
         topk = args.topk // pool
         selected = kernels["topk_triton"](index_query, pooled, visible, topk)
-        attention_args = (selected, torch.zeros(1, dtype=torch.long, device=device),
-                          torch.tensor([[context - 1]], device=device), torch.zeros(1, 1, dtype=torch.long,
-                                                                                    device=device))
+        attention_args = (selected, torch.tensor([[context - 1]], device=device))
         index_ms = timed(lambda: kernels["topk_triton"](index_query, pooled, visible, topk), device, repeats)
         attention_ms = timed(lambda: kernels["attention_triton"](query, key, value, *attention_args, pool,
                                                                 args.head_dim**-0.5), device, repeats)
@@ -172,13 +168,10 @@ def bench_prefill(device, args, kernels, dtype) -> dict:
     for pool in (4, 1):
         pooled = torch.randn(1, length // pool, args.index_head_dim, generator=generator).to(device, dtype)
         visible = (positions + 1) // pool
-        tail = (positions + 1) % pool
-        offset = torch.zeros(1, dtype=torch.long, device=device)
 
         def step():
             selected = kernels["topk_triton"](index_queries, pooled, visible, args.topk // pool)
-            return kernels["attention_triton"](query, key, value, selected, offset, positions, tail, pool,
-                                               args.head_dim**-0.5)
+            return kernels["attention_triton"](query, key, value, selected, positions, pool, args.head_dim**-0.5)
 
         milliseconds = timed(step, device, 3 if device.type == "cuda" else 1)
         results[f"r{pool}_tokens_per_second"] = length / (milliseconds / 1e3)

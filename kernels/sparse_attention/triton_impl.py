@@ -20,9 +20,9 @@ except ImportError as error:  # Triton is optional; the package falls back to th
 
 
 @triton.jit
-def _block_slots(block, num_window_blocks, selected_row, window_start, window_end, window_slot_offset, query_slot,
-                 tail_length, POOL: tl.constexpr, POOL_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Cache slots of block `block` of a query's walk, and which are valid: first the blocks of selected windows
+def _block_slots(block, num_window_blocks, selected_row, window_start, window_end, query_position, tail_length,
+                 POOL: tl.constexpr, POOL_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions of block `block` of a query's walk, and which are valid: first the blocks of selected windows
     `window_start .. window_end` (`BLOCK_N / POOL_PAD` windows each), then the blocks of the tail."""
     n = tl.arange(0, BLOCK_N)
     if block < num_window_blocks:
@@ -30,11 +30,11 @@ def _block_slots(block, num_window_blocks, selected_row, window_start, window_en
         within = n % POOL_PAD
         window = tl.load(selected_row + window_index, mask=window_index < window_end, other=-1)
         valid = (window >= 0) & (within < POOL)
-        slots = window_slot_offset + window * POOL + within
+        slots = window * POOL + within
     else:
         position = (block - num_window_blocks) * BLOCK_N + n
         valid = position < tail_length
-        slots = query_slot - tail_length + 1 + position
+        slots = query_position - tail_length + 1 + position
     return tl.where(valid, slots, 0), valid
 
 
@@ -53,7 +53,7 @@ def _program_rows(num_queries, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEA
 
 @triton.jit
 def _sparse_attention_forward_kernel(
-    query_ptr, key_ptr, value_ptr, selected_ptr, offset_ptr, query_slot_ptr, tail_ptr, out_ptr, lse_ptr,
+    query_ptr, key_ptr, value_ptr, selected_ptr, position_ptr, out_ptr, lse_ptr,
     num_queries, num_selected, windows_per_split, scale,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
@@ -72,9 +72,8 @@ def _sparse_attention_forward_kernel(
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
     if FP32:
         q = q.to(tl.float32)
-    offset = tl.load(offset_ptr + batch)
-    query_slot = tl.load(query_slot_ptr + token)  # [batch, queries] contiguous
-    tail_length = tl.load(tail_ptr + token)
+    query_position = tl.load(position_ptr + token)  # [batch, queries] contiguous
+    tail_length = (query_position + 1) % POOL
     selected_row = selected_ptr + token * num_selected  # [batch, queries, topk] contiguous
     key_base = key_ptr + batch * stride_kb + kv_head * stride_kh
     value_base = value_ptr + batch * stride_vb + kv_head * stride_vh
@@ -87,8 +86,8 @@ def _sparse_attention_forward_kernel(
     num_tail_blocks = tl.where(split == NUM_SPLITS - 1, tl.cdiv(tail_length, BLOCK_N), 0)
     num_window_blocks = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N // POOL_PAD)
     for block in range(0, num_window_blocks + num_tail_blocks):
-        slots, valid = _block_slots(block, num_window_blocks, selected_row, start, end, offset, query_slot,
-                                    tail_length, POOL, POOL_PAD, BLOCK_N)
+        slots, valid = _block_slots(block, num_window_blocks, selected_row, start, end, query_position, tail_length,
+                                    POOL, POOL_PAD, BLOCK_N)
         k = tl.load(key_base + slots[:, None] * stride_ks + dims[None, :], mask=valid[:, None] & dim_mask[None, :],
                     other=0.0)
         v = tl.load(value_base + slots[:, None] * stride_vs + dims[None, :],
@@ -119,7 +118,7 @@ def _sparse_attention_forward_kernel(
 
 @triton.jit
 def _sparse_attention_backward_kernel(
-    query_ptr, key_ptr, value_ptr, selected_ptr, offset_ptr, query_slot_ptr, tail_ptr, lse_ptr, delta_ptr,
+    query_ptr, key_ptr, value_ptr, selected_ptr, position_ptr, lse_ptr, delta_ptr,
     grad_out_ptr, grad_query_ptr, grad_key_ptr, grad_value_ptr,
     num_queries, num_selected, scale,
     stride_qb, stride_qh, stride_qt,
@@ -143,9 +142,8 @@ def _sparse_attention_backward_kernel(
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     delta = tl.load(delta_ptr + batch * stride_lb + heads * stride_lh + query * stride_lt, mask=head_mask,
                     other=0.0)
-    offset = tl.load(offset_ptr + batch)
-    query_slot = tl.load(query_slot_ptr + token)
-    tail_length = tl.load(tail_ptr + token)
+    query_position = tl.load(position_ptr + token)
+    tail_length = (query_position + 1) % POOL
     selected_row = selected_ptr + token * num_selected
     key_base = key_ptr + batch * stride_kb + kv_head * stride_kh
     value_base = value_ptr + batch * stride_vb + kv_head * stride_vh
@@ -154,7 +152,7 @@ def _sparse_attention_backward_kernel(
     grad_query = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
     num_window_blocks = tl.cdiv(num_selected, BLOCK_N // POOL_PAD)
     for block in range(0, num_window_blocks + tl.cdiv(tail_length, BLOCK_N)):
-        slots, valid = _block_slots(block, num_window_blocks, selected_row, 0, num_selected, offset, query_slot,
+        slots, valid = _block_slots(block, num_window_blocks, selected_row, 0, num_selected, query_position,
                                     tail_length, POOL, POOL_PAD, BLOCK_N)
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(key_base + slots[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
@@ -184,7 +182,7 @@ def _launch_settings(query, key, pool_size):
     )
 
 
-def _forward(query, key, value, selected, offset, query_slots, tail_length, pool_size, scaling, num_splits=None):
+def _forward(query, key, value, selected, positions, pool_size, scaling, num_splits=None):
     batch_size, num_heads, num_queries, head_dim = query.shape
     num_kv_heads, num_selected = key.shape[1], selected.shape[-1]
     settings = _launch_settings(query, key, pool_size)
@@ -201,7 +199,7 @@ def _forward(query, key, value, selected, offset, query_slots, tail_length, pool
     lse = torch.empty(batch_size, num_heads, num_queries, num_splits, dtype=torch.float32, device=query.device)
     grid = (batch_size * num_queries, num_kv_heads, num_splits)
     _sparse_attention_forward_kernel[grid](
-        query, key, value, selected, offset, query_slots, tail_length, out, lse,
+        query, key, value, selected, positions, out, lse,
         num_queries, num_selected, windows_per_split, scaling,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
@@ -223,15 +221,15 @@ class SparseAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: Triton forward, Triton backward (dq, dk, dv); the selection gets no gradient."""
 
     @staticmethod
-    def forward(ctx, query, key, value, selected, offset, query_slots, tail_length, pool_size, scaling):
-        output, lse = _forward(query, key, value, selected, offset, query_slots, tail_length, pool_size, scaling)
-        ctx.save_for_backward(query, key, value, selected, offset, query_slots, tail_length, output, lse)
+    def forward(ctx, query, key, value, selected, positions, pool_size, scaling):
+        output, lse = _forward(query, key, value, selected, positions, pool_size, scaling)
+        ctx.save_for_backward(query, key, value, selected, positions, output, lse)
         ctx.pool_size, ctx.scaling = pool_size, scaling
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, selected, offset, query_slots, tail_length, output, lse = ctx.saved_tensors
+        query, key, value, selected, positions, output, lse = ctx.saved_tensors
         batch_size, num_heads, num_queries, _ = query.shape
         grad_output = grad_output.contiguous()
         # delta = rowsum(dO * O) per (batch, head, query), the softmax backward's correction
@@ -242,7 +240,7 @@ class SparseAttentionFunction(torch.autograd.Function):
         settings = _launch_settings(query, key, ctx.pool_size)
         grid = (batch_size * num_queries, key.shape[1])
         _sparse_attention_backward_kernel[grid](
-            query, key, value, selected, offset, query_slots, tail_length, lse, delta,
+            query, key, value, selected, positions, lse, delta,
             grad_output, grad_query, grad_key, grad_value,
             num_queries, selected.shape[-1], ctx.scaling,
             query.stride(0), query.stride(1), query.stride(2),
@@ -253,11 +251,11 @@ class SparseAttentionFunction(torch.autograd.Function):
             lse.stride(0), lse.stride(1), lse.stride(2),
             **settings,
         )
-        return grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype), None, None, None, None, None, None
+        return grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype), None, None, None, None
 
 
-def sparse_attention_triton(query, key, value, selected_windows, window_slot_offset, query_slots, tail_length,
-                            pool_size, scaling, num_splits=None):
+def sparse_attention_triton(query, key, value, selected_windows, query_positions, pool_size, scaling,
+                            num_splits=None):
     """Triton version of `sparse_attention_torch` (no dropout, no weights): output `[batch, queries, heads, dim]`.
 
     `num_splits` splits each query's selection over that many programs (forward without gradient only; default:
@@ -265,10 +263,7 @@ def sparse_attention_triton(query, key, value, selected_windows, window_slot_off
     """
     # Any layout whose last dimension is contiguous works (the cache hands out views of larger storage).
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    index_args = (
-        selected_windows.to(torch.int32).contiguous(), window_slot_offset.to(torch.int32).contiguous(),
-        query_slots.to(torch.int32).contiguous(), tail_length.to(torch.int32).contiguous(),
-    )
+    index_args = (selected_windows.to(torch.int32).contiguous(), query_positions.to(torch.int32).contiguous())
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return SparseAttentionFunction.apply(query, key, value, *index_args, pool_size, scaling)
     return _forward(query, key, value, *index_args, pool_size, scaling, num_splits)[0]

@@ -15,19 +15,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def layout(batch, queries, pool_size, context, seed):
-    """`queries` new tokens ending a context of `context` slots; row b > 0 is left padded by up to 4 slots.
+    """`queries` new tokens ending a context of `context` positions; row b > 0 has up to 4 fewer real tokens (it was
+    padded), so its first queries may be padding when the queries reach back into it.
 
-    Returns the generator, each row's slot of position 0, the queries' positions, which queries are real (a padded
-    row's first queries may be padding when the queries reach back into it), their slots, and the slot count.
+    Returns the generator, the queries' positions (padding clamped to 0), which queries are real, and the context.
     """
     generator = torch.Generator().manual_seed(seed)
     padding = torch.randint(0, 5, (batch,), generator=generator)
     padding[0] = 0
-    offsets = padding.clone()
     positions = torch.arange(context - queries, context).expand(batch, queries) - padding[:, None]
     real = positions >= 0
-    query_slots = torch.arange(context - queries, context).expand(batch, queries)
-    return generator, offsets, positions.clamp(min=0), real, query_slots, context
+    return generator, positions.clamp(min=0), real, context
 
 
 TOPK_CASES = [  # batch, queries, heads, head_dim, pool_size, context, topk, head weights
@@ -42,7 +40,7 @@ TOPK_CASES = [  # batch, queries, heads, head_dim, pool_size, context, topk, hea
 @pytest.mark.parametrize("batch, queries, heads, head_dim, pool_size, context, topk, with_weights", TOPK_CASES)
 def test_pooled_index_topk_selects_the_same_windows(batch, queries, heads, head_dim, pool_size, context, topk,
                                                     with_weights):
-    generator, _, positions, real, _, _ = layout(batch, queries, pool_size, context, seed=queries + topk)
+    generator, positions, real, _ = layout(batch, queries, pool_size, context, seed=queries + topk)
     num_windows = context // pool_size
     index_queries = torch.randn(batch, queries, heads, head_dim, generator=generator)
     pooled_keys = torch.randn(batch, num_windows, head_dim, generator=generator)
@@ -67,7 +65,7 @@ def test_pooled_index_topk_ties_go_to_the_lower_window():
 
 
 ATTENTION_CASES = [  # batch, queries, kv heads, group, head_dim, pool_size, context, topk windows, gradients
-    (1, 1, 2, 4, 32, 4, 120, 5, False),   # decode with offset, GQA 4
+    (1, 1, 2, 4, 32, 4, 120, 5, False),   # decode, GQA 4
     (3, 1, 1, 2, 16, 2, 70, 6, False),    # decode, left padding
     (2, 17, 2, 1, 16, 1, 40, 8, True),    # r = 1 (plain DSA), no GQA
     (2, 17, 1, 4, 16, 4, 60, 3, True),
@@ -81,19 +79,17 @@ ATTENTION_CASES = [  # batch, queries, kv heads, group, head_dim, pool_size, con
                          ATTENTION_CASES)
 def test_sparse_attention_matches_reference(batch, queries, kv_heads, group, head_dim, pool_size, context, topk,
                                             with_grad):
-    generator, offsets, positions, real, query_slots, num_slots = layout(batch, queries, pool_size, context,
-                                                                         seed=queries * 7 + topk)
+    generator, positions, real, num_positions = layout(batch, queries, pool_size, context, seed=queries * 7 + topk)
     num_visible = torch.where(real, (positions + 1) // pool_size, 0)
-    tail = torch.where(real, (positions + 1) % pool_size, 1)
     selected = torch.full((batch, queries, topk), -1, dtype=torch.long)
     for b in range(batch):
         for t in range(queries):
             chosen = torch.randperm(int(num_visible[b, t]), generator=generator)[:topk].sort().values
             selected[b, t, : len(chosen)] = chosen
     query = torch.randn(batch, kv_heads * group, queries, head_dim, generator=generator)
-    key = torch.randn(batch, kv_heads, num_slots, head_dim, generator=generator)
-    value = torch.randn(batch, kv_heads, num_slots, head_dim, generator=generator)
-    index_args = (selected, offsets, query_slots, tail)
+    key = torch.randn(batch, kv_heads, num_positions, head_dim, generator=generator)
+    value = torch.randn(batch, kv_heads, num_positions, head_dim, generator=generator)
+    index_args = (selected, positions)
     leaves = [t.clone().requires_grad_(with_grad) for t in (query, key, value)]
     expected, _ = sparse_attention_torch(*leaves, *index_args, pool_size, head_dim**-0.5)
     device_leaves = [t.detach().to(DEVICE).requires_grad_(with_grad) for t in (query, key, value)]
@@ -119,7 +115,7 @@ def test_sparse_attention_reads_strided_cache_views():
     query = torch.randn(1, 4, 3, 16, generator=generator)
     key, value = storage_key[:, :, :40], storage_value[:, :, :40]
     positions = torch.arange(37, 40)[None]
-    index_args = (torch.tensor([[[0, 3, 7]] * 3]), torch.zeros(1, dtype=torch.long), positions, (positions + 1) % 4)
+    index_args = (torch.tensor([[[0, 3, 7]] * 3]), positions)
     leaves = [t.clone().requires_grad_() for t in (query, key.contiguous(), value.contiguous())]
     expected, _ = sparse_attention_torch(*leaves, *index_args, 4, 0.25)
     strided = [query.clone().requires_grad_(), storage_key.clone()[:, :, :40].requires_grad_(), storage_value.clone()[:, :, :40]

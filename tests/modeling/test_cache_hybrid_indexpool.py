@@ -64,11 +64,14 @@ def test_pooled_index_bytes_are_one_over_r_of_the_unpooled_indexer(pool_size):
     assert sizes["pooled"]["pooled_index_keys"] * pool_size == sizes["unpooled"]["pooled_index_keys"]
     assert sizes["pooled"]["unpooled_index_keys"] == sizes["unpooled"]["pooled_index_keys"]
     assert sizes["pooled"]["key_value"] == sizes["unpooled"]["key_value"]
-    # rows x layers x (r - 1) open slots x head dim x 4 bytes (raw keys) + the same in float32 gate logits
-    assert sizes["pooled"]["open_window"] == 2 * 1 * (pool_size - 1) * 16 * 4 * 2
-    assert sizes["pooled"]["total"] == sum(
-        value for key, value in sizes["pooled"].items() if key not in ("total", "unpooled_index_keys")
-    )
+    # Every window is complete: nothing is open, but rows x layers x (r - 1) open slots x head dim x 4 bytes (raw
+    # keys) + the same in float32 gate logits are reserved.
+    assert sizes["pooled"]["open_window"] == 0
+    assert sizes["pooled"]["open_window_reserved"] == 2 * 1 * (pool_size - 1) * 16 * 4 * 2
+    components = ("key_value", "pooled_index_keys", "open_window", "conv_state", "recurrent_state", "ple_state",
+                  "lengths")
+    assert sizes["pooled"]["total"] == sum(sizes["pooled"][name] for name in components)
+    assert sizes["pooled"]["reserved"] == sum(sizes["pooled"][f"{name}_reserved"] for name in components)
 
 
 def test_batch_operations_reorder_repeat_select_and_reset():
@@ -109,19 +112,27 @@ def test_crop_rolls_back_an_attention_only_model_and_refuses_recurrent_layers():
     input_ids = torch.randint(1, 97, (1, 30))
     with torch.no_grad():
         cache = model(input_ids[:, :27], use_cache=True).cache
-        cache.crop(2)  # 25 positions remain: inside the open window (24 pooled)
+        cache.crop(-2)  # 25 positions remain: inside the open window (24 pooled)
         cropped = model(input_ids[:, 25:], cache=cache, use_cache=True).logits
         torch.testing.assert_close(cropped, model(input_ids).logits[:, 25:], atol=1e-4, rtol=0)
         cache = model(input_ids[:, :27], use_cache=True).cache
-        cache.crop(3)  # back to the window boundary at 24
+        cache.crop(0)  # nothing to do (generate's deferred stop check calls this)
+        cache.crop(-3)  # back to the window boundary at 24
         assert cache.get_seq_length() == 24
         with pytest.raises(ValueError, match="already pooled"):
+            cache.crop(-1)
+        with pytest.raises(ValueError, match="pass a negative number"):
             cache.crop(1)
-    hybrid = tiny_model()
+    hybrid = tiny_model(layer_types=["indexpool_attention", "linear_attention", "indexpool_attention",
+                                     "linear_attention"])
     with torch.no_grad():
         cache = hybrid(input_ids, use_cache=True).cache
+    lengths = [layer.lengths.clone() for layer in cache.index_layers]
     with pytest.raises(ValueError, match="recurrent state cannot be rolled back"):
-        cache.crop(1)
+        cache.crop(-2)
+    # Refused before any layer changed, the IndexPool layers before the first Gated DeltaNet layer included.
+    assert all(torch.equal(layer.lengths, before) for layer, before in zip(cache.index_layers, lengths))
+    assert cache.get_seq_length() == 30
 
 
 def test_wrong_cache_type_is_rejected():
@@ -130,3 +141,130 @@ def test_wrong_cache_type_is_rejected():
     model = tiny_model()
     with pytest.raises(ValueError, match="needs a HybridIndexPoolCache"):
         model(torch.randint(1, 97, (1, 4)), cache=DynamicCache(), use_cache=True)
+
+
+def index_layer(cache):
+    return next(layer for layer in cache.layers if isinstance(layer, IndexPoolLayerCache))
+
+
+def tensor_bytes(cache) -> int:
+    """Bytes of every distinct tensor the cache object holds, found by walking its attributes."""
+    seen, total = set(), 0
+    for holder in [cache, *cache.layers]:
+        for value in vars(holder).values():
+            if isinstance(value, torch.Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                total += value.numel() * value.element_size()
+    return total
+
+
+@pytest.mark.parametrize("prompt_length", [3000, 4097, 9000])
+def test_reserved_bytes_stay_within_ten_percent_of_used_after_prefill_and_decode(prompt_length):
+    model = tiny_model(index_topk=64)
+    input_ids = torch.randint(1, 97, (2, prompt_length + 40))
+    with torch.no_grad():
+        cache = model(input_ids[:, :prompt_length], use_cache=True).cache
+        for step in range(40):
+            model(input_ids[:, prompt_length + step:][:, :1], cache=cache, use_cache=True)
+    footprint = cache.memory_footprint()
+    assert footprint["reserved"] == tensor_bytes(cache)
+    assert footprint["reserved"] <= 1.10 * footprint["total"]
+    assert index_layer(cache).lengths.tolist() == [prompt_length + 40] * 2
+
+
+def test_generate_reserves_exactly_prompt_plus_new_tokens_once():
+    model = tiny_model(index_topk=64)
+    input_ids = torch.randint(1, 97, (2, 5000))
+    output = model.generate(input_ids, max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                            return_dict_in_generate=True)
+    cache = output.cache
+    footprint = cache.memory_footprint()
+    assert footprint["reserved"] == tensor_bytes(cache)
+    assert footprint["reserved"] <= 1.10 * footprint["total"]
+    layer = index_layer(cache)
+    # Prompt + new tokens - 1 (the last generated token is never fed back), in whole windows.
+    assert layer.capacity == -(-(5000 + 30 - 1) // 4) * 4
+    assert layer.lengths.tolist() == [5029, 5029]
+
+
+def test_padding_is_never_stored_and_costs_nothing():
+    model = tiny_model(index_topk=8)
+    input_ids = torch.randint(1, 97, (2, 40))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :15] = 0  # row 1: 25 real tokens
+    extra = torch.zeros(2, 10, dtype=torch.long)  # ten more padding columns in front of both rows
+    with torch.no_grad():
+        cache = model(input_ids, attention_mask=mask, use_cache=True).cache
+        padded = model(torch.cat([extra, input_ids], 1), attention_mask=torch.cat([extra, mask], 1),
+                       use_cache=True).cache
+        alone = model(input_ids[1:, 15:], use_cache=True).cache
+    assert padded.memory_footprint()["reserved"] == cache.memory_footprint()["reserved"]
+    layer, layer_alone = index_layer(cache), index_layer(alone)
+    assert layer.lengths.tolist() == [40, 25]
+    # Row 1 holds its 25 tokens at positions 0..24, exactly as the row alone does.
+    torch.testing.assert_close(layer.key_storage[1, :25], layer_alone.key_storage[0, :25], atol=1e-6, rtol=0)
+    torch.testing.assert_close(layer.pooled_storage[1, :6], layer_alone.pooled_storage[0, :6], atol=1e-6, rtol=0)
+    with torch.no_grad():
+        generated = model.generate(input_ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True)
+    assert index_layer(generated.cache).capacity == 40 + 4  # the longest row's real tokens + new ones - 1, in windows
+
+
+class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts operators that make the host wait for the device: reading a value, or a data-dependent shape."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item", "equal")
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if any(name.startswith(syncing) for syncing in self.SYNCING):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("reserved", [False, True])
+def test_a_decode_step_makes_no_host_synchronisation(reserved):
+    model = tiny_model(index_topk=8, index_head_weights=True)
+    input_ids = torch.randint(1, 97, (2, 60))
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[0, :7] = 0
+    cache = HybridIndexPoolCache(model.config, max_cache_len=80 if reserved else None)
+    with torch.no_grad():
+        model(input_ids[:, :50], attention_mask=mask[:, :50], cache=cache, use_cache=True)
+        with SyncCounter() as counter:
+            for step in range(50, 60):  # past the budget, windows completing on the way
+                model(input_ids[:, step:step + 1], attention_mask=mask[:, :step + 1], cache=cache, use_cache=True)
+    assert counter.calls == []
+    # ... and the prefill does read the device (the counter can see it).
+    with torch.no_grad(), SyncCounter() as counter:
+        model(input_ids[:, :50], attention_mask=mask[:, :50], use_cache=True)
+    assert counter.calls
+
+
+def test_a_cache_used_without_generate_grows_in_bounded_steps():
+    model = tiny_model(num_hidden_layers=1, layer_types=["indexpool_attention"])
+    cache = HybridIndexPoolCache(model.config)
+    capacities = []
+    with torch.no_grad():
+        model(torch.randint(1, 97, (1, 3000)), cache=cache, use_cache=True)
+        for _ in range(300):
+            model(torch.randint(1, 97, (1, 1)), cache=cache, use_cache=True)
+            capacities.append(index_layer(cache).capacity)
+    grown = sorted(set(capacities))
+    assert grown[0] == 3072 and len(grown) > 1
+    for before, after in zip(grown, grown[1:]):
+        assert after - before <= max(256, before // 16 + 256)
+
+
+def test_a_reserved_cache_refuses_more_tokens_than_it_was_built_for():
+    model = tiny_model()
+    cache = HybridIndexPoolCache(model.config, max_cache_len=20)
+    with torch.no_grad():
+        model(torch.randint(1, 97, (1, 12)), cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match="max_cache_len=20"):
+            model(torch.randint(1, 97, (1, 9)), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        HybridIndexPoolCache(model.config, max_cache_len=0)
