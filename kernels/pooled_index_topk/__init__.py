@@ -14,9 +14,8 @@ def pooled_index_topk(index_queries, pooled_index_keys, num_visible_windows, top
     """Select each query's `topk` best visible windows (Triton on CUDA, PyTorch elsewhere); see
     `pooled_index_topk_torch` for shapes and `window_limit`."""
     if pooled_index_topk_triton is not None and use_fast_path(index_queries, pooled_index_keys):
-        if window_limit is not None:
-            pooled_index_keys = pooled_index_keys[:, :window_limit]
-        return pooled_index_topk_triton(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights)
+        return pooled_index_topk_triton(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights,
+                                        window_limit=window_limit)
     return pooled_index_topk_torch(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights,
                                    window_limit)
 

@@ -1,17 +1,24 @@
-"""Triton pooled index score + top-k: scores and selects in one pass, never writing the `[T, N / r]` score matrix.
+"""Triton pooled index scores; the selection is the reference's exact top-k over packed (score, window id) keys.
 
-Each program takes a tile of queries of one row and a range of windows. For a block of `K` windows it computes the
-scores of all query heads with one matrix product, applies ReLU, the head weights and the scale, and merges them into
-a running top-`K` kept in registers. Scores and window ids are packed into one int64 sort key (higher score first,
-then lower window id: the reference's tie rule). The merge is bitonic: sort the block's keys ascending, take the
-elementwise maximum with the running list (sorted descending), which leaves exactly the `K` largest as a bitonic
-sequence, and sort that with one bitonic merge. Compare-and-swap steps are reshapes, minimum and maximum (no
-`tl.sort`, whose generic reduction is very slow in the CPU interpreter). Prefill uses one window range per query
-tile (bounded by the tile's causal limit); decode splits the windows of each query over several programs and merges
-their partial lists afterwards.
+`s[t, c] = sum_h a[t, h] * relu(q[t, h] . k[c]) / sqrt(d)`: a program holds a tile of queries of one row, all their
+index heads as the rows of one matrix product, and walks blocks of pooled keys: every key is read once per query tile
+for all heads, and the products run on tensor cores (bf16/fp16 products are exact in the float32 accumulator). It
+sums the heads and writes one float32 score per (query, window) to scratch. The selection is the reference's own:
+`selection_keys` packs score and window id into int64 keys (ties to the lower id, windows at or past the causal bound
+`num_visible_windows[b, t]` lowest), `torch.topk` keeps the best, `window_ids_of` sorts the ids, `-1` padded.
+
+Decode (a query per row): the windows are split over enough programs to fill the GPU, the scratch is `[batch, 1,
+windows]` float32, and nothing is read back to the host. Prefill: queries go in chunks whose scratch holds at most
+`SCRATCH_ELEMENTS` scores. Shared memory and registers depend on the tile sizes only, never on the budget.
 """
 
+import functools
+
 import torch
+
+from ..aot import Launch
+from ..dispatch import triton_interpreted
+from .reference import selection_keys, window_ids_of
 
 try:
     import triton
@@ -19,110 +26,122 @@ try:
 except ImportError as error:  # Triton is optional; the package falls back to the PyTorch reference.
     raise ImportError("Triton is not installed") from error
 
-# Low 32 bits of a sort key: larger for lower window ids, so that ties go to the lower id.
-_ID_BASE = 2147483647
-_EMPTY_KEY = -(2**63)
+# Float32 scores per prefill chunk (64 MiB). The selection of a chunk adds its int64 keys and their temporaries,
+# about 7x that at the peak (~0.5 GiB).
+SCRATCH_ELEMENTS = 1 << 24
+# Rows (query x head pairs) of a prefill tile; a decode tile is one query's heads.
+TILE_ROWS = 64
+# Programs per streaming multiprocessor a launch aims for.
+PROGRAMS_PER_SM = 4
 
 
-@triton.jit
-def _sort_key(score, window_ids):
-    """Pack float32 scores and int window ids into int64 keys that sort like (score, -id)."""
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 must tie
-    bits = score.to(tl.int32, bitcast=True)
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotonic in the float order
-    return (bits.to(tl.int64) << 32) | (_ID_BASE - window_ids).to(tl.int64)
-
-
-@triton.jit
-def _compare_swap(keys, ROWS: tl.constexpr, N: tl.constexpr, STRIDE: tl.constexpr, SIZE: tl.constexpr,
-                  DESCENDING: tl.constexpr):
-    """One bitonic step on each row: order the pairs (i, i + STRIDE) of every group of 2 * STRIDE elements; groups in
-    odd blocks of SIZE elements go the other way (the bitonic build), all go one way when SIZE == N."""
-    GROUPS: tl.constexpr = N // (2 * STRIDE)
-    pairs = tl.permute(tl.reshape(keys, (ROWS, GROUPS, 2, STRIDE)), (0, 1, 3, 2))
-    left, right = tl.split(pairs)  # [ROWS, GROUPS, STRIDE]
-    low, high = tl.minimum(left, right), tl.maximum(left, right)
-    group = tl.arange(0, GROUPS)[None, :, None]
-    reverse = (((group * 2 * STRIDE) // SIZE) % 2 == 1) ^ DESCENDING
-    pairs = tl.join(tl.where(reverse, high, low), tl.where(reverse, low, high))
-    return tl.reshape(tl.permute(pairs, (0, 1, 3, 2)), (ROWS, N))
-
-
-@triton.jit
-def _bitonic_sort(keys, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, DESCENDING: tl.constexpr):
-    for stage in tl.static_range(1, LOG_N + 1):
-        for step in tl.static_range(stage):
-            keys = _compare_swap(keys, ROWS, N, (1 << stage) >> (step + 1), 1 << stage, DESCENDING)
-    return keys
-
-
-@triton.jit
-def _bitonic_merge(keys, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, DESCENDING: tl.constexpr):
-    """Sort rows that are bitonic sequences."""
-    for step in tl.static_range(LOG_N):
-        keys = _compare_swap(keys, ROWS, N, N >> (step + 1), N, DESCENDING)
-    return keys
-
-
-@triton.jit
-def _pooled_index_topk_kernel(
-    query_ptr, key_ptr, weight_ptr, visible_ptr, out_ptr,
-    num_queries, num_windows, windows_per_split,
+@triton.jit(do_not_specialize=["num_queries", "num_windows", "windows_per_split"])
+def _pooled_index_scores_kernel(
+    query_ptr, key_ptr, weight_ptr, visible_ptr, score_ptr,
+    num_queries, num_windows, windows_per_split, scale,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kc,
-    stride_wb, stride_wt,
-    stride_vb,
-    stride_ob, stride_ot, stride_os,
-    scale,
+    stride_wb, stride_wt, stride_wh,
+    stride_vb, stride_vt,
     HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    TOPK_PAD: tl.constexpr, LOG_TOPK: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    batch = tl.program_id(0)
-    query_tile = tl.program_id(1)
-    split = tl.program_id(2)
-    rows = tl.arange(0, BLOCK_Q * HEADS_PAD)  # (query, head) pairs of the tile
-    query_index = query_tile * BLOCK_Q + rows // HEADS_PAD
+    """Scores `[batch, queries, windows]` (float32, contiguous) of one tile of queries over one split of windows;
+    windows no query of the tile sees are not written."""
+    tiles = tl.cdiv(num_queries, BLOCK_Q)
+    batch = (tl.program_id(0) // tiles).to(tl.int64)  # int64: offsets pass 2^31 at long contexts and batches
+    tile = tl.program_id(0) % tiles
+    rows = tl.arange(0, BLOCK_Q * HEADS_PAD)  # query-major (query, head) pairs
+    query_index = tile * BLOCK_Q + rows // HEADS_PAD
     head_index = rows % HEADS_PAD
     row_mask = (query_index < num_queries) & (head_index < HEADS)
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
 
-    queries = tl.load(
-        query_ptr + batch * stride_qb + query_index[:, None] * stride_qt + head_index[:, None] * stride_qh
-        + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
-    ).to(tl.float32)
+    queries = tl.load(query_ptr + batch * stride_qb + query_index[:, None].to(tl.int64) * stride_qt
+                      + head_index[:, None] * stride_qh + dims[None, :],
+                      mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if FP32:
+        queries = queries.to(tl.float32)
     if HAS_WEIGHTS:
-        head_weights = tl.load(weight_ptr + batch * stride_wb + query_index * stride_wt + head_index,
-                               mask=row_mask, other=0.0).to(tl.float32)
+        weights = tl.load(weight_ptr + batch * stride_wb + query_index.to(tl.int64) * stride_wt
+                          + head_index * stride_wh, mask=row_mask, other=0.0).to(tl.float32) * scale
     else:
-        head_weights = tl.where(row_mask, 1.0, 0.0)
-    tile_queries = query_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    visible = tl.load(visible_ptr + batch * stride_vb + tile_queries, mask=tile_queries < num_queries, other=0)
+        weights = tl.where(row_mask, scale, 0.0)
+    tile_queries = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    visible = tl.load(visible_ptr + batch * stride_vb + tile_queries.to(tl.int64) * stride_vt,
+                      mask=tile_queries < num_queries, other=0)
 
-    start = split * windows_per_split
-    end = tl.minimum(start + windows_per_split, num_windows)
-    end = tl.minimum(end, tl.max(visible, axis=0))  # causal bound of the tile
-    best = tl.full((BLOCK_Q, TOPK_PAD), _EMPTY_KEY, tl.int64)
-    for block_start in range(start, end, TOPK_PAD):
-        window_ids = block_start + tl.arange(0, TOPK_PAD)
-        window_mask = window_ids < end
-        keys = tl.load(key_ptr + batch * stride_kb + window_ids[:, None] * stride_kc + dims[None, :],
-                       mask=window_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)
-        per_head = tl.dot(queries, tl.trans(keys), input_precision="ieee")  # [BLOCK_Q * HEADS_PAD, TOPK_PAD]
-        per_head = tl.maximum(per_head, 0.0) * head_weights[:, None]
-        scores = tl.sum(tl.reshape(per_head, (BLOCK_Q, HEADS_PAD, TOPK_PAD)), axis=1) * scale
-        candidate = _sort_key(scores, window_ids[None, :])
-        keep = window_mask[None, :] & (window_ids[None, :] < visible[:, None])
-        candidate = tl.where(keep, candidate, _EMPTY_KEY)
-        candidate = _bitonic_sort(candidate, BLOCK_Q, TOPK_PAD, LOG_TOPK, False)
-        best = _bitonic_merge(tl.maximum(best, candidate), BLOCK_Q, TOPK_PAD, LOG_TOPK, True)
-    slots = tl.arange(0, TOPK_PAD)
-    tl.store(out_ptr + batch * stride_ob + tile_queries[:, None] * stride_ot + split * stride_os + slots[None, :],
-             best, mask=(tile_queries < num_queries)[:, None])
+    start = tl.program_id(1) * windows_per_split
+    end = tl.minimum(tl.minimum(start + windows_per_split, num_windows), tl.max(visible, axis=0).to(tl.int32))
+    key_base = key_ptr + batch * stride_kb
+    score_rows = score_ptr + (batch * num_queries + tile_queries.to(tl.int64)) * num_windows
+    for block_start in range(start, end, BLOCK_W):
+        windows = block_start + tl.arange(0, BLOCK_W)
+        window_mask = windows < end
+        keys = tl.load(key_base + windows[:, None].to(tl.int64) * stride_kc + dims[None, :],
+                       mask=window_mask[:, None] & dim_mask[None, :], other=0.0)
+        if FP32:
+            keys = keys.to(tl.float32)
+        per_head = tl.dot(queries, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_Q * HEADS_PAD, BLOCK_W]
+        per_head = tl.maximum(per_head, 0.0) * weights[:, None]
+        scores = tl.sum(tl.reshape(per_head, (BLOCK_Q, HEADS_PAD, BLOCK_W)), axis=1)
+        tl.store(score_rows[:, None] + windows[None, :], scores,
+                 mask=(tile_queries < num_queries)[:, None] & window_mask[None, :])
 
 
-def _next_power_of_two(value: int, minimum: int = 1) -> int:
-    return max(minimum, triton.next_power_of_2(value))
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small stand-in elsewhere (the interpreter, meta tensors)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def dot_precision(dtype: torch.dtype) -> tuple[bool, str]:
+    """(compute in float32, `tl.dot` input precision): bf16/fp16 inputs on tensor cores (exact products, float32
+    sums); float32 inputs in plain float32 (`ieee`, like the reference), and everything in the interpreter, whose
+    16-bit arithmetic is wrong."""
+    fp32 = triton_interpreted() or dtype == torch.float32
+    return fp32, "ieee" if fp32 else "tf32"
+
+
+def plan_scores(index_queries, pooled_index_keys, visible, head_weights, scores, num_splits=None) -> Launch:
+    """The launch writing `scores` `[batch, queries, windows]` of `index_queries` `[batch, queries, heads, dim]`
+    against `pooled_index_keys` `[batch, windows, dim]`, under the causal bounds `visible` `[batch, queries]`."""
+    batch_size, num_queries, num_heads, head_dim = index_queries.shape
+    num_windows = scores.shape[-1]
+    heads_pad = triton.next_power_of_2(num_heads)
+    fp32, precision = dot_precision(index_queries.dtype)
+    # Tiles: TILE_ROWS (query, head) rows x 64 windows; float32 inputs (no tensor cores) in narrower tiles over 8
+    # warps. The tiles follow the inputs' dtype, not the interpreter, so that it runs the GPU's shapes.
+    wide = index_queries.dtype == torch.float32
+    block_q = max(1, min(triton.next_power_of_2(num_queries), TILE_ROWS // heads_pad))
+    block_w = 32 if wide or head_dim > 128 else 64
+    query_tiles = batch_size * triton.cdiv(num_queries, block_q)
+    if num_splits is None:
+        target = PROGRAMS_PER_SM * multiprocessor_count(index_queries.device)
+        num_splits = triton.cdiv(target, query_tiles)
+    num_splits = max(1, min(num_splits, triton.cdiv(num_windows, block_w), 65535))
+    windows_per_split = triton.cdiv(triton.cdiv(num_windows, num_splits), block_w) * block_w
+    num_splits = triton.cdiv(num_windows, windows_per_split)
+    weights = head_weights if head_weights is not None else scores  # unread placeholder
+    weight_strides = weights.stride() if head_weights is not None else (0, 0, 0)
+    return Launch(
+        _pooled_index_scores_kernel, (query_tiles, num_splits),
+        (index_queries, pooled_index_keys, weights, visible, scores,
+         num_queries, num_windows, windows_per_split, head_dim**-0.5,
+         *index_queries.stride()[:3], *pooled_index_keys.stride()[:2], *weight_strides, *visible.stride()),
+        dict(HEADS=num_heads, HEADS_PAD=heads_pad, HEAD_DIM=head_dim,
+             DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_W=block_w,
+             HAS_WEIGHTS=head_weights is not None, FP32=fp32, PRECISION=precision,
+             num_warps=8 if wide else 4, num_stages=2),
+    )
+
+
+def _last_dim_contiguous(tensor):
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def pooled_index_topk_triton(
@@ -132,56 +151,59 @@ def pooled_index_topk_triton(
     topk: int,
     head_weights: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window_limit: int | None = None,
 ) -> torch.Tensor:
     """Triton version of `pooled_index_topk_torch`: same arguments, same result (ids ascending, `-1` padded).
 
-    `num_splits` splits each query's windows over that many programs (default: 1 for prefill, enough to fill
-    the GPU for decode).
+    `num_splits`: programs sharing one query tile's windows (default: enough to fill the GPU). `window_limit`
+    (prefill): no query sees a window at or beyond it; the chunks' own causal bounds are then read from the device
+    once, so a chunk scores and selects only the windows its queries can see. Without it (decode) nothing is read
+    back to the host and every shape is fixed.
     """
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
-    num_windows = pooled_index_keys.shape[1]
+    num_windows = pooled_index_keys.shape[1] if window_limit is None else min(pooled_index_keys.shape[1],
+                                                                                window_limit)
+    device = index_queries.device
     if num_windows == 0 or num_queries == 0 or topk == 0:
-        return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
-    index_queries = index_queries.contiguous()
-    pooled_index_keys = pooled_index_keys.contiguous()
-    visible = num_visible_windows.to(torch.int32).contiguous()
-    topk_pad = _next_power_of_two(topk, 16)
-    heads_pad = _next_power_of_two(num_heads)
-    block_q = max(1, min(16, 64 // heads_pad)) if num_queries > 1 else 1
-    block_q = _next_power_of_two(block_q)
-    while block_q * heads_pad < 16:  # tl.dot needs at least 16 rows
-        block_q *= 2
-    if num_splits is None:
-        query_tiles = batch_size * triton.cdiv(num_queries, block_q)
-        num_splits = 1 if num_queries > 1 else max(1, min(64, triton.cdiv(num_windows, 4 * topk_pad),
-                                                          256 // max(1, query_tiles)))
-    windows_per_split = triton.cdiv(triton.cdiv(num_windows, num_splits), topk_pad) * topk_pad
-    num_splits = triton.cdiv(num_windows, windows_per_split)
-    partial = torch.empty(batch_size, num_queries, num_splits, topk_pad, dtype=torch.int64,
-                          device=index_queries.device)
-    weights = head_weights.float().contiguous() if head_weights is not None else visible  # unused placeholder
-    grid = (batch_size, triton.cdiv(num_queries, block_q), num_splits)
-    _pooled_index_topk_kernel[grid](
-        index_queries, pooled_index_keys, weights, visible, partial,
-        num_queries, num_windows, windows_per_split,
-        index_queries.stride(0), index_queries.stride(1), index_queries.stride(2),
-        pooled_index_keys.stride(0), pooled_index_keys.stride(1),
-        weights.stride(0), weights.stride(1),
-        visible.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2),
-        head_dim**-0.5,
-        HEADS=num_heads, HEADS_PAD=heads_pad, HEAD_DIM=head_dim, DIM_PAD=_next_power_of_two(head_dim, 16),
-        TOPK_PAD=topk_pad, LOG_TOPK=topk_pad.bit_length() - 1, BLOCK_Q=block_q, HAS_WEIGHTS=head_weights is not None,
-    )
-    return decode_sort_keys(partial.flatten(2), topk)
+        return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=device)
+    index_queries = _last_dim_contiguous(index_queries)
+    pooled_index_keys = _last_dim_contiguous(pooled_index_keys[:, :num_windows])
+    if head_weights is not None:
+        head_weights = _last_dim_contiguous(head_weights)
+    chunk = max(1, min(num_queries, SCRATCH_ELEMENTS // (batch_size * num_windows)))
+    starts = range(0, num_queries, chunk)
+    limits = [num_windows] * len(starts)
+    if window_limit is not None and len(starts) > 1:  # one read of every chunk's causal bound
+        padded = torch.nn.functional.pad(num_visible_windows, (0, len(starts) * chunk - num_queries))
+        limits = padded.view(batch_size, len(starts), chunk).amax(dim=(0, 2)).clamp(max=num_windows).tolist()
+    selections = []
+    for start, limit in zip(starts, limits):
+        end = min(start + chunk, num_queries)
+        visible = num_visible_windows[:, start:end]
+        if limit <= 0:
+            selections.append(torch.full((batch_size, end - start, topk), -1, dtype=torch.long, device=device))
+            continue
+        scores = torch.empty(batch_size, end - start, limit, dtype=torch.float32, device=device)
+        weights = None if head_weights is None else head_weights[:, start:end]
+        plan_scores(index_queries[:, start:end], pooled_index_keys, visible, weights, scores, num_splits).run()
+        keys = selection_keys(scores, 0, visible[..., None])
+        best = keys if limit <= topk else keys.topk(topk, dim=-1, sorted=False).values
+        selections.append(window_ids_of(best, topk))
+    return selections[0] if len(selections) == 1 else torch.cat(selections, dim=1)
 
 
-def decode_sort_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
-    """Merge partial top-k lists of packed keys `[..., n]` into window ids `[..., topk]`, ascending, `-1` padded."""
-    best = keys.sort(dim=-1, descending=True).values[..., :topk]
-    ids = _ID_BASE - (best & 0xFFFFFFFF)
-    ids = ids.masked_fill(best == _EMPTY_KEY, 1 << 62).sort(dim=-1).values
-    ids = ids.masked_fill(ids == 1 << 62, -1)
-    if ids.shape[-1] < topk:
-        ids = torch.cat([ids, ids.new_full((*ids.shape[:-1], topk - ids.shape[-1]), -1)], dim=-1)
-    return ids
+def aot_launches(sizes) -> list[tuple[str, Launch]]:
+    """The score kernel's launch at `sizes` (an `aot.ModelSizes`), on meta tensors: decode is one query per row
+    over a full context, prefill a chunk of queries."""
+    meta = dict(device="meta", dtype=sizes.dtype)
+    num_windows = sizes.context // sizes.pool_size
+    num_queries = 1 if sizes.mode == "decode" else sizes.queries
+    batch_size = sizes.batch if sizes.mode == "decode" else 1
+    index_queries = torch.empty(batch_size, num_queries, sizes.index_heads, sizes.index_head_dim, **meta)
+    keys = torch.empty(batch_size, num_windows, sizes.index_head_dim, **meta)
+    visible = torch.empty(batch_size, num_queries, dtype=torch.int64, device="meta")
+    weights = torch.empty(batch_size, num_queries, sizes.index_heads, device="meta")
+    chunk = max(1, min(num_queries, SCRATCH_ELEMENTS // (batch_size * num_windows)))
+    scores = torch.empty(batch_size, chunk, num_windows, device="meta")
+    return [("pooled_index_scores",
+             plan_scores(index_queries[:, :chunk], keys, visible[:, :chunk], weights[:, :chunk], scores))]
