@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .launch import Launch
+
 # Largest shared memory one block may use (opt-in), by compute capability.
 SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
 CAPABILITIES = (90, 80)
@@ -39,19 +41,6 @@ KERNEL_MODULES = ("hybrid_indexpool.kernels.pooled_index_topk.triton_impl",
 # Environment variables of Triton that are not code-generation settings and may stay while compiling.
 _KEPT_VARIABLES = ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DEFAULT_FP_FUSION", "TRITON_PTXAS_PATH",
                    "TRITON_CUOBJDUMP_PATH", "TRITON_LIBDEVICE_PATH")
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch: `kernel[grid](*args, **options)` (options hold the constexprs, num_warps, num_stages)."""
-
-    kernel: object
-    grid: tuple
-    args: tuple
-    options: dict
-
-    def run(self):
-        return self.kernel[self.grid](*self.args, **self.options)
 
 
 @dataclass
@@ -139,31 +128,41 @@ def launch_resources(name: str, config: str, launch: Launch, capability: int) ->
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """One configuration of the kernels' sizes (Qwen3.8-Flash-Next ranges); `mode` is `decode` or `prefill`."""
+    """One configuration of the kernels' sizes (Qwen3.8-Flash-Next ranges). `mode` is `decode` (one query per row
+    against `context` positions, `batch` rows) or `prefill` (`queries` queries, with the attention's backward);
+    `kernels` is `index`, `attention` or `all`."""
 
     mode: str
     dtype: torch.dtype = torch.bfloat16
     index_heads: int = 16
     index_head_dim: int = 128
     pool_size: int = 4
-    budget: int = 2048
     head_dim: int = 128
     group: int = 8
+    kernels: str = "all"
+    budget: int = 2048
     kv_heads: int = 2
     context: int = 1 << 20
     batch: int = 8
-    queries: int = 4096  # prefill queries per call
+    queries: int = 4096
+    multiprocessors: int = 132  # H100 SXM: decode splits are sized for it
 
     def label(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
-        dtype = dtype.replace("float32", "fp32")
-        return (f"{self.mode} {dtype} H={self.index_heads} dI={self.index_head_dim} r={self.pool_size} "
-                f"d={self.head_dim} g={self.group}")
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
+        parts = [self.mode, dtype]
+        if self.kernels != "attention":
+            parts.append(f"H={self.index_heads} dI={self.index_head_dim}")
+        if self.kernels != "index":
+            parts.append(f"r={self.pool_size} d={self.head_dim} g={self.group}")
+        return " ".join(parts)
+
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def default_sizes() -> list[ModelSizes]:
-    """A representative subset, minutes on 2 CPU cores: every kernel in decode and prefill, each dtype, the extreme
-    head counts and dims (the largest tiles: index heads 64 at dim 128, attention head dim 256, group 16)."""
+    """A representative subset, about two minutes on 2 CPU cores: every kernel in decode and prefill, each dtype,
+    the extreme sizes (index heads 64 at dim 128; attention head dim 256 with group 16, r = 1 with group 1)."""
     return [
         ModelSizes("decode", torch.bfloat16, 64, 128, 4, head_dim=256, group=16),
         ModelSizes("decode", torch.float16, 4, 64, 1, head_dim=64, group=1),
@@ -175,17 +174,20 @@ def default_sizes() -> list[ModelSizes]:
 
 
 def full_sizes() -> list[ModelSizes]:
-    """The whole matrix (slow): index heads x index head dims x pool sizes, attention head dims x groups, dtypes."""
+    """The whole matrix (slow): index heads x index head dims (the index kernel does not depend on r) and attention
+    head dims x groups x pool sizes, each dtype, decode and prefill. The attention's forward compiles the same in
+    decode and prefill but for the position strides, so decode is planned once per head dim (forward and combine)."""
     sizes = []
-    for mode in ("decode", "prefill"):
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for index_heads in (4, 16, 64):
-                for index_head_dim in (64, 128):
-                    for pool_size in (2, 4, 8):
-                        sizes.append(ModelSizes(mode, dtype, index_heads, index_head_dim, pool_size))
-            for head_dim in (64, 128, 256):
-                for group in (1, 2, 4, 8, 16):
-                    sizes.append(ModelSizes(mode, dtype, head_dim=head_dim, group=group))
+    for dtype in DTYPES:
+        for mode in ("decode", "prefill"):
+            sizes += [ModelSizes(mode, dtype, index_heads, index_head_dim, kernels="index")
+                      for index_heads in (4, 16, 64) for index_head_dim in (64, 128)]
+        sizes += [ModelSizes("prefill", dtype, pool_size=pool_size, head_dim=head_dim, group=group,
+                             kernels="attention")
+                  for head_dim in (64, 128, 256) for group in (1, 2, 4, 8, 16) for pool_size in (1, 2, 4, 8)]
+        sizes += [ModelSizes("decode", dtype, pool_size=pool_size, head_dim=head_dim, group=group,
+                             kernels="attention")
+                  for head_dim in (64, 128, 256) for group in (1, 16) for pool_size in (1, 4)]
     return sizes
 
 

@@ -12,12 +12,9 @@ windows]` float32, and nothing is read back to the host. Prefill: queries go in 
 `SCRATCH_ELEMENTS` scores. Shared memory and registers depend on the tile sizes only, never on the budget.
 """
 
-import functools
-
 import torch
 
-from ..aot import Launch
-from ..dispatch import triton_interpreted
+from ..launch import PROGRAMS_PER_SM, Launch, dot_precision, multiprocessor_count
 from .reference import selection_keys, window_ids_of
 
 try:
@@ -31,8 +28,6 @@ except ImportError as error:  # Triton is optional; the package falls back to th
 SCRATCH_ELEMENTS = 1 << 24
 # Rows (query x head pairs) of a prefill tile; a decode tile is one query's heads.
 TILE_ROWS = 64
-# Programs per streaming multiprocessor a launch aims for.
-PROGRAMS_PER_SM = 4
 
 
 @triton.jit(do_not_specialize=["num_queries", "num_windows", "windows_per_split"])
@@ -91,23 +86,8 @@ def _pooled_index_scores_kernel(
                  mask=(tile_queries < num_queries)[:, None] & window_mask[None, :])
 
 
-@functools.lru_cache(maxsize=None)
-def multiprocessor_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a small stand-in elsewhere (the interpreter, meta tensors)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
-def dot_precision(dtype: torch.dtype) -> tuple[bool, str]:
-    """(compute in float32, `tl.dot` input precision): bf16/fp16 inputs on tensor cores (exact products, float32
-    sums); float32 inputs in plain float32 (`ieee`, like the reference), and everything in the interpreter, whose
-    16-bit arithmetic is wrong."""
-    fp32 = triton_interpreted() or dtype == torch.float32
-    return fp32, "ieee" if fp32 else "tf32"
-
-
-def plan_scores(index_queries, pooled_index_keys, visible, head_weights, scores, num_splits=None) -> Launch:
+def plan_scores(index_queries, pooled_index_keys, visible, head_weights, scores, num_splits=None,
+                multiprocessors=None) -> Launch:
     """The launch writing `scores` `[batch, queries, windows]` of `index_queries` `[batch, queries, heads, dim]`
     against `pooled_index_keys` `[batch, windows, dim]`, under the causal bounds `visible` `[batch, queries]`."""
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
@@ -121,8 +101,8 @@ def plan_scores(index_queries, pooled_index_keys, visible, head_weights, scores,
     block_w = 32 if wide or head_dim > 128 else 64
     query_tiles = batch_size * triton.cdiv(num_queries, block_q)
     if num_splits is None:
-        target = PROGRAMS_PER_SM * multiprocessor_count(index_queries.device)
-        num_splits = triton.cdiv(target, query_tiles)
+        multiprocessors = multiprocessors or multiprocessor_count(index_queries.device)
+        num_splits = triton.cdiv(PROGRAMS_PER_SM * multiprocessors, query_tiles)
     num_splits = max(1, min(num_splits, triton.cdiv(num_windows, block_w), 65535))
     windows_per_split = triton.cdiv(triton.cdiv(num_windows, num_splits), block_w) * block_w
     num_splits = triton.cdiv(num_windows, windows_per_split)
@@ -195,6 +175,8 @@ def pooled_index_topk_triton(
 def aot_launches(sizes) -> list[tuple[str, Launch]]:
     """The score kernel's launch at `sizes` (an `aot.ModelSizes`), on meta tensors: decode is one query per row
     over a full context, prefill a chunk of queries."""
+    if sizes.kernels == "attention":
+        return []
     meta = dict(device="meta", dtype=sizes.dtype)
     num_windows = sizes.context // sizes.pool_size
     num_queries = 1 if sizes.mode == "decode" else sizes.queries
@@ -206,4 +188,5 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
     chunk = max(1, min(num_queries, SCRATCH_ELEMENTS // (batch_size * num_windows)))
     scores = torch.empty(batch_size, chunk, num_windows, device="meta")
     return [("pooled_index_scores",
-             plan_scores(index_queries[:, :chunk], keys, visible[:, :chunk], weights[:, :chunk], scores))]
+             plan_scores(index_queries[:, :chunk], keys, visible[:, :chunk], weights[:, :chunk], scores,
+                         multiprocessors=sizes.multiprocessors))]

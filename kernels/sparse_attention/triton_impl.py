@@ -18,9 +18,8 @@ Every offset that can pass 2^31 (batch, position and query strides at long conte
 
 import torch
 
-from ..aot import Launch
 from ..dispatch import triton_interpreted
-from ..pooled_index_topk.triton_impl import PROGRAMS_PER_SM, dot_precision, multiprocessor_count
+from ..launch import PROGRAMS_PER_SM, Launch, dot_precision, multiprocessor_count
 
 try:
     import triton
@@ -298,11 +297,13 @@ def _index_strides(selected, positions) -> tuple:
     return (*selected.stride(), *positions.stride())
 
 
-def _decode_splits(programs: int, num_entries: int, windows_per_block: int, device) -> int:
-    """Splits of each query's list: enough programs to fill the GPU (`PROGRAMS_PER_SM` per multiprocessor), at
-    least one tile each."""
-    target = PROGRAMS_PER_SM * multiprocessor_count(device)
-    return max(1, min(triton.cdiv(target, programs), triton.cdiv(num_entries, windows_per_block)))
+def decode_splits(query, key, selected, pool_size, multiprocessors: int) -> int:
+    """Splits of each query's list: enough programs to fill the GPU (`PROGRAMS_PER_SM` per multiprocessor), one
+    tile at least each. A runtime number (the kernel is not recompiled for another)."""
+    programs = query.shape[0] * query.shape[2] * key.shape[1]
+    windows_per_block = _block_n(query, pool_size) // triton.next_power_of_2(pool_size)
+    most = triton.cdiv(selected.shape[-1] + 1, windows_per_block)
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * multiprocessors, programs), most))
 
 
 def plan_forward(query, key, value, selected, positions, pool_size, scaling, num_splits=1):
@@ -442,8 +443,7 @@ def sparse_attention_triton(query, key, value, selected_windows, query_positions
         return SparseAttentionFunction.apply(query, key, value, selected_windows, query_positions, pool_size,
                                              scaling)
     if num_splits is None:
-        num_splits = _decode_splits(query.shape[0] * query.shape[2] * key.shape[1], selected_windows.shape[-1] + 1,
-                                    _block_n(query, pool_size) // triton.next_power_of_2(pool_size), query.device)
+        num_splits = decode_splits(query, key, selected_windows, pool_size, multiprocessor_count(query.device))
     launches, output, _ = plan_forward(query, key, value, selected_windows, query_positions, pool_size, scaling,
                                        num_splits)
     _run(launches)
@@ -452,7 +452,10 @@ def sparse_attention_triton(query, key, value, selected_windows, query_positions
 
 def aot_launches(sizes) -> list[tuple[str, Launch]]:
     """Every attention kernel's launch at `sizes` (an `aot.ModelSizes`), on meta tensors. Decode: one query per row
-    against a cache of `context` positions, split; prefill: `queries` queries with the backward too."""
+    against a cache of `context` positions, split for `sizes.multiprocessors`; prefill: `queries` queries with the
+    backward too."""
+    if sizes.kernels == "index":
+        return []
     meta = dict(device="meta", dtype=sizes.dtype)
     num_queries = 1 if sizes.mode == "decode" else sizes.queries
     batch_size = sizes.batch if sizes.mode == "decode" else 1
@@ -466,7 +469,8 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
     positions = torch.empty(batch_size, num_queries, dtype=torch.int64, device="meta")
     names = ("sparse_attention_forward", "combine_splits")
     if sizes.mode == "decode":
-        launches, _, _ = plan_forward(query, key, key, selected, positions, sizes.pool_size, 0.1, num_splits=16)
+        num_splits = decode_splits(query, key, selected, sizes.pool_size, sizes.multiprocessors)
+        launches, _, _ = plan_forward(query, key, key, selected, positions, sizes.pool_size, 0.1, num_splits)
         return list(zip(names, launches))
     launches, output, lse = plan_forward(query, key, key, selected, positions, sizes.pool_size, 0.1)
     entries = torch.empty(batch_size * num_queries * (topk + 1), dtype=torch.int64, device="meta")

@@ -1,0 +1,44 @@
+"""What the Triton kernels share on the host: a planned launch, the GPU's size and the arithmetic of the products.
+
+Each `triton_impl` plans its kernels as `Launch`es (kernel, grid, arguments, options) and runs them; `aot` compiles
+the same plans, made on meta tensors, without a GPU. Nothing here imports Triton.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .dispatch import triton_interpreted
+
+# Programs per streaming multiprocessor a launch aims for when it can choose (decode splits): enough to hide latency.
+PROGRAMS_PER_SM = 4
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: `kernel[grid](*args, **options)` (options hold the constexprs, num_warps, num_stages)."""
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    options: dict
+
+    def run(self):
+        return self.kernel[self.grid](*self.args, **self.options)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter: fewer, longer programs)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def dot_precision(dtype: torch.dtype) -> tuple[bool, str]:
+    """(compute in float32, `tl.dot` input precision): bf16/fp16 inputs on tensor cores (exact products, float32
+    sums); float32 inputs in plain float32 (`ieee`, like the reference), and everything in the interpreter, whose
+    16-bit arithmetic is wrong."""
+    fp32 = triton_interpreted() or dtype == torch.float32
+    return fp32, "ieee" if fp32 else "tf32"
