@@ -45,24 +45,21 @@ _KEPT_VARIABLES = ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DEFAULT_FP_FUSION"
 
 @dataclass
 class KernelResources:
-    """What one compiled kernel needs per block on one target."""
+    """What one compiled kernel needs per block on one target. `key` identifies the compilation (Triton's
+    specialisation of the launch); `config` describes it."""
 
     kernel: str
+    mode: str
     config: str
     capability: int
     registers: int
     shared: int
     spills: int
-    num_warps: int
-    num_stages: int
+    key: str
 
     @property
     def shared_limit(self) -> int:
         return SHARED_MEMORY_LIMIT[self.capability]
-
-    @property
-    def fits(self) -> bool:
-        return self.shared <= self.shared_limit and self.registers <= 255
 
 
 @contextlib.contextmanager
@@ -98,11 +95,12 @@ def cubin_usage(cubin: bytes) -> tuple[int, int]:
     return registers, max(stack, local)
 
 
-def compile_launch(launch: Launch, capability: int):
-    """Compile `launch`'s kernel for `sm_<capability>` as its launch would; returns the compiled kernel."""
+def _specialise(launch: Launch, capability: int):
+    """What `kernel[grid](*args)` does before compiling, for `sm_<capability>`: bind the arguments, specialise them
+    (types, divisibility by 16, integers equal to 1) and pack (target, options, signature, constexprs, attrs)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     kernel = launch.kernel
@@ -110,20 +108,35 @@ def compile_launch(launch: Launch, capability: int):
         raise RuntimeError("kernels imported for Triton's interpreter cannot be compiled: use compile_sizes")
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
-    # What `kernel[grid](*args)` does before compiling: bind, specialise (types, divisibility by 16), pack.
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*launch.args, **launch.options)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, dict(launch.options), bound,
-                                                              specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return (target, *kernel._pack_args(backend, dict(launch.options), bound, specialization, options))
 
 
-def launch_resources(name: str, config: str, launch: Launch, capability: int) -> KernelResources:
+def specialisation_key(launch: Launch, capability: int = 90) -> str:
+    """The compilation a launch needs, as Triton's cache tells them apart: two launches with the same key share one
+    compiled kernel."""
+    _, options, signature, constexprs, attrs = _specialise(launch, capability)
+    return repr((launch.kernel.__name__, sorted(options.__dict__.items()), signature, sorted(constexprs.items()),
+                 sorted(attrs.items())))
+
+
+def compile_launch(launch: Launch, capability: int):
+    """Compile `launch`'s kernel for `sm_<capability>` as its launch would; returns the compiled kernel."""
+    import triton
+    from triton.compiler import ASTSource
+
+    target, options, signature, constexprs, attrs = _specialise(launch, capability)
+    return triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
+def launch_resources(name: str, mode: str, launch: Launch, capability: int) -> KernelResources:
     compiled = compile_launch(launch, capability)
     registers, local_bytes = cubin_usage(compiled.asm["cubin"])
-    return KernelResources(kernel=name, config=config, capability=capability, registers=registers,
-                           shared=compiled.metadata.shared, spills=local_bytes // 4,
-                           num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages)
+    return KernelResources(kernel=name, mode=mode, config=launch_config(launch), capability=capability,
+                           registers=registers, shared=compiled.metadata.shared, spills=local_bytes // 4,
+                           key=specialisation_key(launch))
 
 
 @dataclass(frozen=True)
@@ -204,41 +217,68 @@ def size_launches(sizes: ModelSizes) -> list[tuple[str, Launch]]:
 
 def _compile_task(task) -> list[KernelResources]:
     sizes, capability = task
-    return [launch_resources(name, launch_config(name, launch), launch, capability)
-            for name, launch in size_launches(sizes)]
+    return [launch_resources(name, sizes.mode, launch, capability) for name, launch in size_launches(sizes)]
 
 
-def compile_sizes(sizes_list, capabilities=CAPABILITIES, workers: int | None = None) -> list[KernelResources]:
-    """Compile every kernel launch of each of `sizes_list` for each capability in `workers` processes (default: one
-    per CPU); one row per distinct (configuration, capability)."""
-    tasks = [(sizes, capability) for sizes in sizes_list for capability in capabilities]
+def _keys_task(sizes) -> dict[str, str]:
+    return {name: specialisation_key(launch) for name, launch in size_launches(sizes)}
+
+
+def _in_workers(function, tasks, workers: int | None):
+    """`map(function, tasks)` in spawned processes (default: one per CPU) started without Triton's code-generation
+    variables, the interpreter's among them."""
     workers = max(1, min(len(tasks), workers or os.cpu_count() or 1))
     with compiler_environment():  # spawned workers start from this environment
         pool = multiprocessing.get_context("spawn").Pool(workers)
     with pool:
-        batches = pool.map(_compile_task, tasks, chunksize=1)
+        return pool.map(function, tasks, chunksize=1)
+
+
+def compile_sizes(sizes_list, capabilities=CAPABILITIES, workers: int | None = None) -> list[KernelResources]:
+    """Compile every kernel launch of each of `sizes_list` for each capability; one row per distinct compilation and
+    capability."""
+    batches = _in_workers(_compile_task, [(sizes, cap) for sizes in sizes_list for cap in capabilities], workers)
     results, seen = [], set()
     for row in (row for batch in batches for row in batch):
-        if (row.config, row.capability) not in seen:
-            seen.add((row.config, row.capability))
+        if (row.key, row.capability) not in seen:
+            seen.add((row.key, row.capability))
             results.append(row)
     return results
 
 
-def launch_config(name: str, launch: Launch) -> str:
-    """A short description of what a launch compiles: the kernel and its constexprs, warps and stages."""
-    settings = " ".join(f"{key}={value}" for key, value in launch.options.items())
-    dtypes = sorted({str(arg.dtype).removeprefix("torch.") for arg in launch.args if isinstance(arg, torch.Tensor)
-                     and arg.is_floating_point()})
-    return f"{name} {'/'.join(dtypes)} {settings}"
+def specialisation_keys(sizes_list, workers: int | None = None) -> list[dict[str, str]]:
+    """For each of `sizes_list`, kernel name -> the compilation its launch needs (`specialisation_key`)."""
+    return _in_workers(_keys_task, list(sizes_list), workers)
+
+
+# Constexprs left out of a configuration's description: implied by the dtype or by the unpadded sizes.
+_IMPLIED = ("FP32", "HAS_WEIGHTS", "HEADS_PAD", "GROUP_PAD", "DIM_PAD", "POOL_PAD", "num_stages")
+
+
+def launch_config(launch: Launch) -> str:
+    """A short description of a launch's compilation: its inputs' dtype, sizes, tiles and warps."""
+    floats = [arg.dtype for arg in launch.args if isinstance(arg, torch.Tensor) and arg.is_floating_point()]
+    dtype = next((dtype for dtype in floats if dtype != torch.float32), torch.float32)
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    settings = [f"{key}={value}" for key, value in launch.options.items()
+                if key not in _IMPLIED and not (key == "PRECISION" and value in ("tf32", "ieee"))]
+    return " ".join([names[dtype], *settings]).replace("num_warps", "warps")
 
 
 def format_table(results: list[KernelResources]) -> str:
-    """Registers / shared memory / spills of each compiled kernel, one line per kernel, config and target."""
-    lines = [f"{'sm':>4} {'regs':>5} {'shared':>8} {'limit':>8} {'spills':>6}  kernel config"]
+    """Registers / shared memory (bytes) / spills (4-byte words) of each compilation on each target, one line per
+    compilation."""
+    capabilities = sorted({row.capability for row in results})
+    by_key = {}
     for row in results:
-        lines.append(f"{row.capability:>4} {row.registers:>5} {row.shared:>8} {row.shared_limit:>8} "
-                     f"{row.spills:>6}  {row.config}")
+        by_key.setdefault(row.key, {})[row.capability] = row
+    header = f"{'kernel':<30} {'mode':<8}" + "".join(f" {f'sm_{cap} regs/shared/spills':>28}" for cap in capabilities)
+    lines = [header + "  config"]
+    for rows in by_key.values():
+        first = next(iter(rows.values()))
+        cells = "".join(f" {'-' if cap not in rows else f'{rows[cap].registers}/{rows[cap].shared}/{rows[cap].spills}':>28}"
+                        for cap in capabilities)
+        lines.append(f"{first.kernel:<30} {first.mode:<8}{cells}  {first.config}")
     return "\n".join(lines)
 
 

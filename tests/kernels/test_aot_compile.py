@@ -1,0 +1,63 @@
+"""Every Triton kernel compiles for real GPUs (sm_90, sm_80) at the model's real sizes, with Triton's default settings,
+within the target's shared memory and, for the decode and forward kernels, without register spills.
+
+No GPU is needed: Triton's compiler and the `ptxas` in its wheel run on the CPU (`kernels/aot.py`). The default suite
+compiles a representative subset (about a minute on 2 cores with a cold Triton cache); `pytest -m slow` compiles the
+whole matrix.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed: there is nothing to compile")
+
+from hybrid_indexpool.kernels import aot  # noqa: E402
+
+KERNELS = {"pooled_index_scores", "sparse_attention_forward", "combine_splits", "sparse_attention_backward_dq",
+           "sparse_attention_backward_dkv"}
+# Kernels that must not spill in any dtype (the backward's float32 key-major pass may, a little, at head dim 256).
+NO_SPILLS = {"pooled_index_scores", "sparse_attention_forward", "combine_splits"}
+
+
+def check(results):
+    assert {row.capability for row in results} == set(aot.CAPABILITIES)
+    for row in results:
+        where = f"{row.kernel} {row.mode} sm_{row.capability} {row.config}"
+        assert row.shared <= row.shared_limit, f"{where}: {row.shared} bytes of shared memory"
+        assert row.registers <= 255, where
+        if row.kernel in NO_SPILLS or "fp32" not in row.config:
+            assert row.spills == 0, f"{where}: {row.spills} registers spilled"
+
+
+def show(results, capsys):
+    with capsys.disabled():
+        print("\n" + aot.format_table(results))
+
+
+def test_every_kernel_compiles_for_sm90_and_sm80_within_their_limits(capsys):
+    results = aot.compile_sizes(aot.default_sizes())
+    show(results, capsys)
+    for mode, kernels in (("decode", {"pooled_index_scores", "sparse_attention_forward", "combine_splits"}),
+                          ("prefill", KERNELS - {"combine_splits"})):
+        assert {row.kernel for row in results if row.mode == mode} == kernels
+    check(results)
+
+
+@pytest.mark.slow
+def test_the_whole_size_matrix_compiles_within_the_limits(request, capsys):
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the whole matrix compiles for about 20 minutes on 2 cores: run it with `pytest -m slow`")
+    results = aot.compile_sizes(aot.full_sizes())
+    show(results, capsys)
+    check(results)
+
+
+def test_decode_compiles_once_for_every_batch_size():
+    """A decode step's launches specialise the same way at any batch size: the split count is a runtime argument,
+    and no argument that follows the batch is specialised (equal to 1, divisible by 16)."""
+    base = aot.ModelSizes("decode", torch.bfloat16, pool_size=4, kernels="all")
+    keys = aot.specialisation_keys([dataclasses.replace(base, batch=batch) for batch in (1, 2, 3, 8, 64, 200)])
+    assert set(keys[0]) == {"pooled_index_scores", "sparse_attention_forward", "combine_splits"}
+    assert all(batch_keys == keys[0] for batch_keys in keys[1:])
