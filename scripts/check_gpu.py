@@ -1,20 +1,26 @@
-"""GPU check of the IndexPool kernels: correctness against the PyTorch reference and benchmark tables.
+"""GPU check of the IndexPool kernels: correctness against the PyTorch reference, benchmark tables, the bytes and
+launches of a decode step, and the kernels' registers / shared memory / spills compiled for sm_80 and sm_90.
 
-On a CUDA machine (about 5-8 minutes on an H100/H200):
+On a CUDA machine (about 5-10 minutes on an H100/H200), at Qwen3.8-Flash-Next sizes by default (16 query heads, 2
+key/value heads of dim 256, 16 index heads of dim 128, budget 2048 tokens):
 
     python -m hybrid_indexpool.scripts.check_gpu            # add --json results.json to keep the numbers
 
 1. Kernel vs reference in float32 and bfloat16: identical selections (float32), selection agreement (bfloat16),
-   output and gradient errors of the sparse attention.
+   output and gradient errors of the sparse attention, split decode against one program per query.
 2. Decode step of one IndexPool layer's kernels (index top-k + sparse attention) at 32K-1M tokens of context:
-   pooled r = 4 against r = 1 against dense attention over every key, same widths.
-3. Achieved memory bandwidth of the decode index kernel and of the sparse decode attention, as a fraction of the
-   device's peak (a large device copy measures what the device actually reaches; the nominal peak is listed where
-   known).
-4. Prefill throughput of the kernels at 32K tokens.
+   pooled r = 4 against r = 1 against dense attention over every key, same widths; achieved memory bandwidth of the
+   index step and of the sparse attention as a fraction of the device's peak (a large device copy measures what the
+   device actually reaches; the nominal peak is listed where known).
+3. Prefill throughput of the kernels at 32K tokens.
+4. Bytes and launches of one decode step (per layer, batch 1), counted on meta tensors: every PyTorch operator's
+   inputs and outputs, and what each Triton kernel must read and write by design; against the minimum (the visible
+   pooled keys read once and the selected keys/values read once).
+5. Registers / shared memory / spills of every kernel compiled ahead of time for sm_80 and sm_90 (`kernels/aot.py`;
+   no GPU needed, so this runs anywhere).
 
 `TRITON_INTERPRET=1 python -m hybrid_indexpool.scripts.check_gpu --smoke` runs tiny sizes on the CPU (kernels in
-Triton's interpreter) to check the script itself.
+Triton's interpreter, one configuration compiled ahead of time) to check the script itself.
 """
 
 import argparse
@@ -25,6 +31,8 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100": 2.0e12}
 
@@ -33,12 +41,15 @@ def parse_arguments(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="32768,131072,524288,1048576", help="decode contexts (tokens)")
     parser.add_argument("--topk", type=int, default=2048, help="token budget (default 2048)")
-    parser.add_argument("--index-heads", type=int, default=8)
+    parser.add_argument("--index-heads", type=int, default=16)
     parser.add_argument("--index-head-dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=16, help="attention query heads")
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--prefill", type=int, default=32768, help="prefill length (tokens)")
+    parser.add_argument("--aot", choices=("default", "full", "none"), default="default",
+                        help="configurations compiled ahead of time: the representative subset, the whole matrix "
+                             "(about 20 minutes on 2 cores), or none")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, to test the script")
     args = parser.parse_args(argv)
@@ -82,7 +93,7 @@ def check_kernels(device, args, kernels, dtype) -> dict:
     results = {}
     # Index top-k: a decode step and a prefill tile with left-padded rows.
     batch, heads, dim, topk = 2, args.index_heads, args.index_head_dim, args.topk // 4
-    num_windows = 128 if args.smoke else 1024
+    num_windows = 128 if args.smoke else 4096
     agree = []
     for queries in (1, 64 if not args.smoke else 8):
         index_queries = torch.randn(batch, queries, heads, dim, generator=generator).to(device, dtype)
@@ -97,7 +108,7 @@ def check_kernels(device, args, kernels, dtype) -> dict:
 
     # Sparse attention, prefill-sized with gradients, and a split decode step.
     pool, kv_heads, group, head_dim = 4, args.kv_heads, args.heads // args.kv_heads, args.head_dim
-    context, queries, windows = (2048, 64, 16) if not args.smoke else (64, 6, 4)
+    context, queries, windows = (8192, 64, args.topk // pool) if not args.smoke else (64, 6, 4)
     shorter = torch.tensor([0, 3])  # row 1 holds three tokens fewer (it was padded)
     positions = torch.arange(context - queries, context).expand(2, queries) - shorter[:, None]
     selected = torch.stack([
@@ -119,7 +130,10 @@ def check_kernels(device, args, kernels, dtype) -> dict:
                                               for g, e in zip(got_grads, expected_grads))
     with torch.no_grad():
         split = kernels["attention_triton"](*tensors, *index_args, pool, head_dim**-0.5, num_splits=4)
-    results["split_decode_max_error"] = (split.float() - expected.detach()).abs().max().item()
+        last = [t[:, :, -1:] for t in tensors[:1]] + tensors[1:]  # a decode step, default splits
+        step = kernels["attention_triton"](*last, *(t[:, -1:] for t in index_args), pool, head_dim**-0.5)
+    results["split_decode_max_error"] = max((split.float() - expected.detach()).abs().max().item(),
+                                            (step.float() - expected[:, -1:].detach()).abs().max().item())
     return results
 
 
@@ -175,6 +189,109 @@ def bench_prefill(device, args, kernels, dtype) -> dict:
 
         milliseconds = timed(step, device, 3 if device.type == "cuda" else 1)
         results[f"r{pool}_tokens_per_second"] = length / (milliseconds / 1e3)
+    return results
+
+
+class DecodeTraffic(TorchDispatchMode):
+    """Counts the launches of a step and the bytes each moves: every PyTorch operator that computes (not views,
+    not allocations) with its inputs and outputs, and every Triton kernel with what it must read and write by design
+    (`triton_kernel_bytes`). Used on meta tensors: nothing runs, shapes are real."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = []  # (name, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if not func.is_view and not name.startswith(("empty", "new_empty", "lift_fresh", "detach")):
+            tensors = [t for t in tree_flatten((args, kwargs, output))[0] if isinstance(t, torch.Tensor)]
+            self.launches.append((f"aten.{name}", sum(t.numel() * t.element_size() for t in tensors)))
+        return output
+
+    def record(self, launch):
+        self.launches.append((launch.kernel.fn.__name__, triton_kernel_bytes(launch)))
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def triton_kernel_bytes(launch) -> int:
+    """What a Triton decode kernel reads and writes once each: its inputs as far as it uses them (every window
+    visible; a full tail) and its outputs."""
+    name, options = launch.kernel.fn.__name__, launch.options
+    if name == "_pooled_index_scores_kernel":
+        queries, keys, weights, visible, scores = launch.args[:5]
+        batch, _, num_windows = scores.shape
+        used_keys = batch * num_windows * keys.shape[-1] * keys.element_size()
+        return _nbytes(queries, visible, scores) + used_keys + (_nbytes(weights) if options["HAS_WEIGHTS"] else 0)
+    if name == "_sparse_attention_forward_kernel":
+        query, key, _, selected, positions, partial, partial_lse = launch.args[:7]
+        tokens, kv_heads = launch.grid[:2]
+        slots = selected.shape[-1] * options["POOL"] + options["POOL"] - 1
+        used_keys = 2 * tokens * kv_heads * slots * key.shape[-1] * key.element_size()
+        return _nbytes(query, selected, positions, partial, partial_lse) + used_keys
+    if name == "_combine_splits_kernel":
+        return _nbytes(*launch.args[:3])
+    raise ValueError(f"no byte count for {name}")
+
+
+def decode_traffic(args, kernels, context: int, pool: int, dtype=torch.bfloat16) -> dict:
+    """Launches and bytes of one decode step of one layer at batch 1 (index top-k, then sparse attention), counted
+    on meta tensors, against the minimum: the visible pooled keys read once and the selected keys/values read once.
+    Splits are sized for an H100 (132 multiprocessors)."""
+    from hybrid_indexpool.kernels import launch as launch_module
+    from hybrid_indexpool.kernels.pooled_index_topk import triton_impl as topk_impl
+    from hybrid_indexpool.kernels.sparse_attention import triton_impl as attention_impl
+
+    meta = dict(device="meta", dtype=dtype)
+    num_windows, topk = context // pool, args.topk // pool
+    index_query = torch.empty(1, 1, args.index_heads, args.index_head_dim, **meta)
+    pooled = torch.empty(1, num_windows, args.index_head_dim, **meta)
+    visible = torch.empty(1, 1, dtype=torch.long, device="meta")
+    query = torch.empty(1, 1, args.heads, args.head_dim, **meta).transpose(1, 2)
+    key = torch.empty(1, context, args.kv_heads, args.head_dim, **meta).transpose(1, 2)
+    position = torch.empty(1, 1, dtype=torch.long, device="meta")
+    counters, original_run = {}, launch_module.Launch.run
+    sizes_of = {module: module.multiprocessor_count for module in (topk_impl, attention_impl)}
+    try:
+        for module in sizes_of:
+            module.multiprocessor_count = lambda device: 132
+        for part in ("index", "attention"):
+            with DecodeTraffic() as counter:
+                launch_module.Launch.run = lambda launch, counter=counter: counter.record(launch)
+                if part == "index":
+                    selected = kernels["topk_triton"](index_query, pooled, visible, topk)
+                else:
+                    kernels["attention_triton"](query, key, key, selected, position, pool, 0.1)
+            counters[part] = counter.launches
+    finally:
+        launch_module.Launch.run = original_run
+        for module, function in sizes_of.items():
+            module.multiprocessor_count = function
+    element = torch.empty((), dtype=dtype).element_size()
+    minimum = (num_windows * args.index_head_dim + 2 * args.kv_heads * (args.topk + pool - 1) * args.head_dim) * element
+    row = {"context": context, "pool": pool, "minimum_bytes": minimum}
+    for part, launches in counters.items():
+        row[f"{part}_launches"] = len(launches)
+        row[f"{part}_triton_launches"] = sum(not name.startswith("aten.") for name, _ in launches)
+        row[f"{part}_bytes"] = sum(size for _, size in launches)
+        row[f"{part}_operators"] = launches
+    row["bytes"] = row["index_bytes"] + row["attention_bytes"]
+    return row
+
+
+def aot_resources(args) -> list:
+    """Registers / shared memory / spills of the kernels compiled for sm_80 and sm_90 (no GPU needed)."""
+    from hybrid_indexpool.kernels import aot
+
+    if args.smoke:
+        sizes = [aot.ModelSizes("decode", torch.bfloat16, 4, 64, 4, head_dim=64, group=2)]
+    else:
+        sizes = aot.full_sizes() if args.aot == "full" else aot.default_sizes()
+    results = aot.compile_sizes(sizes)
+    print(aot.format_table(results))
     return results
 
 
@@ -234,9 +351,27 @@ def main(argv=None):
     report["prefill"] = bench_prefill(device, args, kernels, dtype)
     for pool in (4, 1):
         print(f"  r={pool}: {report['prefill'][f'r{pool}_tokens_per_second']:,.0f} tokens/s")
+
+    print("\n4. bytes and launches of one decode step (one layer, batch 1, bf16; counted on meta tensors)")
+    header = ("context", "r", "launches", "Triton", "index MB", "attn MB", "total MB", "minimum MB", "total/min")
+    print("  " + "".join(f"{h:>12}" for h in header))
+    report["decode_traffic"] = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for pool in (4, 1):
+            row = decode_traffic(args, kernels, context, pool)
+            report["decode_traffic"].append(row)
+            cells = (f"{context:,}", pool, row["index_launches"] + row["attention_launches"],
+                     row["index_triton_launches"] + row["attention_triton_launches"],
+                     f"{row['index_bytes'] / 1e6:.2f}", f"{row['attention_bytes'] / 1e6:.2f}",
+                     f"{row['bytes'] / 1e6:.2f}", f"{row['minimum_bytes'] / 1e6:.2f}",
+                     f"{row['bytes'] / row['minimum_bytes']:.2f}x")
+            print("  " + "".join(f"{c:>12}" for c in cells))
+
+    print("\n5. registers / shared memory (bytes) / spills (4-byte words), compiled for sm_80 and sm_90")
+    report["aot"] = [] if args.aot == "none" and not args.smoke else aot_resources(args)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2, default=str)
+            json.dump(report, handle, indent=2, default=lambda value: getattr(value, "__dict__", str(value)))
     return report
 
 
