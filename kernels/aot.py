@@ -265,22 +265,65 @@ def launch_config(launch: Launch) -> str:
     return " ".join([names[dtype], *settings]).replace("num_warps", "warps")
 
 
-def format_table(results: list[KernelResources]) -> str:
-    """Registers / shared memory (bytes) / spills (4-byte words) of each compilation on each target, one line per
-    compilation."""
-    capabilities = sorted({row.capability for row in results})
+def _by_compilation(results: list[KernelResources]) -> tuple[list[int], list[dict[int, KernelResources]]]:
+    """The capabilities present, and one {capability: row} per compilation, in order."""
     by_key = {}
     for row in results:
         by_key.setdefault(row.key, {})[row.capability] = row
-    header = f"{'kernel':<30} {'mode':<8}" + "".join(f" {f'sm_{cap} regs/shared/spills':>28}" for cap in capabilities)
-    lines = [header + "  config"]
-    for rows in by_key.values():
+    return sorted({row.capability for row in results}), list(by_key.values())
+
+
+def _cell(rows: dict, capability: int) -> str:
+    row = rows.get(capability)
+    return "-" if row is None else f"{row.registers} / {row.shared:,} / {row.spills}"
+
+
+def format_table(results: list[KernelResources]) -> str:
+    """Registers / shared memory (bytes) / spills (4-byte words) of each compilation on each target, one line per
+    compilation."""
+    capabilities, compilations = _by_compilation(results)
+    lines = [f"{'kernel':<30} {'mode':<8}" + "".join(f" {f'sm_{cap} regs / shared / spills':>30}"
+                                                      for cap in capabilities) + "  config"]
+    for rows in compilations:
         first = next(iter(rows.values()))
-        cells = "".join(f" {'-' if cap not in rows else f'{rows[cap].registers}/{rows[cap].shared}/{rows[cap].spills}':>28}"
-                        for cap in capabilities)
-        lines.append(f"{first.kernel:<30} {first.mode:<8}{cells}  {first.config}")
+        lines.append(f"{first.kernel:<30} {first.mode:<8}" + "".join(f" {_cell(rows, cap):>30}" for cap in capabilities)
+                     + f"  {first.config}")
+    return "\n".join(lines)
+
+
+def markdown_table(results: list[KernelResources]) -> str:
+    """`format_table` as a Markdown table (for docs/kernels.md)."""
+    capabilities, compilations = _by_compilation(results)
+    lines = ["| kernel | mode | config | " + " | ".join(f"sm_{cap} regs / shared / spills" for cap in capabilities)
+             + " |", "|---|---|---|" + "---|" * len(capabilities)]
+    for rows in compilations:
+        first = next(iter(rows.values()))
+        lines.append(f"| `{first.kernel}` | {first.mode} | {first.config} | "
+                     + " | ".join(_cell(rows, cap) for cap in capabilities) + " |")
     return "\n".join(lines)
 
 
 def as_dicts(results: list[KernelResources]) -> list[dict]:
     return [asdict(row) | {"shared_limit": row.shared_limit} for row in results]
+
+
+def main(argv=None):
+    """`python -m hybrid_indexpool.kernels.aot [--full] [--markdown] [--json FILE]`: compile and print the table."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--full", action="store_true", help="the whole matrix (about 20 minutes on 2 cores)")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    results = compile_sizes(full_sizes() if args.full else default_sizes())
+    print(markdown_table(results) if args.markdown else format_table(results))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(as_dicts(results), handle, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

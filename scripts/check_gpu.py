@@ -19,8 +19,9 @@ key/value heads of dim 256, 16 index heads of dim 128, budget 2048 tokens):
 5. Registers / shared memory / spills of every kernel compiled ahead of time for sm_80 and sm_90 (`kernels/aot.py`;
    no GPU needed, so this runs anywhere).
 
-`TRITON_INTERPRET=1 python -m hybrid_indexpool.scripts.check_gpu --smoke` runs tiny sizes on the CPU (kernels in
-Triton's interpreter, one configuration compiled ahead of time) to check the script itself.
+`python -m hybrid_indexpool.scripts.check_gpu --offline` prints sections 4 and 5 at the real sizes on a machine
+without a GPU. `TRITON_INTERPRET=1 python -m hybrid_indexpool.scripts.check_gpu --smoke` runs tiny sizes on the CPU
+(kernels in Triton's interpreter, one configuration compiled ahead of time) to check the script itself.
 """
 
 import argparse
@@ -52,6 +53,8 @@ def parse_arguments(argv=None):
                              "(about 20 minutes on 2 cores), or none")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, to test the script")
+    parser.add_argument("--offline", action="store_true",
+                        help="without a GPU: only the decode-step bytes and the compiled resources (sections 4-5)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.contexts, args.topk, args.index_heads, args.index_head_dim = "128,256", 32, 2, 16
@@ -295,27 +298,9 @@ def aot_resources(args) -> list:
     return results
 
 
-def main(argv=None):
-    args = parse_arguments(argv)
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it when the kernels are first imported
-            sys.exit("--smoke runs the kernels in Triton's interpreter: run it with TRITON_INTERPRET=1 set.")
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        sys.exit("check_gpu needs a CUDA device (or --smoke for a CPU run of the script itself).")
-    else:
-        device = torch.device("cuda")
-    from hybrid_indexpool.kernels.pooled_index_topk import pooled_index_topk_torch, pooled_index_topk_triton
-    from hybrid_indexpool.kernels.sparse_attention import sparse_attention_torch, sparse_attention_triton
-
-    if pooled_index_topk_triton is None or sparse_attention_triton is None:
-        sys.exit("Triton is not installed: pip install -e '.[triton]'.")
-    kernels = {"topk_torch": pooled_index_topk_torch, "topk_triton": pooled_index_topk_triton,
-               "attention_torch": sparse_attention_torch, "attention_triton": sparse_attention_triton}
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
-    print(f"device: {name}; torch {torch.__version__}")
-    report = {"device": name, "settings": vars(args)}
-
+def measured_sections(device, args, kernels, report):
+    """Sections 1-3: run the kernels (on the GPU, or in the interpreter for --smoke)."""
+    name = report["device"]
     print("\n1. kernels against the PyTorch reference")
     report["checks"] = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -352,6 +337,9 @@ def main(argv=None):
     for pool in (4, 1):
         print(f"  r={pool}: {report['prefill'][f'r{pool}_tokens_per_second']:,.0f} tokens/s")
 
+
+def traffic_section(args, kernels, report):
+    """Section 4: bytes and launches of a decode step (meta tensors, any machine)."""
     print("\n4. bytes and launches of one decode step (one layer, batch 1, bf16; counted on meta tensors)")
     header = ("context", "r", "launches", "Triton", "index MB", "attn MB", "total MB", "minimum MB", "total/min")
     print("  " + "".join(f"{h:>12}" for h in header))
@@ -367,8 +355,41 @@ def main(argv=None):
                      f"{row['bytes'] / row['minimum_bytes']:.2f}x")
             print("  " + "".join(f"{c:>12}" for c in cells))
 
+
+def main(argv=None):
+    args = parse_arguments(argv)
+    device = None
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it when the kernels are first imported
+            sys.exit("--smoke runs the kernels in Triton's interpreter: run it with TRITON_INTERPRET=1 set.")
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif not args.offline:
+        sys.exit("check_gpu needs a CUDA device (--offline: only the tables that need none; --smoke: a CPU run of "
+                 "the script itself).")
+    from hybrid_indexpool.kernels.pooled_index_topk import pooled_index_topk_torch, pooled_index_topk_triton
+    from hybrid_indexpool.kernels.sparse_attention import sparse_attention_torch, sparse_attention_triton
+
+    if pooled_index_topk_triton is None or sparse_attention_triton is None:
+        sys.exit("Triton is not installed: pip install -e '.[triton]'.")
+    kernels = {"topk_torch": pooled_index_topk_torch, "topk_triton": pooled_index_topk_triton,
+               "attention_torch": sparse_attention_torch, "attention_triton": sparse_attention_triton}
+    if device is None:
+        name = "none (--offline)"
+    else:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
+    print(f"device: {name}; torch {torch.__version__}")
+    report = {"device": name, "settings": vars(args)}
+    if device is not None:
+        measured_sections(device, args, kernels, report)
+    traffic_section(args, kernels, report)
     print("\n5. registers / shared memory (bytes) / spills (4-byte words), compiled for sm_80 and sm_90")
-    report["aot"] = [] if args.aot == "none" and not args.smoke else aot_resources(args)
+    report["aot"] = []
+    if args.aot == "none" and not args.smoke:
+        print("  (skipped: --aot none)")
+    else:
+        report["aot"] = aot_resources(args)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2, default=lambda value: getattr(value, "__dict__", str(value)))

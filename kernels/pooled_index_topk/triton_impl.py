@@ -26,8 +26,8 @@ except ImportError as error:  # Triton is optional; the package falls back to th
 # Float32 scores per prefill chunk (64 MiB). The selection of a chunk adds its int64 keys and their temporaries,
 # about 7x that at the peak (~0.5 GiB).
 SCRATCH_ELEMENTS = 1 << 24
-# Rows (query x head pairs) of a prefill tile; a decode tile is one query's heads.
-TILE_ROWS = 64
+# Rows (query x head pairs) of a prefill tile, 16-bit and float32 inputs; a decode tile is one query's heads.
+TILE_ROWS, TILE_ROWS_FP32 = 128, 64
 
 
 @triton.jit(do_not_specialize=["num_queries", "num_windows", "windows_per_split"])
@@ -94,10 +94,10 @@ def plan_scores(index_queries, pooled_index_keys, visible, head_weights, scores,
     num_windows = scores.shape[-1]
     heads_pad = triton.next_power_of_2(num_heads)
     fp32, precision = dot_precision(index_queries.dtype)
-    # Tiles: TILE_ROWS (query, head) rows x 64 windows; float32 inputs (no tensor cores) in narrower tiles over 8
-    # warps. The tiles follow the inputs' dtype, not the interpreter, so that it runs the GPU's shapes.
+    # Tiles: up to TILE_ROWS (query, head) rows x 64 windows, 8 warps for 128 rows; float32 inputs (no tensor cores)
+    # in smaller tiles. The tiles follow the inputs' dtype, not the interpreter, so that it runs the GPU's shapes.
     wide = index_queries.dtype == torch.float32
-    block_q = max(1, min(triton.next_power_of_2(num_queries), TILE_ROWS // heads_pad))
+    block_q = max(1, min(triton.next_power_of_2(num_queries), (TILE_ROWS_FP32 if wide else TILE_ROWS) // heads_pad))
     block_w = 32 if wide or head_dim > 128 else 64
     query_tiles = batch_size * triton.cdiv(num_queries, block_q)
     if num_splits is None:
@@ -116,7 +116,7 @@ def plan_scores(index_queries, pooled_index_keys, visible, head_weights, scores,
         dict(HEADS=num_heads, HEADS_PAD=heads_pad, HEAD_DIM=head_dim,
              DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_W=block_w,
              HAS_WEIGHTS=head_weights is not None, FP32=fp32, PRECISION=precision,
-             num_warps=8 if wide else 4, num_stages=2),
+             num_warps=8 if wide or block_q * heads_pad >= 128 else 4, num_stages=2),
     )
 
 

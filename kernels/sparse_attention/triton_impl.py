@@ -29,6 +29,11 @@ except ImportError as error:  # Triton is optional; the package falls back to th
 
 # Rows (queries x the GQA group) per step of the key-major backward, 16-bit inputs.
 BACKWARD_ROWS = 64
+# Register caps handed to ptxas. Left to itself, ptxas (with the --regAllocOptLevel=2 Triton passes) settles some of
+# these kernels at 72-80 registers with a few words spilled; a cap makes it allocate without spilling. The forward
+# and dq: 128, which keeps four 4-warp programs per multiprocessor; the key-major pass (two gradient tiles) and the
+# float32 dq at head dim 256 need more.
+MAX_REGISTERS, MAX_REGISTERS_KEY_PASS = 128, 255
 
 
 @triton.jit
@@ -329,7 +334,8 @@ def plan_forward(query, key, value, selected, positions, pool_size, scaling, num
         (query, key, value, selected, positions, partial, partial_lse,
          num_queries, num_selected, windows_per_split, scaling,
          *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *_index_strides(selected, positions)),
-        dict(BLOCK_N=block_n, **sizes, num_warps=4 if _width(query) <= 256 else 8, num_stages=2),
+        dict(BLOCK_N=block_n, **sizes, num_warps=4 if _width(query) <= 256 else 8, num_stages=2,
+             maxnreg=MAX_REGISTERS),
     )]
     if num_splits > 1:
         block_r = max(1, 2048 // sizes["DIM_PAD"])
@@ -372,17 +378,17 @@ def plan_backward(query, key, value, selected, positions, pool_size, scaling, ou
     grad_query = torch.empty_like(query)
     grad_key, grad_value = torch.empty_like(key), torch.empty_like(value)
     index_strides = _index_strides(selected, positions)
-    wide = _width(query) > 256
+    wide, fp32_inputs = _width(query) > 256, query.dtype == torch.float32
     query_launch = Launch(
         _sparse_attention_backward_query_kernel, (tokens, num_kv_heads),
         (query, key, value, selected, positions, output, grad_output, lse, delta, grad_query,
          num_queries, num_selected, scaling,
          *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *index_strides, *grad_query.stride()[:3]),
-        dict(BLOCK_N=_block_n(query, pool_size), **sizes, num_warps=8 if wide else 4, num_stages=2),
+        dict(BLOCK_N=_block_n(query, pool_size), **sizes, num_warps=8 if wide else 4, num_stages=2,
+             maxnreg=MAX_REGISTERS_KEY_PASS if fp32_inputs and wide else MAX_REGISTERS),
     )
     # Rows (query x head) per step of the key-major pass: fewer for wide rows. Float32 runs its products as three
     # tf32 products there (float32 accuracy): plain float32 products of these shapes spill thousands of registers.
-    fp32_inputs = query.dtype == torch.float32
     rows = 16 if fp32_inputs else BACKWARD_ROWS // (2 if wide else 1)
     key_sizes = dict(sizes, PRECISION="tf32x3") if fp32_inputs and not triton_interpreted() else sizes
     windows_per_row = triton.cdiv(num_positions, pool_size)
@@ -394,7 +400,7 @@ def plan_backward(query, key, value, selected, positions, pool_size, scaling, ou
          *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *positions.stride(),
          *grad_key.stride()[:3], *grad_value.stride()[:3]),
         dict(WINDOWS=windows, BLOCK_Q=max(1, rows // sizes["GROUP_PAD"]), **key_sizes,
-             num_warps=8 if fp32_inputs else 4, num_stages=2),
+             num_warps=8 if fp32_inputs else 4, num_stages=2, maxnreg=MAX_REGISTERS_KEY_PASS),
     )
     return [query_launch, key_launch], grad_query, grad_key, grad_value
 

@@ -1,5 +1,6 @@
 """Every Triton kernel compiles for real GPUs (sm_90, sm_80) at the model's real sizes, with Triton's default settings,
-within the target's shared memory and, for the decode and forward kernels, without register spills.
+within the target's shared memory and without register spills (but for the float32 key-major backward at head dim
+256).
 
 No GPU is needed: Triton's compiler and the `ptxas` in its wheel run on the CPU (`kernels/aot.py`). The default suite
 compiles a representative subset (about a minute on 2 cores with a cold Triton cache); `pytest -m slow` compiles the
@@ -17,8 +18,12 @@ from hybrid_indexpool.kernels import aot  # noqa: E402
 
 KERNELS = {"pooled_index_scores", "sparse_attention_forward", "combine_splits", "sparse_attention_backward_dq",
            "sparse_attention_backward_dkv"}
-# Kernels that must not spill in any dtype (the backward's float32 key-major pass may, a little, at head dim 256).
-NO_SPILLS = {"pooled_index_scores", "sparse_attention_forward", "combine_splits"}
+
+
+def may_spill(row) -> bool:
+    """The one known exception: the key-major backward in float32 at head dim 256 (three tf32 products of rows 256
+    wide; about 50 words). Everything else, every dtype, spills nothing."""
+    return row.kernel == "sparse_attention_backward_dkv" and row.config.startswith("fp32") and "DIM=256" in row.config
 
 
 def check(results):
@@ -27,7 +32,7 @@ def check(results):
         where = f"{row.kernel} {row.mode} sm_{row.capability} {row.config}"
         assert row.shared <= row.shared_limit, f"{where}: {row.shared} bytes of shared memory"
         assert row.registers <= 255, where
-        if row.kernel in NO_SPILLS or "fp32" not in row.config:
+        if not may_spill(row):
             assert row.spills == 0, f"{where}: {row.spills} registers spilled"
 
 
