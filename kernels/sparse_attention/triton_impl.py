@@ -29,11 +29,14 @@ except ImportError as error:  # Triton is optional; the package falls back to th
 
 # Rows (queries x the GQA group) per step of the key-major backward, 16-bit inputs.
 BACKWARD_ROWS = 64
-# Register caps handed to ptxas. Left to itself, ptxas (with the --regAllocOptLevel=2 Triton passes) settles some of
-# these kernels at 72-80 registers with a few words spilled; a cap makes it allocate without spilling. The forward
-# and dq: 128, which keeps four 4-warp programs per multiprocessor; the key-major pass (two gradient tiles) and the
-# float32 dq at head dim 256 need more.
-MAX_REGISTERS, MAX_REGISTERS_KEY_PASS = 128, 255
+# Software-pipeline stages. With two, ptxas (under the --regAllocOptLevel=2 Triton passes it) settles a handful of
+# configurations at 72-80 registers with 2-6 words spilled; three stages for the query-major walks (forward, dq) and
+# one for the 16-bit key-major pass (two for its float32 tf32x3 products) compile without spills across the matrix of
+# kernels/aot.py. Register caps (`maxnreg`) made it worse: ptxas then fills the cap and still spills.
+STAGES, STAGES_KEY_PASS, STAGES_KEY_PASS_FP32 = 3, 1, 2
+# Positions a decode split covers at least: its float32 partial output (group x head dim, written, then read by the
+# combine) then costs at most group / 64 of the bytes of the keys and values it reads (12.5% for a group of 8).
+MIN_SPLIT_POSITIONS = 128
 
 
 @triton.jit
@@ -303,11 +306,12 @@ def _index_strides(selected, positions) -> tuple:
 
 
 def decode_splits(query, key, selected, pool_size, multiprocessors: int) -> int:
-    """Splits of each query's list: enough programs to fill the GPU (`PROGRAMS_PER_SM` per multiprocessor), one
-    tile at least each. A runtime number (the kernel is not recompiled for another)."""
+    """Splits of each query's list: enough programs to fill the GPU (`PROGRAMS_PER_SM` per multiprocessor), each
+    split `MIN_SPLIT_POSITIONS` positions at least. A runtime number (the kernel is not recompiled for another)."""
     programs = query.shape[0] * query.shape[2] * key.shape[1]
-    windows_per_block = _block_n(query, pool_size) // triton.next_power_of_2(pool_size)
-    most = triton.cdiv(selected.shape[-1] + 1, windows_per_block)
+    pool_pad = triton.next_power_of_2(pool_size)
+    windows_per_split = max(_block_n(query, pool_size), MIN_SPLIT_POSITIONS) // pool_pad
+    most = triton.cdiv(selected.shape[-1] + 1, windows_per_split)
     return max(1, min(triton.cdiv(PROGRAMS_PER_SM * multiprocessors, programs), most))
 
 
@@ -334,8 +338,7 @@ def plan_forward(query, key, value, selected, positions, pool_size, scaling, num
         (query, key, value, selected, positions, partial, partial_lse,
          num_queries, num_selected, windows_per_split, scaling,
          *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *_index_strides(selected, positions)),
-        dict(BLOCK_N=block_n, **sizes, num_warps=4 if _width(query) <= 256 else 8, num_stages=2,
-             maxnreg=MAX_REGISTERS),
+        dict(BLOCK_N=block_n, **sizes, num_warps=4 if _width(query) <= 256 else 8, num_stages=STAGES),
     )]
     if num_splits > 1:
         block_r = max(1, 2048 // sizes["DIM_PAD"])
@@ -384,8 +387,7 @@ def plan_backward(query, key, value, selected, positions, pool_size, scaling, ou
         (query, key, value, selected, positions, output, grad_output, lse, delta, grad_query,
          num_queries, num_selected, scaling,
          *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *index_strides, *grad_query.stride()[:3]),
-        dict(BLOCK_N=_block_n(query, pool_size), **sizes, num_warps=8 if wide else 4, num_stages=2,
-             maxnreg=MAX_REGISTERS_KEY_PASS if fp32_inputs and wide else MAX_REGISTERS),
+        dict(BLOCK_N=_block_n(query, pool_size), **sizes, num_warps=8 if wide else 4, num_stages=STAGES),
     )
     # Rows (query x head) per step of the key-major pass: fewer for wide rows. Float32 runs its products as three
     # tf32 products there (float32 accuracy): plain float32 products of these shapes spill thousands of registers.
@@ -400,7 +402,7 @@ def plan_backward(query, key, value, selected, positions, pool_size, scaling, ou
          *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *positions.stride(),
          *grad_key.stride()[:3], *grad_value.stride()[:3]),
         dict(WINDOWS=windows, BLOCK_Q=max(1, rows // sizes["GROUP_PAD"]), **key_sizes,
-             num_warps=8 if fp32_inputs else 4, num_stages=2, maxnreg=MAX_REGISTERS_KEY_PASS),
+             num_warps=8 if fp32_inputs else 4, num_stages=STAGES_KEY_PASS_FP32 if fp32_inputs else STAGES_KEY_PASS),
     )
     return [query_launch, key_launch], grad_query, grad_key, grad_value
 
