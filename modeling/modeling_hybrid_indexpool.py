@@ -17,6 +17,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
+from transformers.integrations.moe import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -468,9 +469,15 @@ class HybridIndexPoolMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
 
 
+@use_experts_implementation
 class HybridIndexPoolExperts(nn.Module):
     """The routed SwiGLU experts as fused weights: `gate_up_proj [experts, 2 * inner, hidden]`,
-    `down_proj [experts, hidden, inner]`."""
+    `down_proj [experts, hidden, inner]`.
+
+    transformers' experts integration dispatches the computation (`config._experts_implementation`): `"grouped_mm"`
+    by default (one grouped matrix product per projection, no loop over experts and no host synchronisation, so a
+    decode step compiles whole), `"batched_mm"`, or `"eager"`, the loop over the experts that were hit below.
+    """
 
     def __init__(self, config: HybridIndexPoolConfig):
         super().__init__()
@@ -480,14 +487,14 @@ class HybridIndexPoolExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, inner))
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor):
-        """`hidden_states [tokens, hidden]`, `expert_ids`/`expert_weights [tokens, k]` -> `[tokens, hidden]`."""
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """`hidden_states [tokens, hidden]`, `top_k_index`/`top_k_weights [tokens, k]` -> `[tokens, hidden]`."""
         output = torch.zeros_like(hidden_states)
-        for expert in expert_ids.unique().tolist():
-            token_index, slot = torch.nonzero(expert_ids == expert, as_tuple=True)
+        for expert in top_k_index.unique().tolist():
+            token_index, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
             gate, up = F.linear(hidden_states[token_index], self.gate_up_proj[expert]).chunk(2, dim=-1)
             expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
-            weighted = expert_out * expert_weights[token_index, slot, None].to(expert_out.dtype)
+            weighted = expert_out * top_k_weights[token_index, slot, None].to(expert_out.dtype)
             output.index_add_(0, token_index, weighted.to(output.dtype))
         return output
 

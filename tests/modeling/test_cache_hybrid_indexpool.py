@@ -225,9 +225,10 @@ class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("reserved", [False, True])
-def test_a_decode_step_makes_no_host_synchronisation(reserved):
-    model = tiny_model(index_topk=8, index_head_weights=True)
+@pytest.mark.parametrize("reserved, experts", [(False, 0), (True, 0), (True, 4)])
+def test_a_decode_step_makes_no_host_synchronisation(reserved, experts):
+    moe = dict(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=32) if experts else {}
+    model = tiny_model(index_topk=8, index_head_weights=True, **moe)
     input_ids = torch.randint(1, 97, (2, 60))
     mask = torch.ones(2, 60, dtype=torch.long)
     mask[0, :7] = 0
