@@ -3,7 +3,7 @@
 from huggingface_hub.dataclasses import strict
 from transformers import configuration_utils
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
 POOL_WEIGHTINGS = ("learned", "mean")
@@ -226,6 +226,17 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             fail(
                 f"`index_pool_weighting` is {self.index_pool_weighting!r}; it must be one of {list(POOL_WEIGHTINGS)}."
             )
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            fail(
+                f"`rope_parameters['rope_type']` is {rope_type!r}; use 'default' or one of transformers' RoPE types "
+                f"{sorted(ROPE_INIT_FUNCTIONS)}."
+            )
+        if "rope_theta" not in self.rope_parameters:
+            fail("`rope_parameters` has no 'rope_theta'; give the RoPE base, e.g. {'rope_type': 'default', "
+                 "'rope_theta': 10000000.0}.")
+        if self.max_position_embeddings < 1:
+            fail(f"`max_position_embeddings` is {self.max_position_embeddings}; it must be a positive integer.")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             fail(f"`partial_rotary_factor` is {self.partial_rotary_factor}; it must lie in (0, 1].")
         rotary_dim = int(self.head_dim * self.partial_rotary_factor)

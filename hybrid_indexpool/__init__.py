@@ -10,6 +10,8 @@ from transformers import (
     AutoModelForSequenceClassification,
 )
 
+from transformers.models.auto import modeling_auto
+
 from .configuration import HybridIndexPoolConfig
 from .modeling import (
     HybridIndexPoolCache,
@@ -27,6 +29,13 @@ AutoModelForCausalLM.register(HybridIndexPoolConfig, HybridIndexPoolForCausalLM,
 AutoModelForSequenceClassification.register(
     HybridIndexPoolConfig, HybridIndexPoolForSequenceClassification, exist_ok=True
 )
+# The class names too: transformers' pipelines and common tests look a model's task up by class name there.
+for names, model_class in (
+    (modeling_auto.MODEL_MAPPING_NAMES, HybridIndexPoolModel),
+    (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, HybridIndexPoolForCausalLM),
+    (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, HybridIndexPoolForSequenceClassification),
+):
+    names.setdefault(HybridIndexPoolConfig.model_type, model_class.__name__)
 
 __all__ = [
     "HybridIndexPoolConfig",

@@ -17,12 +17,19 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
 from .kernels.pooled_index_topk import pooled_index_topk
 from .modeling.modeling_hybrid_indexpool import HybridIndexPoolAttention
-from .training import ModelDataArguments, check_output_dir, load_datasets, load_model, load_tokenizer
+from .training import (
+    ModelDataArguments,
+    check_output_dir,
+    language_model_collator,
+    load_datasets,
+    load_model,
+    load_tokenizer,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -193,7 +200,7 @@ def run_indexer_training(args: IndexerTrainingArguments, training_args: Training
             "selection."
         )
     train_dataset, eval_dataset = load_datasets(args, tokenizer)
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    collator = language_model_collator(tokenizer, args.packing)
 
     metrics = {}
     for stage in stages:

@@ -15,7 +15,9 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=1 << 30, **SPECIAL_TOKENS)
+    # Left padding: what generation wants (the model accepts either side).
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=1 << 30, padding_side="left",
+                                   **SPECIAL_TOKENS)
 
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:

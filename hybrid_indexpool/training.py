@@ -7,7 +7,9 @@ with packing or padding, gradient checkpointing, resuming, and LoRA through `pef
 
 import json
 import os
+import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     HfArgumentParser,
+    default_data_collator,
     PreTrainedTokenizerBase,
     Trainer,
     TrainingArguments,
@@ -61,8 +64,9 @@ class ModelDataArguments:
     block_size: int = field(default=512, metadata={"help": "Tokens per training sequence."})
     packing: bool = field(
         default=True,
-        metadata={"help": "Concatenate examples (separated by EOS) into full blocks; --packing False pads each "
-                          "example to the batch's longest instead."},
+        metadata={"help": "Concatenate examples (separated by EOS) into full blocks, each example attending only to "
+                          "itself (positions restart at 0 per example); --packing False pads each example to the "
+                          "batch's longest instead."},
     )
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Allow writing into a non-empty --output_dir (never needed to resume)."}
@@ -121,19 +125,35 @@ def load_tokenizer(args: ModelDataArguments) -> PreTrainedTokenizerBase:
     return byte_level_tokenizer()
 
 
-def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool, text_field: str = "text"):
-    """A `datasets.Dataset` of token blocks from local .txt / .json / .jsonl files.
-
-    Packing: every text plus EOS is concatenated and cut into `block_size` blocks (the remainder is dropped).
-    Padding: each text is truncated to `block_size` and the collator pads the batch.
-    """
-    from datasets import load_dataset
-
+def check_data_files(files: list[str]) -> None:
+    """Refuse data files that are missing, empty or not UTF-8 text, naming each one."""
     if not files:
         raise ValueError("No data files given: pass --train_files with local .txt, .json or .jsonl files.")
     missing = [name for name in files if not Path(name).is_file()]
     if missing:
         raise ValueError(f"Data files not found: {missing}.")
+    for name in files:
+        raw = Path(name).read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"Data file {name} is not UTF-8 text (byte {error.start} cannot be decoded); convert "
+                             "it, e.g. with iconv -t utf-8.") from error
+        if not text.strip():
+            raise ValueError(f"Data file {name} is empty; remove it from the file list or give it text.")
+
+
+def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool, text_field: str = "text"):
+    """A `datasets.Dataset` of token blocks from local .txt / .json / .jsonl files.
+
+    Packing: every text plus EOS is concatenated and cut into `block_size` blocks (the remainder is dropped); each
+    block carries `position_ids` that restart at 0 where an example starts (and at the block's start), so the model
+    runs every example on its own, and `labels` that never ask a block to predict an example's first token from the
+    one before. Padding: each text is truncated to `block_size` and the collator pads the batch.
+    """
+    from datasets import load_dataset
+
+    check_data_files(files)
     suffixes = {Path(name).suffix for name in files}
     if suffixes <= {".txt", ".text", ".md", ".py"}:
         dataset = load_dataset("text", data_files=files, split="train", sample_by="paragraph")
@@ -156,16 +176,37 @@ def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def pack(batch):
-        stream = [token for ids in tokenizer(batch[text_field])["input_ids"] for token in ids + eos]
+        examples = [ids + eos for ids in tokenizer(batch[text_field])["input_ids"]]
+        stream = [token for ids in examples for token in ids]
+        within = [index for ids in examples for index in range(len(ids))]  # position inside its example
         usable = len(stream) // block_size * block_size
-        blocks = [stream[start:start + block_size] for start in range(0, usable, block_size)]
-        return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks]}
+        blocks = {"input_ids": [], "attention_mask": [], "position_ids": [], "labels": []}
+        for start in range(0, usable, block_size):
+            ids = stream[start:start + block_size]
+            # A block that starts inside an example restarts that example's positions at 0.
+            positions, offset = [], within[start]
+            for column, index in enumerate(within[start:start + block_size]):
+                if column > 0 and index == 0:
+                    offset = 0
+                positions.append(index - offset)
+            blocks["input_ids"].append(ids)
+            blocks["attention_mask"].append([1] * block_size)
+            blocks["position_ids"].append(positions)
+            blocks["labels"].append([-100 if column > 0 and position == 0 else token
+                                     for column, (token, position) in enumerate(zip(ids, positions))])
+        return blocks
 
     packed = dataset.map(pack, batched=True, batch_size=1000, remove_columns=dataset.column_names)
     if len(packed) == 0:
         raise ValueError(f"The data holds fewer than --block_size ({block_size}) tokens; give more text or a "
                          "smaller block size.")
     return packed
+
+
+def language_model_collator(tokenizer, packing: bool):
+    """The collator of `build_lm_dataset`'s blocks: packed blocks carry their own positions and labels and all have
+    the same length, so stacking them is the whole collation; unpacked examples are padded."""
+    return default_data_collator if packing else DataCollatorForLanguageModeling(tokenizer, mlm=False)
 
 
 def load_datasets(args: ModelDataArguments, tokenizer):
@@ -196,6 +237,12 @@ def load_model(args: ModelDataArguments, tokenizer) -> HybridIndexPoolForCausalL
     if model.config.vocab_size < len(tokenizer):
         raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size} "
                          "embeddings; use the checkpoint's tokenizer.")
+    if args.block_size > model.config.max_position_embeddings:
+        warnings.warn(
+            f"--block_size {args.block_size} is beyond the model's max_position_embeddings "
+            f"({model.config.max_position_embeddings}): positions past it were never trained; lower --block_size or "
+            "use a scaled rope_type.", stacklevel=2,
+        )
     return model
 
 
@@ -211,6 +258,20 @@ def build_model(args: FinetuneArguments, tokenizer):
         )
         model = get_peft_model(model, lora_config)
     return model
+
+
+def last_complete_checkpoint(output_dir: str) -> str:
+    """The newest `checkpoint-N` folder that holds its trainer state (written last, so an interrupted save is
+    skipped)."""
+    pattern = re.compile(r"^checkpoint-(\d+)$")
+    complete = [
+        (int(match.group(1)), path) for path in Path(output_dir).glob("checkpoint-*")
+        if (match := pattern.match(path.name)) and (path / "trainer_state.json").is_file()
+    ]
+    if not complete:
+        raise ValueError(f"--resume_from_checkpoint last: {output_dir} holds no complete checkpoint (a folder "
+                         "checkpoint-N with trainer_state.json); start without --resume_from_checkpoint.")
+    return str(max(complete)[1])
 
 
 def check_output_dir(args: ModelDataArguments, training_args: TrainingArguments) -> None:
@@ -235,11 +296,11 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
     train_dataset, eval_dataset = load_datasets(args, tokenizer)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), processing_class=tokenizer,
+        data_collator=language_model_collator(tokenizer, args.packing), processing_class=tokenizer,
     )
     resume = training_args.resume_from_checkpoint
     if resume == "last":
-        resume = True
+        resume = last_complete_checkpoint(training_args.output_dir)
     result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics)
     metrics["log_history"] = trainer.state.log_history

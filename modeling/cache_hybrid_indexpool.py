@@ -225,11 +225,6 @@ class IndexPoolLayerCache(_LayerCache):
         adds one to the host-side bound and reads nothing.
         """
         batch_size, num_new = token_is_real.shape
-        if self.lengths is not None and self.lengths.shape[0] != batch_size:
-            raise ValueError(
-                f"The cache holds {self.lengths.shape[0]} rows but the input has {batch_size}; use a new cache, or "
-                "expand the cache with batch_repeat_interleave / batch_select_indices first."
-            )
         if num_new == 1 and self.lengths is not None:
             if torch.compiler.is_compiling():
                 if self.max_cache_len is None:
@@ -456,6 +451,15 @@ class IndexPoolLayerCache(_LayerCache):
         return int(self.lengths.sum()) * self.pooled_storage.shape[-1] * self.pooled_storage.element_size()
 
 
+def cache_layout(config) -> dict:
+    """The settings that decide what a cache holds and how: two models with the same ones can share caches."""
+    names = ("layer_types", "index_pool_size", "num_key_value_heads", "head_dim", "index_head_dim",
+             "index_pool_weighting", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_conv_kernel_dim", "ple_layers", "hc_count")
+    return {name: (list(value) if isinstance(value := getattr(config, name), (list, tuple)) else value)
+            for name in names}
+
+
 class HybridIndexPoolCache(Cache):
     """Cache of a [`HybridIndexPoolModel`]: one `LinearAttentionLayerCache` or `IndexPoolLayerCache` per layer.
 
@@ -481,9 +485,25 @@ class HybridIndexPoolCache(Cache):
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
         self.pool_size = config.index_pool_size
+        self.layout = cache_layout(config)
         # Attention-mask columns seen (padding included): a device tensor advanced in place, so a compiled decode
         # step neither reads nor specialises on it.
         self.seen_tokens: torch.Tensor | None = None
+
+    def check_compatible(self, config, batch_size: int) -> None:
+        """Raise a `ValueError` saying what differs when this cache was built for another model or batch."""
+        theirs, ours = self.layout, cache_layout(config)
+        differences = [f"{name}: cache {theirs[name]!r}, model {ours[name]!r}" for name in ours
+                       if theirs.get(name) != ours[name]]
+        if differences:
+            raise ValueError("This cache was built for another model (" + "; ".join(differences) + "); build one "
+                             "with HybridIndexPoolCache(model.config).")
+        rows = self.batch_size
+        if rows not in (-1, batch_size):
+            raise ValueError(
+                f"The cache holds {rows} rows but the input has {batch_size}; use a new cache, or resize it with "
+                "batch_repeat_interleave / batch_select_indices first."
+            )
 
     @property
     def index_layers(self) -> list[IndexPoolLayerCache]:

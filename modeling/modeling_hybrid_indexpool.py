@@ -24,7 +24,7 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
@@ -36,6 +36,7 @@ from ..kernels.sparse_attention import masked_softmax, sparse_attention
 from ..kernels.weighted_pool import weighted_pool
 from .cache_hybrid_indexpool import HybridIndexPoolCache, IndexPoolLayerCache, LinearAttentionLayerCache
 from .hub_export import AUTO_MAP, write_model_card, write_remote_code
+from .token_layout import TokenLayout
 from .ngram_hash import hash_multipliers, head_table_sizes, shifted_in_segment
 
 
@@ -94,7 +95,9 @@ class HybridIndexPoolRMSNormGated(nn.Module):
 
 
 class HybridIndexPoolRotaryEmbedding(nn.Module):
-    """Partial, non-interleaved RoPE shared by the attention heads and the indexer heads.
+    """Partial, non-interleaved RoPE shared by the attention heads and the indexer heads, through transformers' RoPE
+    machinery: every `rope_type` of `ROPE_INIT_FUNCTIONS` (linear, dynamic NTK, YaRN, LongRoPE, Llama 3, ...), with
+    the frequency updates of the dynamic types (which read the longest position from the device).
 
     `forward(x, position_ids [batch, seq])` returns `cos, sin` of shape `[batch, seq, rotary_dim]`.
     """
@@ -102,6 +105,8 @@ class HybridIndexPoolRotaryEmbedding(nn.Module):
     def __init__(self, config: HybridIndexPoolConfig):
         super().__init__()
         self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters.get("rope_type", "default")
         init_fn = self.compute_default_rope_parameters
         if self.rope_type != "default":
@@ -119,6 +124,7 @@ class HybridIndexPoolRotaryEmbedding(nn.Module):
         return inv_freq, 1.0
 
     @torch.no_grad()
+    @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -140,12 +146,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([rotated, passed], dim=-1)
 
 
+def last_real_entries(sequence: torch.Tensor, num_real: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` entries that end at each row's last real token, along the last dimension of `sequence`
+    `[batch, ..., count + new]` (a state of `count` entries followed by the new tokens, each row's real tokens before
+    its padding): the state to keep after these tokens."""
+    index = num_real[:, None] + torch.arange(count, device=sequence.device)
+    index = index.view(index.shape[0], *([1] * (sequence.dim() - 2)), count).expand(*sequence.shape[:-1], count)
+    return sequence.gather(-1, index)
+
+
 class HybridIndexPoolGatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer (the linear-attention layer of Qwen3-Next / Qwen3.5), Qwen3.5 weight layout.
 
     Causal depthwise convolution over the fused q/k/v projection, then the gated delta rule (chunked for prefill,
-    recurrent for decode), then a gated RMSNorm and the output projection. Padding tokens are zeroed before the
-    convolution and neither decay nor write the recurrent state.
+    recurrent for decode), then a gated RMSNorm and the output projection. Each row's real tokens come first (the
+    model lays them out so); padding after them is zeroed, neither decays nor writes the recurrent state, and the
+    convolution state kept is that of the last real tokens.
     """
 
     def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
@@ -184,7 +200,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         batch_size, seq_len, _ = hidden_states.shape
         real = token_is_real[..., None].to(hidden_states.dtype)
-        hidden_states = hidden_states * real
+        hidden_states = torch.where(token_is_real[..., None], hidden_states, 0.0)  # whatever a pad holds, even NaN
 
         # Causal depthwise convolution, continuing from the cached last `kernel - 1` inputs.
         mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [batch, conv_dim, seq]
@@ -210,7 +226,8 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         mode = "recurrent" if initial_state is not None and seq_len == 1 else "chunk"
         core, final_state = gated_delta_rule(query, key, value, log_decay, beta, initial_state, mode=mode)
         if layer_cache is not None:
-            layer_cache.update(conv_input[..., -(self.conv_kernel_size - 1):], final_state)
+            num_real = token_is_real.sum(dim=1)
+            layer_cache.update(last_real_entries(conv_input, num_real, self.conv_kernel_size - 1), final_state)
 
         gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, self.num_value_heads, self.value_head_dim)
         core = self.norm(core, gate).reshape(batch_size, seq_len, self.value_dim)
@@ -585,9 +602,11 @@ class HybridIndexPoolNGramEmbedding(nn.Module):
         num_rows = -(-sum(self.table_sizes) // multiple) * multiple
         self.ngram_embedding = nn.Embedding(num_rows, config.ple_embed_dim // self.num_heads)
 
-    def forward(self, token_ids: torch.Tensor, token_context: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, token_ids: torch.Tensor, token_context: torch.Tensor | None,
+                num_real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`token_ids [batch, seq]` and the `ple_ngram_size - 1` tokens before them (None: start of the sequence)
-        -> embeddings `[batch, seq, ple_embed_dim]` and the context for the next call."""
+        -> embeddings `[batch, seq, ple_embed_dim]` and the context for the next call, which ends at each row's last
+        real token (`num_real [batch]` real tokens first in each row; all of them when None)."""
         batch_size, seq_len = token_ids.shape
         if token_context is None:
             token_context = token_ids.new_full((batch_size, self.ngram_size - 1), self.eos_token_id)
@@ -602,7 +621,9 @@ class HybridIndexPoolNGramEmbedding(nn.Module):
             row_ids.append(torch.remainder(mixed[..., None], self.head_table_sizes[heads]) + self.head_table_offsets[heads])
         row_ids = torch.cat(row_ids, dim=-1)[:, -seq_len:]  # [batch, seq, heads]
         embeddings = self.ngram_embedding(row_ids.to(self.ngram_embedding.weight.device)).flatten(-2)
-        return embeddings.to(token_ids.device), history[:, -(self.ngram_size - 1):]
+        if num_real is None:
+            return embeddings.to(token_ids.device), history[:, -(self.ngram_size - 1):]
+        return embeddings.to(token_ids.device), last_real_entries(history, num_real, self.ngram_size - 1)
 
 
 class HybridIndexPoolPerLayerEmbedding(nn.Module):
@@ -641,15 +662,15 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
         token_context = conv_state = None
         if layer_cache is not None:
             token_context, conv_state = layer_cache.ple_token_context, layer_cache.ple_conv_state
-        embeddings, token_context = self.ple_embedding(token_ids, token_context)
+        num_real = token_is_real.sum(dim=1)  # each row's real tokens come first
+        embeddings, token_context = self.ple_embedding(token_ids, token_context, num_real)
         keys = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
         queries = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
         gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)  # [batch, seq, hc_count, 1]
         gate = gate.sign() * gate.abs().clamp(min=1e-6).sqrt()
-        real = token_is_real[..., None].to(streams.dtype)
         gated_values = torch.sigmoid(gate) * self.value_proj(embeddings).unsqueeze(-2)
-        normed = self.norm_conv(gated_values.flatten(-2)) * real
-        gated_values = gated_values.flatten(-2) * real
+        normed = torch.where(token_is_real[..., None], self.norm_conv(gated_values.flatten(-2)), 0.0)
+        gated_values = torch.where(token_is_real[..., None], gated_values.flatten(-2), 0.0)
 
         # Dilated causal convolution, continuing from the cached last inputs.
         conv_input = normed.transpose(1, 2)  # [batch, channels, seq]
@@ -657,7 +678,7 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
             conv_state = conv_input.new_zeros(*conv_input.shape[:2], self.conv_state_length)
         conv_input = torch.cat([conv_state.to(conv_input.dtype), conv_input], dim=-1)
         if layer_cache is not None:
-            layer_cache.update_ple(token_context, conv_input[..., conv_input.shape[-1] - self.conv_state_length:])
+            layer_cache.update_ple(token_context, last_real_entries(conv_input, num_real, self.conv_state_length))
         conv_output = F.conv1d(conv_input, self.conv1d.weight, dilation=self.conv_dilation, groups=conv_input.shape[1])
         return gated_values + F.silu(conv_output).transpose(1, 2)
 
@@ -740,6 +761,8 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["HybridIndexPoolDecoderLayer"]
+    # The Gated DeltaNet decay parameters stay float32 when the model is loaded in half precision.
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias"]
     _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _is_stateful = True
@@ -840,9 +863,9 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         output_hidden_states = bool(
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        use_cache_asked = use_cache
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        self._check_inputs(input_ids, inputs_embeds)
         if self.config.ple_layers:
             ple_input_ids = input_ids if ple_input_ids is None else ple_input_ids
             if ple_input_ids is None:
@@ -859,43 +882,75 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 f"`cache` is a {type(cache).__name__}; this model needs a HybridIndexPoolCache "
                 "(leave it empty and one is created, or build one with HybridIndexPoolCache(model.config))."
             )
-        if use_cache and cache is None:
-            cache = HybridIndexPoolCache(self.config)
+        if cache is not None:
+            cache.check_compatible(self.config, inputs_embeds.shape[0])
 
         batch_size, seq_len = inputs_embeds.shape[:2]
         token_is_real = self._token_is_real(attention_mask, cache, batch_size, seq_len, inputs_embeds.device)
-        # Storage positions: each row counts its real tokens (the cache's per-row lengths come first).
-        if cache is not None:
-            positions = cache.begin_update(token_is_real)
-        else:
-            positions = (token_is_real.long().cumsum(dim=1) - 1).clamp(min=0)
-        rope_positions = self._rope_positions(position_ids, positions, batch_size, seq_len)
+        rope_positions = self._rope_positions(position_ids, batch_size, seq_len, inputs_embeds.device)
+        # The layers run on a grid where every sequence's real tokens come first (see TokenLayout): padding and
+        # holes then cost the recurrent layers nothing, and packed sequences never see each other.
+        layout = None
+        if seq_len > 1 and rope_positions is not None and self._is_packed(rope_positions, token_is_real):
+            if cache is not None or use_cache_asked:
+                raise ValueError(
+                    "`position_ids` restart at 0 inside a row (packed sequences, as DataCollatorWithFlattening "
+                    "makes): that is for training without a cache; pass use_cache=False, or one sequence per row."
+                )
+            use_cache = False
+            layout = TokenLayout.unpack(rope_positions, token_is_real)
+        elif seq_len > 1:
+            layout = TokenLayout.compact(token_is_real)
+        if use_cache and cache is None:
+            cache = HybridIndexPoolCache(self.config)
         ple_token_ids = None
         if self.config.ple_layers:
             # Padding never enters an n-gram: it reads as end-of-sequence, after which the n-gram context restarts.
             ple_token_ids = ple_input_ids.to(inputs_embeds.device).masked_fill(
                 ~token_is_real, self.config.ple_eos_token_id
             )
+        if layout is not None:
+            inputs_embeds, token_is_real = layout.to_grid(inputs_embeds), layout.token_is_real
+            rope_positions = None if rope_positions is None else layout.to_grid(rope_positions)
+            ple_token_ids = None if ple_token_ids is None else layout.to_grid(ple_token_ids)
+        # Storage positions: each row counts its real tokens (the cache's per-row lengths come first).
+        if cache is not None:
+            positions = cache.begin_update(token_is_real)
+        else:
+            positions = (token_is_real.long().cumsum(dim=1) - 1).clamp(min=0)
+        if rope_positions is None:
+            rope_positions = positions
+        elif seq_len > 1:
+            self._check_positions(rope_positions, positions, token_is_real)
         if self.config.hc_count > 1:
             inputs_embeds = inputs_embeds.repeat(1, 1, self.config.hc_count)  # every stream starts as the embedding
         # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
         # so peak memory follows the cache (linear in the context), not the prompt's activations.
+        grid_length = inputs_embeds.shape[1]
         chunk = self.config.prefill_chunk_length
-        if cache is None or chunk is None or seq_len <= chunk or output_attentions or indexer_loss:
-            chunk = seq_len
+        if cache is None or chunk is None or grid_length <= chunk or output_attentions or indexer_loss:
+            chunk = grid_length
         pieces = [
             self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
                              rope_positions[:, start:start + chunk], token_is_real[:, start:start + chunk], cache,
                              output_attentions, output_hidden_states,
                              indexer_loss, None if ple_token_ids is None else ple_token_ids[:, start:start + chunk])
-            for start in range(0, seq_len, chunk)
+            for start in range(0, grid_length, chunk)
         ]
         hidden_states = torch.cat([piece[0] for piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
         all_hidden_states = None
         if output_hidden_states:
-            all_hidden_states = tuple(torch.cat(states, dim=1) for states in zip(*(piece[1] for piece in pieces)))
+            all_hidden_states = tuple(torch.cat(states, dim=1) if len(states) > 1 else states[0]
+                                      for states in zip(*(piece[1] for piece in pieces)))
         all_attentions = pieces[0][2] if output_attentions else None
         layer_losses = pieces[0][3]
+        if layout is not None:
+            hidden_states = layout.from_grid(hidden_states)
+            if all_hidden_states is not None:
+                all_hidden_states = tuple(layout.from_grid(states) for states in all_hidden_states)
+            if all_attentions is not None:  # [rows, heads, queries, positions]: move the queries
+                all_attentions = tuple(layout.from_grid(weights.transpose(1, 2)).transpose(1, 2)
+                                       for weights in all_attentions)
         return HybridIndexPoolModelOutput(
             last_hidden_state=hidden_states,
             cache=cache if use_cache else None,
@@ -929,6 +984,35 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             all_hidden_states += (hidden_states,)
         return hidden_states, all_hidden_states, all_attentions, indexer_losses
 
+    def _check_inputs(self, input_ids, inputs_embeds) -> None:
+        """Refuse malformed inputs with a message that names the argument and the fix."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        given = input_ids if input_ids is not None else inputs_embeds
+        name = "input_ids" if input_ids is not None else "inputs_embeds"
+        if given.dim() != (2 if input_ids is not None else 3):
+            shape = "[batch, seq]" if input_ids is not None else "[batch, seq, hidden_size]"
+            raise ValueError(f"`{name}` has shape {tuple(given.shape)}; give {shape} (add a batch dimension with "
+                             f"{name}[None] for a single sequence).")
+        if given.shape[0] == 0 or given.shape[1] == 0:
+            raise ValueError(f"`{name}` has shape {tuple(given.shape)}: give at least one row of at least one token.")
+        if input_ids is not None:
+            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+                raise ValueError(f"`input_ids` are {input_ids.dtype}; token ids must be integers (e.g. torch.long).")
+            # Checked outside decode steps only: reading the values waits for the device.
+            if input_ids.shape[1] > 1 and bool((input_ids < 0).any() | (input_ids >= self.config.vocab_size).any()):
+                raise ValueError(
+                    f"`input_ids` hold ids from {int(input_ids.min())} to {int(input_ids.max())}, outside the "
+                    f"vocabulary [0, {self.config.vocab_size}); check the tokenizer matches this model."
+                )
+        else:
+            if inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(f"`inputs_embeds` are {inputs_embeds.shape[-1]} wide; this model's hidden_size is "
+                                 f"{self.config.hidden_size}.")
+            if not inputs_embeds.is_floating_point():
+                raise ValueError(f"`inputs_embeds` are {inputs_embeds.dtype}; give floating-point embeddings (e.g. "
+                                 "model.get_input_embeddings()(input_ids)).")
+
     @staticmethod
     def _token_is_real(attention_mask, cache, batch_size, seq_len, device):
         """`[batch, seq]` bool: which new tokens exist (mask 1); padding and holes are absent for everything."""
@@ -951,10 +1035,10 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         return attention_mask[:, attention_mask.shape[1] - seq_len:].to(device=device, dtype=torch.bool)
 
     @staticmethod
-    def _rope_positions(position_ids, positions, batch_size, seq_len):
-        """Rotary positions `[batch, seq]`: `position_ids` when given, else the storage positions."""
+    def _rope_positions(position_ids, batch_size, seq_len, device):
+        """`position_ids` as `[batch, seq]` rotary positions, or None when not given."""
         if position_ids is None:
-            return positions
+            return None
         if position_ids.dim() == 3:
             if not bool((position_ids == position_ids[:1]).all()):
                 raise ValueError(
@@ -968,7 +1052,26 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             raise ValueError(
                 f"`position_ids` has shape {tuple(position_ids.shape)}; it must be ({batch_size}, {seq_len})."
             )
-        return position_ids.to(device=positions.device, dtype=torch.long)
+        return position_ids.to(device=device, dtype=torch.long)
+
+    @staticmethod
+    def _is_packed(position_ids, token_is_real) -> bool:
+        """Whether some row holds several sequences: more than one real token at position 0 (reads the device)."""
+        return bool((((position_ids == 0) & token_is_real).sum(dim=1) > 1).any())
+
+    @staticmethod
+    def _check_positions(position_ids, positions, token_is_real) -> None:
+        """Refuse `position_ids` that disagree with each row's count of real tokens (reads the device; not done in
+        decode steps): windows, the cache and RoPE all follow that count."""
+        wrong = token_is_real & (position_ids != positions)
+        if bool(wrong.any()):
+            row, column = (int(index) for index in wrong.nonzero()[0])
+            raise ValueError(
+                f"`position_ids` give position {int(position_ids[row, column])} to a token that is real token number "
+                f"{int(positions[row, column])} of its row (row {row}): positions must count each row's real tokens "
+                "from 0 (from the tokens already in the cache), as attention_mask.cumsum(-1) - 1 does. Leave "
+                "`position_ids` out and the model counts them; positions restarting at 0 mean packed sequences."
+            )
 
 
 class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin):
@@ -1040,6 +1143,11 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
             )
         # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
         model_kwargs["cache"] = HybridIndexPoolCache(self.config, max_cache_len=max_cache_length)
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """None: the model counts each row's real tokens itself, from the attention mask and the cache, which
+        `generate()`'s own positions get wrong for right-padded rows once decoding starts."""
+        return None
 
     def prepare_inputs_for_generation(self, *args, **kwargs):
         model_inputs = super().prepare_inputs_for_generation(*args, **kwargs)
