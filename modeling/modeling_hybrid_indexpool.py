@@ -385,8 +385,10 @@ class HybridIndexPoolAttention(nn.Module):
         if seq_len == 1 and layer_cache is not None and indexer_loss is None:
             # Decode: fixed shapes and no host synchronisation. The selection is everything visible while that fits
             # the budget, so this is the dense result too.
+            # The budget, or every window the storage can hold when that is less: the shapes follow the capacity.
+            topk = min(self.topk_windows, pooled_index_keys.shape[1])
             selected = pooled_index_topk(
-                index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows,
+                index_queries.detach(), pooled_index_keys.detach(), num_visible, topk,
                 None if head_weights is None else head_weights.detach(),
             )
             output, weights = sparse_attention(
@@ -766,6 +768,12 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _is_stateful = True
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers looks for the experts decorator in the module of the class; subclasses defined elsewhere (the
+        # converters' helpers, user code) use the same experts.
+        return True
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as usual, plus what makes the folder a self-contained Hub checkpoint: flat remote code, `auto_map`
