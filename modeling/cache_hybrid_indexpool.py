@@ -248,13 +248,19 @@ class IndexPoolLayerCache(_LayerCache):
                 needed = _round_up(max(self.length_bound, 1), GROWTH_CHUNK)
             self._planned_capacity = _round_up(max(needed, 1), self.pool_size)
         elif self.length_bound > self.capacity:
-            if self.max_cache_len is not None:
-                raise ValueError(
-                    f"The cache was reserved for max_cache_len={self.max_cache_len} tokens ({self.capacity} real "
-                    f"tokens per row) and this input needs {self.length_bound}; build a larger cache."
-                )
+            # Past what was reserved (or grown) so far: grow by a bounded step. A compiled step never gets here: it
+            # runs only within a reservation (generate() reserves each call's tokens up front).
             grown = max(self.length_bound, self.capacity + self.capacity // GROWTH_FRACTION)
-            self._planned_capacity = _round_up(_round_up(grown, GROWTH_CHUNK), self.pool_size)
+            grown = _round_up(_round_up(grown, GROWTH_CHUNK), self.pool_size)
+            self._planned_capacity = max(self._planned_capacity, grown)
+
+    def reserve(self, tokens_to_come: int) -> None:
+        """Make the next update reserve room for `tokens_to_come` more tokens per row at once (reads the device)."""
+        if self.lengths is None:
+            return
+        self.length_bound = int(self.lengths.max())
+        needed = _round_up(self.length_bound + tokens_to_come, self.pool_size)
+        self._planned_capacity = max(self._planned_capacity, needed) if needed > self.capacity else 0
 
     def _allocate(self, key_states, value_states, raw_index_keys, gate_logits) -> None:
         """Allocate (first update) or grow the storage to the planned capacity, keeping what it holds."""
@@ -526,6 +532,16 @@ class HybridIndexPoolCache(Cache):
         if past is not None:
             positions = positions + past.to(positions.device)[:, None]
         return positions.clamp(min=0)
+
+    def reserve(self, max_cache_len: int) -> None:
+        """Reserve storage, once, for the cache to reach `max_cache_len` attention-mask columns (what `generate()`
+        calls when it continues from a cache it was given)."""
+        to_come = max_cache_len - self.get_seq_length()
+        self.max_cache_len = max(self.max_cache_len or 0, max_cache_len)
+        for layer in self.index_layers:
+            layer.max_cache_len = self.max_cache_len
+            layer.is_compileable = True
+            layer.reserve(max(to_come, 0))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Attention-mask columns seen so far (padding included), the same for every layer."""

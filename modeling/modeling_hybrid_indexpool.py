@@ -1140,7 +1140,10 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ):
         """`generate()` gets a HybridIndexPoolCache (the default DynamicCache cannot hold pooled windows)."""
-        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+        cache = model_kwargs.get("cache")
+        if isinstance(cache, HybridIndexPoolCache) and generation_config.use_cache is not False:
+            cache.reserve(max_cache_length)  # continuing from a cache: room for this call's tokens, once
+        if cache is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
@@ -1157,8 +1160,12 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
         `generate()`'s own positions get wrong for right-padded rows once decoding starts."""
         return None
 
-    def prepare_inputs_for_generation(self, *args, **kwargs):
-        model_inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
+        )
         cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
         if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
             # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
