@@ -209,3 +209,14 @@ def test_transformers_knows_the_class_names_and_half_precision_keeps_the_decay_i
     assert linear.in_proj_qkv.weight.dtype == torch.bfloat16
     with torch.no_grad():
         assert torch.isfinite(loaded(torch.randint(1, 97, (1, 12))).logits).all()
+
+
+def test_returned_sparse_attention_weights_are_the_ones_the_output_used():
+    model = tiny_model(index_topk=8, prefill_chunk_length=None).train()
+    output = model(torch.randint(1, 97, (1, 40)), output_attentions=True, use_cache=False)
+    weights = output.attentions[0]  # beyond the budget: the sparse path
+    weights.retain_grad()
+    output.logits.sum().backward()
+    assert weights.grad is not None and weights.grad.abs().sum() > 0
+    torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights.sum(-1)))
+    assert (weights[0, 0, -1] > 0).sum() < 40  # pruned: not every earlier position is attended
