@@ -115,6 +115,24 @@ def test_trainer_batches_from_data_collator_with_flattening_train_each_sequence_
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def test_a_trainer_run_on_flattened_batches(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_model(index_topk=8).train()
+    generator = torch.Generator().manual_seed(0)
+    examples = Dataset.from_list([{"input_ids": torch.randint(3, 97, (int(n),), generator=generator).tolist()}
+                                  for n in torch.randint(5, 40, (24,), generator=generator)])
+    arguments = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=6,
+                                  learning_rate=1e-2, logging_steps=1, report_to="none", use_cpu=True,
+                                  save_strategy="no", remove_unused_columns=False)
+    trainer = Trainer(model=model, args=arguments, train_dataset=examples,
+                      data_collator=DataCollatorWithFlattening(return_tensors="pt"))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 4 and all(0 < loss < 10 for loss in losses) and losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("row", [0, 1])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_bad_row_never_changes_the_other_rows(row, bad):
