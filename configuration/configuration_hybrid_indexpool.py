@@ -4,6 +4,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import configuration_utils
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig
 
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
 POOL_WEIGHTINGS = ("learned", "mean")
@@ -102,6 +103,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
 
     model_type = "hybrid_indexpool"
     keys_to_ignore_at_inference = ["cache"]
+    # Multimodal RoPE settings, read by the rotary embedding itself.
+    ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -308,4 +311,59 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         return self.index_topk // self.index_pool_size
 
 
-__all__ = ["HybridIndexPoolConfig"]
+@strict
+class HybridIndexPoolMultimodalConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`HybridIndexPoolForConditionalGeneration`]: the HybridIndexPool text model
+    (`text_config`, a [`HybridIndexPoolConfig`] whose `rope_parameters` carry the multimodal RoPE `mrope_section`)
+    reading the features of transformers' Qwen4-Exp vision tower (`vision_config`, a `Qwen4ExpVisionConfig`) in
+    place of image and video placeholder tokens, as Qwen4-Exp (Qwen3.8-Flash-Next) does.
+
+    Args:
+        text_config (`dict` or `HybridIndexPoolConfig`, *optional*): The language model.
+        vision_config (`dict` or `Qwen4ExpVisionConfig`, *optional*): The vision tower.
+        image_token_id, video_token_id (`int`): Placeholder tokens that image / video features replace.
+        vision_start_token_id, vision_end_token_id (`int`): Tokens around each image or video.
+        tie_word_embeddings (`bool`): Share the input embedding and the language-model head.
+    """
+
+    model_type = "hybrid_indexpool_multimodal"
+    sub_configs_defaults = {
+        "text_config": HybridIndexPoolConfig,
+        "vision_config": Qwen4ExpVisionConfig,
+    }
+
+    text_config: dict | PreTrainedConfig | None = None
+    vision_config: dict | PreTrainedConfig | None = None
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.check_settings()
+
+    def check_settings(self):
+        """Raise a `ValueError` naming what is wrong: the vision tower must fit the text model."""
+        text, vision = self.text_config, self.vision_config
+        text.check_settings()
+        if vision.out_hidden_size != text.hidden_size:
+            raise ValueError(
+                f"HybridIndexPoolMultimodalConfig: the vision tower's out_hidden_size ({vision.out_hidden_size}) "
+                f"must equal the text model's hidden_size ({text.hidden_size}): its features replace token embeddings."
+            )
+        section = text.rope_parameters.get("mrope_section")
+        if section is None or len(section) != 3:
+            raise ValueError(
+                "HybridIndexPoolMultimodalConfig: the text model's rope_parameters need 'mrope_section' (three "
+                "numbers: the frequencies of the time, height and width position streams), e.g. [11, 11, 10]."
+            )
+        for token in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if not 0 <= getattr(self, token) < text.vocab_size:
+                raise ValueError(f"HybridIndexPoolMultimodalConfig: `{token}` ({getattr(self, token)}) is outside the "
+                                 f"text model's vocabulary ({text.vocab_size} tokens).")
+
+
+__all__ = ["HybridIndexPoolConfig", "HybridIndexPoolMultimodalConfig"]

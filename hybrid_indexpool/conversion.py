@@ -37,8 +37,12 @@ from transformers import AutoConfig, GenerationConfig
 from transformers.utils.hub import convert_file_size_to_int
 
 from .configuration import HybridIndexPoolConfig
-from .modeling import HybridIndexPoolForCausalLM, HybridIndexPoolPreTrainedModel
-from .modeling.hub_export import AUTO_MAP, write_model_card, write_remote_code
+from .modeling import (
+    HybridIndexPoolForCausalLM,
+    HybridIndexPoolForConditionalGeneration,
+    HybridIndexPoolPreTrainedModel,
+)
+from .modeling.hub_export import auto_map_for, write_model_card, write_remote_code
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,6 +50,8 @@ INDEX_FILE = "model.safetensors.index.json"
 COPIED_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    # A multimodal checkpoint's processor: AutoProcessor.from_pretrained(output) reads them.
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )
 # Which script converts which source `model_type`, to point a user who picked the wrong one at the right one.
 CONVERTER_SCRIPTS = {
@@ -297,6 +303,19 @@ class ConversionPlan:
     def targets(self) -> list[str]:
         return [target for group in self.groups + self.concatenations for target in group.targets]
 
+    def with_renamed_targets(self, rename_target: Callable[[str], str]) -> "ConversionPlan":
+        """The same plan writing each target under `rename_target(name)` (e.g. our text model's weights moved under
+        the multimodal model's `model.language_model.`)."""
+        def renamed(group: WeightGroup) -> WeightGroup:
+            build = group.build
+            return WeightGroup(group.sources, tuple(map(rename_target, group.targets)),
+                               lambda tensors: {rename_target(name): tensor for name, tensor in build(tensors).items()})
+
+        return ConversionPlan(
+            [renamed(group) for group in self.groups], list(self.ignore),
+            [ConcatenatedWeight(c.sources, rename_target(c.target)) for c in self.concatenations],
+        )
+
     def check(self, weight_names: Iterable[str]) -> dict[str, list[str]]:
         """Check the plan against the source's weight names; returns `{reason: names}` of what it leaves out.
 
@@ -407,11 +426,17 @@ def fresh_weights(
     }
 
 
-def expected_weights(config: HybridIndexPoolConfig) -> tuple[dict[str, torch.Size], HybridIndexPoolForCausalLM]:
-    """`{name: shape}` of what our causal LM stores for `config` (tied weights once), and that model on the meta
-    device (no memory)."""
+def target_model_class(config) -> type[HybridIndexPoolPreTrainedModel]:
+    """The model a converted checkpoint of `config` holds: our causal LM, or the multimodal model for a
+    multimodal config."""
+    return HybridIndexPoolForConditionalGeneration if hasattr(config, "vision_config") else HybridIndexPoolForCausalLM
+
+
+def expected_weights(config) -> tuple[dict[str, torch.Size], HybridIndexPoolPreTrainedModel]:
+    """`{name: shape}` of what our model (causal LM or multimodal) stores for `config` (tied weights once), and that
+    model on the meta device (no memory)."""
     with torch.device("meta"):
-        model = HybridIndexPoolForCausalLM(config)
+        model = target_model_class(config)(config)
     tied = set(model.all_tied_weights_keys)
     return {name: t.shape for name, t in model.state_dict().items() if name not in tied}, model
 
@@ -557,12 +582,14 @@ def _own_tensor(tensor: torch.Tensor) -> torch.Tensor:
 MULTIMODAL_ROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
-def qwen_hybrid_settings(full_config, text_config) -> dict:
+def qwen_hybrid_settings(full_config, text_config, multimodal_rope: bool = False) -> dict:
     """Our config fields that every Qwen hybrid (Qwen3-Next, Qwen3.5, Qwen4-Exp) maps the same way: widths, gated
-    attention with partial RoPE (multimodal-RoPE sections dropped), Gated DeltaNet, norms, special tokens, dtype.
-    `full_config` is the checkpoint's config, `text_config` its text part (the same object for text checkpoints)."""
+    attention with partial RoPE (multimodal-RoPE sections dropped unless `multimodal_rope`), Gated DeltaNet, norms,
+    special tokens, dtype. `full_config` is the checkpoint's config, `text_config` its text part (the same object
+    for text checkpoints)."""
     text = text_config
-    rope = {key: value for key, value in text.rope_parameters.items() if key not in MULTIMODAL_ROPE_KEYS}
+    rope = {key: value for key, value in text.rope_parameters.items()
+            if multimodal_rope or key not in MULTIMODAL_ROPE_KEYS}
     return dict(
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
@@ -604,12 +631,12 @@ def qwen_text_prefix(multimodal: bool) -> str:
     return "model.language_model." if multimodal else "model."
 
 
-def qwen_outer_plan(config: HybridIndexPoolConfig, multimodal: bool) -> ConversionPlan:
+def qwen_outer_plan(config: HybridIndexPoolConfig, multimodal: bool, keep_vision: bool = False) -> ConversionPlan:
     """The part of a Qwen hybrid's plan outside the layers: the embedding, the head (or its tie), and what is left
-    out (an MTP head, a multimodal checkpoint's vision tower)."""
+    out (an MTP head, a multimodal checkpoint's vision tower unless `keep_vision`)."""
     groups = [rename(f"{qwen_text_prefix(multimodal)}embed_tokens.weight", "model.embed_tokens.weight")]
     ignore = [IgnoreRule(r"mtp\.", "multi-token-prediction head: our model has none")]
-    if multimodal:
+    if multimodal and not keep_vision:
         ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
     if config.tie_word_embeddings:
         ignore.append(IgnoreRule(r"lm_head\.weight$", "tied to the input embeddings"))
@@ -818,11 +845,11 @@ def _convert_into(source, plan, config, output_dir, work_dir, streams, expected,
 
 def _write_metadata(source: SourceCheckpoint, config: HybridIndexPoolConfig, meta_model, folder: Path) -> None:
     """Everything but the weights: config with `auto_map`, remote code, card, generation config, tokenizer."""
-    # As `save_pretrained` of our causal LM would set them.
-    config.architectures = [HybridIndexPoolForCausalLM.__name__]
-    config.auto_map = dict(AUTO_MAP)
+    # As `save_pretrained` of our model would set them.
+    config.architectures = [target_model_class(config).__name__]
+    config.auto_map = auto_map_for(config)
     config.save_pretrained(folder)
-    write_remote_code(folder)
+    write_remote_code(folder, multimodal=hasattr(config, "vision_config"))
     write_model_card(meta_model, folder)
     for file_name in COPIED_FILES:
         if (source.folder / file_name).is_file():

@@ -260,11 +260,12 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
         # Unpadded rows: window c is tokens c * r .. c * r + r - 1 of every row.
         r, num_slots = layer.pool_size, weights.shape[-1]
         num_windows = hidden_states.shape[1] // r
-        window_ids = torch.arange(num_windows, device=raw_keys.device).expand(raw_keys.shape[0], -1)
+        # Rotated at each window's first token: positions c * r (the input is one unpadded text sequence per row).
+        first_positions = inputs["rope_positions"][:, :, : num_windows * r: r]
         pooled_keys = layer.indexer.pool_windows(
             raw_keys[:, : num_windows * r].unflatten(1, (num_windows, r)),
             None if gate_logits is None else gate_logits[:, : num_windows * r].unflatten(1, (num_windows, r)),
-            window_ids, rotary_emb,
+            first_positions, rotary_emb,
         )
         num_visible = (positions + 1) // r
         pruned = num_visible > layer.topk_windows

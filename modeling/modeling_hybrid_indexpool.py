@@ -35,7 +35,7 @@ from ..kernels.pooled_index_topk import pooled_index_scores_torch, pooled_index_
 from ..kernels.sparse_attention import masked_softmax, sparse_attention
 from ..kernels.weighted_pool import weighted_pool
 from .cache_hybrid_indexpool import HybridIndexPoolCache, IndexPoolLayerCache, LinearAttentionLayerCache
-from .hub_export import AUTO_MAP, write_model_card, write_remote_code
+from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .token_layout import TokenLayout
 from .ngram_hash import hash_multipliers, head_table_sizes, shifted_in_segment
 
@@ -99,7 +99,13 @@ class HybridIndexPoolRotaryEmbedding(nn.Module):
     machinery: every `rope_type` of `ROPE_INIT_FUNCTIONS` (linear, dynamic NTK, YaRN, LongRoPE, Llama 3, ...), with
     the frequency updates of the dynamic types (which read the longest position from the device).
 
-    `forward(x, position_ids [batch, seq])` returns `cos, sin` of shape `[batch, seq, rotary_dim]`.
+    With `mrope_section` in `rope_parameters` (a multimodal model) it is Qwen4-Exp's interleaved multimodal RoPE:
+    positions come in three streams (time, height, width) and frequency `i` follows the height stream when
+    `i % 3 == 1` and `i < 3 * mrope_section[1]`, the width stream when `i % 3 == 2` and `i < 3 * mrope_section[2]`,
+    the time stream otherwise. Equal streams (text) give plain RoPE.
+
+    `forward(x, position_ids)` takes `[batch, seq]` or `[3, batch, seq]` positions and returns `cos, sin` of shape
+    `[batch, seq, rotary_dim]`.
     """
 
     def __init__(self, config: HybridIndexPoolConfig):
@@ -108,12 +114,18 @@ class HybridIndexPoolRotaryEmbedding(nn.Module):
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters.get("rope_type", "default")
+        self.mrope_section = config.rope_parameters.get("mrope_section")
         init_fn = self.compute_default_rope_parameters
         if self.rope_type != "default":
             init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
         inv_freq, self.attention_scaling = init_fn(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @property
+    def num_streams(self) -> int:
+        """Position streams this RoPE reads: 3 with multimodal RoPE, else 1."""
+        return 1 if self.mrope_section is None else 3
 
     @staticmethod
     def compute_default_rope_parameters(config: HybridIndexPoolConfig, device=None, **kwargs):
@@ -127,6 +139,12 @@ class HybridIndexPoolRotaryEmbedding(nn.Module):
     @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        if position_ids.dim() == 3:  # [3, batch, seq, dim / 2]: interleave the streams' frequencies
+            interleaved = freqs[0].clone()
+            for stream in (1, 2):
+                take = slice(stream, 3 * self.mrope_section[stream], 3)
+                interleaved[..., take] = freqs[stream, ..., take]
+            freqs = interleaved
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return cos.to(x.dtype), sin.to(x.dtype)
@@ -280,15 +298,17 @@ class HybridIndexPoolIndexer(nn.Module):
         self,
         window_keys: torch.Tensor,
         window_gate_logits: torch.Tensor | None,
-        window_ids: torch.Tensor,
+        first_positions: torch.Tensor,
         rotary_emb: HybridIndexPoolRotaryEmbedding,
     ) -> torch.Tensor:
-        """Pool `[batch, windows, r, head_dim]` raw keys into normed, rotated `[batch, windows, head_dim]` keys."""
+        """Pool `[batch, windows, r, head_dim]` raw keys into normed `[batch, windows, head_dim]` keys rotated at the
+        rotary positions of each window's first token, `first_positions [streams, batch, windows]` (for text,
+        `c * r`)."""
         if window_gate_logits is not None:
             window_gate_logits = window_gate_logits + self.pool_slot_bias.float()
         pooled = weighted_pool(window_keys, window_gate_logits).to(window_keys.dtype)
         pooled = self.k_norm(pooled)
-        cos, sin = rotary_emb(pooled, window_ids * self.pool_size)
+        cos, sin = rotary_emb(pooled, first_positions[0] if len(first_positions) == 1 else first_positions)
         return apply_rotary(pooled, cos, sin)
 
 
@@ -340,13 +360,18 @@ class HybridIndexPoolAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
+        rope_positions: torch.Tensor,
         token_is_real: torch.Tensor,
         rotary_emb: HybridIndexPoolRotaryEmbedding,
         layer_cache: IndexPoolLayerCache | None = None,
         output_attentions: bool = False,
         indexer_loss: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Returns the output, the attention weights (when asked) and the indexer's KL loss (when asked:
+        """`positions [batch, seq]` count each row's real tokens (windows and the cache follow them);
+        `rope_positions [streams, batch, seq]` are the rotary positions (pooled keys are rotated at their windows'
+        first tokens' ones).
+
+        Returns the output, the attention weights (when asked) and the indexer's KL loss (when asked:
         `indexer_loss="dense"` against dense attention over all complete windows, `"sparse"` over the selected ones).
 
         `indexer_loss="dense"` is the dense warm-up of DESIGN §3: the attention itself is then dense at any length,
@@ -375,7 +400,7 @@ class HybridIndexPoolAttention(nn.Module):
             state.plan(token_is_real)
         # Everything by position: [batch, kv_heads, capacity, head_dim] and [batch, capacity // r, index_head_dim]
         key, value, pooled_index_keys = state.update(
-            key, value, raw_index_keys, gate_logits, token_is_real,
+            key, value, raw_index_keys, gate_logits, token_is_real, rope_positions,
             partial(self.indexer.pool_windows, rotary_emb=rotary_emb),
         )
         # A padding query sees no window, only its tail: a finite output that is never read.
@@ -721,6 +746,7 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
+        rope_positions: torch.Tensor,
         token_is_real: torch.Tensor,
         rotary_emb: HybridIndexPoolRotaryEmbedding,
         cache: HybridIndexPoolCache | None = None,
@@ -744,7 +770,7 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.linear_attn(hidden_states, token_is_real, layer_cache)
         else:
             hidden_states, weights, kl = self.self_attn(
-                hidden_states, position_embeddings, positions, token_is_real, rotary_emb, layer_cache,
+                hidden_states, position_embeddings, positions, rope_positions, token_is_real, rotary_emb, layer_cache,
                 output_attentions, indexer_loss,
             )
         if self.hyper_connections:
@@ -783,14 +809,14 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
         """
         if kwargs.get("is_main_process", True):
             os.makedirs(save_directory, exist_ok=True)
-            write_remote_code(save_directory)
+            write_remote_code(save_directory, multimodal=hasattr(self.config, "vision_config"))
             write_model_card(self, save_directory)
-        self.config.auto_map = dict(AUTO_MAP)
+        self.config.auto_map = auto_map_for(self.config)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        std = self.config.initializer_range
+        std = self.config.get_text_config().initializer_range
         if isinstance(module, HybridIndexPoolRMSNorm):
             init.zeros_(module.weight)  # zero-centred: the scale is 1 + weight
         elif isinstance(module, HybridIndexPoolGatedDeltaNet):
@@ -895,18 +921,18 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
 
         batch_size, seq_len = inputs_embeds.shape[:2]
         token_is_real = self._token_is_real(attention_mask, cache, batch_size, seq_len, inputs_embeds.device)
-        rope_positions = self._rope_positions(position_ids, batch_size, seq_len, inputs_embeds.device)
+        rope_positions, text_positions = self._rope_positions(position_ids, batch_size, seq_len, inputs_embeds.device)
         # The layers run on a grid where every sequence's real tokens come first (see TokenLayout): padding and
         # holes then cost the recurrent layers nothing, and packed sequences never see each other.
         layout = None
-        if seq_len > 1 and rope_positions is not None and self._is_packed(rope_positions, token_is_real):
+        if seq_len > 1 and text_positions is not None and self._is_packed(text_positions, token_is_real):
             if cache is not None or use_cache_asked:
                 raise ValueError(
                     "`position_ids` restart at 0 inside a row (packed sequences, as DataCollatorWithFlattening "
                     "makes): that is for training without a cache; pass use_cache=False, or one sequence per row."
                 )
             use_cache = False
-            layout = TokenLayout.unpack(rope_positions, token_is_real)
+            layout = TokenLayout.unpack(text_positions, token_is_real)
         elif seq_len > 1:
             layout = TokenLayout.compact(token_is_real)
         if use_cache and cache is None:
@@ -919,17 +945,23 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             )
         if layout is not None:
             inputs_embeds, token_is_real = layout.to_grid(inputs_embeds), layout.token_is_real
-            rope_positions = None if rope_positions is None else layout.to_grid(rope_positions)
+            if rope_positions is not None:  # [streams, batch, seq]: the streams ride along
+                rope_positions = layout.to_grid(rope_positions.permute(1, 2, 0)).permute(2, 0, 1)
+            text_positions = None if text_positions is None else layout.to_grid(text_positions)
             ple_token_ids = None if ple_token_ids is None else layout.to_grid(ple_token_ids)
         # Storage positions: each row counts its real tokens (the cache's per-row lengths come first).
         if cache is not None:
             positions = cache.begin_update(token_is_real)
         else:
             positions = (token_is_real.long().cumsum(dim=1) - 1).clamp(min=0)
+        if text_positions is not None and seq_len > 1:
+            self._check_positions(text_positions, positions, token_is_real)
         if rope_positions is None:
+            # The rotary positions count the tokens too, shifted per row after a multimodal prompt.
             rope_positions = positions
-        elif seq_len > 1:
-            self._check_positions(rope_positions, positions, token_is_real)
+            if cache is not None and cache.rope_deltas is not None:
+                rope_positions = positions + cache.rope_deltas.to(positions.device)
+            rope_positions = rope_positions[None].expand(self.rotary_emb.num_streams, -1, -1)
         if self.config.hc_count > 1:
             inputs_embeds = inputs_embeds.repeat(1, 1, self.config.hc_count)  # every stream starts as the embedding
         # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
@@ -940,7 +972,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             chunk = grid_length
         pieces = [
             self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
-                             rope_positions[:, start:start + chunk], token_is_real[:, start:start + chunk], cache,
+                             rope_positions[:, :, start:start + chunk], token_is_real[:, start:start + chunk], cache,
                              output_attentions, output_hidden_states,
                              indexer_loss, None if ple_token_ids is None else ple_token_ids[:, start:start + chunk])
             for start in range(0, grid_length, chunk)
@@ -971,13 +1003,15 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                     output_hidden_states, indexer_loss=None, ple_token_ids=None):
         """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions and
         the IndexPool layers' indexer losses."""
-        position_embeddings = self.rotary_emb(hidden_states, rope_positions)
+        position_embeddings = self.rotary_emb(hidden_states, rope_positions[0] if len(rope_positions) == 1
+                                              else rope_positions)
         all_hidden_states, all_attentions, indexer_losses = (), (), []
         for decoder_layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
             hidden_states, weights, kl = decoder_layer(
-                hidden_states, position_embeddings, positions, token_is_real, self.rotary_emb, cache=cache,
+                hidden_states, position_embeddings, positions, rope_positions, token_is_real, self.rotary_emb,
+                cache=cache,
                 output_attentions=output_attentions, indexer_loss=indexer_loss, ple_token_ids=ple_token_ids,
             )
             if output_attentions and decoder_layer.layer_type == "indexpool_attention":
@@ -1042,25 +1076,48 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             )
         return attention_mask[:, attention_mask.shape[1] - seq_len:].to(device=device, dtype=torch.bool)
 
-    @staticmethod
-    def _rope_positions(position_ids, batch_size, seq_len, device):
-        """`position_ids` as `[batch, seq]` rotary positions, or None when not given."""
+    def _rope_positions(self, position_ids, batch_size, seq_len, device):
+        """`position_ids` as rotary positions `[streams, batch, seq]` for this model's RoPE and, where they include
+        them, the text positions `[batch, seq]` (which count the real tokens); `(None, None)` when not given.
+
+        Accepted: `[batch, seq]` text positions; `[3, batch, seq]` multimodal streams (time, height, width);
+        `[4, batch, seq]`, the text positions then the three streams (what `generate()` builds for Qwen-VL models).
+        """
         if position_ids is None:
-            return None
-        if position_ids.dim() == 3:
-            if not bool((position_ids == position_ids[:1]).all()):
-                raise ValueError(
-                    "`position_ids` has several different position streams (multimodal RoPE for images or "
-                    "video); this text model needs one position per token: give `[batch, seq]`."
-                )
-            position_ids = position_ids[0]
-        if position_ids.shape == (1, seq_len):
-            position_ids = position_ids.expand(batch_size, seq_len)
-        if position_ids.shape != (batch_size, seq_len):
+            return None, None
+        streams = self.rotary_emb.num_streams
+        text_positions, multimodal = None, None
+        if position_ids.dim() == 2:
+            text_positions = position_ids
+        elif position_ids.dim() == 3 and position_ids.shape[0] in (1, 3, 4):
+            if position_ids.shape[0] in (1, 4):
+                text_positions = position_ids[0]
+            if position_ids.shape[0] != 1:
+                multimodal = position_ids[-3:]
+        else:
             raise ValueError(
-                f"`position_ids` has shape {tuple(position_ids.shape)}; it must be ({batch_size}, {seq_len})."
+                f"`position_ids` has shape {tuple(position_ids.shape)}; give [batch, seq] text positions, or "
+                "[3, batch, seq] multimodal (time, height, width) positions, or [4, batch, seq] with the text positions "
+                "first."
             )
-        return position_ids.to(device=device, dtype=torch.long)
+        if multimodal is not None and streams == 1:
+            if not bool((multimodal == multimodal[:1]).all()):
+                raise ValueError(
+                    "`position_ids` has several different position streams (multimodal RoPE for images or video), "
+                    "but this model's rope_parameters have no 'mrope_section': give [batch, seq] positions, or use "
+                    "a multimodal model."
+                )
+            text_positions = multimodal[0] if text_positions is None else text_positions
+            multimodal = None
+        for name, given in (("text", text_positions), ("multimodal", multimodal)):
+            if given is not None and given.shape[-2:] not in ((batch_size, seq_len), (1, seq_len)):
+                raise ValueError(f"`position_ids` ({name}) has shape {tuple(given.shape)}; its last two dimensions "
+                                 f"must be ({batch_size}, {seq_len}).")
+        if text_positions is not None:
+            text_positions = text_positions.expand(batch_size, seq_len).to(device=device, dtype=torch.long)
+        rope = multimodal if multimodal is not None else text_positions[None]
+        rope = rope.expand(streams, batch_size, seq_len).to(device=device, dtype=torch.long)
+        return rope, text_positions
 
     @staticmethod
     def _is_packed(position_ids, token_is_real) -> bool:
@@ -1082,7 +1139,54 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             )
 
 
-class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin):
+class HybridIndexPoolGenerationMixin(GenerationMixin):
+    """What `generate()` needs to know about this model family: its cache (reserved once for the call), positions
+    counted by the model itself, and the 2-D padding mask passed through to a (possibly compiled) decode step."""
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
+        """`generate()` gets a HybridIndexPoolCache (the default DynamicCache cannot hold pooled windows)."""
+        cache = model_kwargs.get("cache")
+        if isinstance(cache, HybridIndexPoolCache) and generation_config.use_cache is not False:
+            cache.reserve(max_cache_length)  # continuing from a cache: room for this call's tokens, once
+        if cache is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if generation_config.cache_implementation not in (None, "dynamic", "hybrid_indexpool"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
+                "HybridIndexPool; leave it unset (a HybridIndexPoolCache is built) or pass `cache=`."
+            )
+        # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
+        model_kwargs["cache"] = HybridIndexPoolCache(self.config.get_text_config(), max_cache_len=max_cache_length)
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """None: the model counts each row's real tokens itself, from the attention mask and the cache, which
+        `generate()`'s own positions get wrong for right-padded rows once decoding starts."""
+        return None
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
+        )
+        cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
+        if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
+            # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
+            # every length: say so up front instead of recompiling once the length changes.
+            torch._dynamo.maybe_mark_dynamic(attention_mask, 1)
+        return model_inputs
+
+    @staticmethod
+    def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs):
+        """The layers build their own selections from the 2-D padding mask: `generate()` passes it through."""
+        return attention_mask
+
+
+class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPoolGenerationMixin):
     """HybridIndexPool with a language-modelling head; `generate()` uses a [`HybridIndexPoolCache`]."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -1135,48 +1239,6 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
             loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, indexer_loss=outputs.indexer_loss,
         )
-
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-    ):
-        """`generate()` gets a HybridIndexPoolCache (the default DynamicCache cannot hold pooled windows)."""
-        cache = model_kwargs.get("cache")
-        if isinstance(cache, HybridIndexPoolCache) and generation_config.use_cache is not False:
-            cache.reserve(max_cache_length)  # continuing from a cache: room for this call's tokens, once
-        if cache is not None or generation_config.use_cache is False:
-            return super()._prepare_cache_for_generation(
-                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-            )
-        if generation_config.cache_implementation not in (None, "dynamic", "hybrid_indexpool"):
-            raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
-                "HybridIndexPool; leave it unset (a HybridIndexPoolCache is built) or pass `cache=`."
-            )
-        # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
-        model_kwargs["cache"] = HybridIndexPoolCache(self.config, max_cache_len=max_cache_length)
-
-    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
-        """None: the model counts each row's real tokens itself, from the attention mask and the cache, which
-        `generate()`'s own positions get wrong for right-padded rows once decoding starts."""
-        return None
-
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
-                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
-        model_inputs = super().prepare_inputs_for_generation(
-            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
-        )
-        cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
-        if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
-            # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
-            # every length: say so up front instead of recompiling once the length changes.
-            torch._dynamo.maybe_mark_dynamic(attention_mask, 1)
-        return model_inputs
-
-    @staticmethod
-    def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs):
-        """The layers build their own selections from the 2-D padding mask: `generate()` passes it through."""
-        return attention_mask
 
 
 class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
@@ -1232,6 +1294,7 @@ class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
 
 
 __all__ = [
+    "HybridIndexPoolGenerationMixin",
     "HybridIndexPoolPreTrainedModel",
     "HybridIndexPoolModel",
     "HybridIndexPoolForCausalLM",

@@ -69,7 +69,7 @@ def test_pooled_index_bytes_are_one_over_r_of_the_unpooled_indexer(pool_size):
     assert sizes["pooled"]["open_window"] == 0
     assert sizes["pooled"]["open_window_reserved"] == 2 * 1 * (pool_size - 1) * 16 * 4 * 2
     components = ("key_value", "pooled_index_keys", "open_window", "conv_state", "recurrent_state", "ple_state",
-                  "lengths")
+                  "bookkeeping")
     assert sizes["pooled"]["total"] == sum(sizes["pooled"][name] for name in components)
     assert sizes["pooled"]["reserved"] == sum(sizes["pooled"][f"{name}_reserved"] for name in components)
 
