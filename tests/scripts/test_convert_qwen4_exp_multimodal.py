@@ -40,15 +40,18 @@ def vision_tokens(kind: str, frames: int, height: int, width: int) -> list[int]:
     return tokens
 
 
-def batch(kind: str, seed: int = 0):
-    """Two left-padded rows past the budget (8 tokens), each with one image (of different sizes) or one video."""
+def batch(kind: str, seed: int = 0, text_row: bool = False):
+    """Two left-padded rows past the budget (8 tokens), each with one image (of different sizes) or one video; with
+    `text_row` the second row has none."""
     generator = torch.Generator().manual_seed(seed)
     grids = [[1, 4, 4], [1, 4, 8]] if kind == "image" else [[2, 4, 4], [3, 4, 4]]
+    if text_row:
+        grids = grids[:1]
     rows = []
-    for row, (frames, height, width) in enumerate(grids):
+    for row in range(2):
         before = torch.randint(2, 90, (5 + 3 * row,), generator=generator).tolist()
         after = torch.randint(2, 90, (30 - 4 * row,), generator=generator).tolist()
-        rows.append(before + vision_tokens(kind, frames, height, width) + after)
+        rows.append(before + (vision_tokens(kind, *grids[row]) if row < len(grids) else []) + after)
     width = max(map(len, rows))
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
@@ -63,12 +66,12 @@ def batch(kind: str, seed: int = 0):
     return input_ids, mask, vision, token_types
 
 
-@pytest.mark.parametrize("kind", ["image", "video"])
-def test_images_and_video_give_the_sources_logits_and_tokens(converted, kind):
+@pytest.mark.parametrize("kind, text_row", [("image", False), ("video", False), ("image", True)])
+def test_images_and_video_give_the_sources_logits_and_tokens(converted, kind, text_row):
     source, folder = converted
     ours = AutoModelForImageTextToText.from_pretrained(folder / "ours").eval()
     assert isinstance(ours, HybridIndexPoolForConditionalGeneration)
-    input_ids, mask, vision, token_types = batch(kind)
+    input_ids, mask, vision, token_types = batch(kind, text_row=text_row)
     assert input_ids.shape[1] > 3 * ours.config.text_config.index_topk  # the selection prunes
     with torch.no_grad():
         expected = source(input_ids, attention_mask=mask, mm_token_type_ids=token_types, **vision).logits
@@ -135,3 +138,18 @@ def test_the_multimodal_checkpoint_loads_as_remote_code_without_the_package(conv
     with torch.no_grad():
         expected = ours(**inputs).logits
     torch.testing.assert_close(torch.load(tmp_path / "inputs.pt.out"), expected, rtol=0, atol=0)
+
+
+def test_the_processor_files_are_copied(converted, tmp_path):
+    import json
+
+    source, _ = converted
+    folder = tmp_path / "source"
+    save_source(source, folder, max_shard_size="60KB")
+    processor = {"processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessor",
+                 "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}
+    (folder / "preprocessor_config.json").write_text(json.dumps(processor))
+    (folder / "chat_template.jinja").write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
+    convert(folder, tmp_path / "ours", **QUIET)
+    for name in ("preprocessor_config.json", "chat_template.jinja"):
+        assert (tmp_path / "ours" / name).read_text() == (folder / name).read_text()
