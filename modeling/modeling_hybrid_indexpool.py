@@ -1140,8 +1140,27 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
 
 
 class HybridIndexPoolGenerationMixin(GenerationMixin):
-    """What `generate()` needs to know about this model family: its cache (reserved once for the call), positions
-    counted by the model itself, and the 2-D padding mask passed through to a (possibly compiled) decode step."""
+    """What the language-model heads share: the output of `lm_head` with its losses, and what `generate()` needs to
+    know about this model family: its cache (reserved once for the call), positions counted by the model itself, and
+    the 2-D padding mask passed through to a (possibly compiled) decode step."""
+
+    def language_model_output(self, outputs, labels=None, logits_to_keep: int | torch.Tensor = 0,
+                              **kwargs) -> "HybridIndexPoolCausalLMOutput":
+        """Logits of the last `logits_to_keep` positions (all when 0) and, given `labels`, the loss; a requested
+        indexer loss is added, weighted by `indexer_loss_weight`."""
+        text_config = self.config.get_text_config()
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(outputs.last_hidden_state[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
+        if outputs.indexer_loss is not None:
+            weighted = text_config.indexer_loss_weight * outputs.indexer_loss
+            loss = weighted if loss is None else loss + weighted
+        return HybridIndexPoolCausalLMOutput(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions, indexer_loss=outputs.indexer_loss,
+        )
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
@@ -1226,19 +1245,7 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, indexer_loss=indexer_loss, ple_input_ids=ple_input_ids,
         )
-        hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        if outputs.indexer_loss is not None:
-            weighted = self.config.indexer_loss_weight * outputs.indexer_loss
-            loss = weighted if loss is None else loss + weighted
-        return HybridIndexPoolCausalLMOutput(
-            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, indexer_loss=outputs.indexer_loss,
-        )
+        return self.language_model_output(outputs, labels, logits_to_keep, **kwargs)
 
 
 class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):

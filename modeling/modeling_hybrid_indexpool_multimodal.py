@@ -254,19 +254,7 @@ class HybridIndexPoolForConditionalGeneration(HybridIndexPoolMultimodalPreTraine
             use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
             indexer_loss=indexer_loss,
         )
-        hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **kwargs)
-        if outputs.indexer_loss is not None:
-            weighted = self.config.text_config.indexer_loss_weight * outputs.indexer_loss
-            loss = weighted if loss is None else loss + weighted
-        return HybridIndexPoolCausalLMOutput(
-            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, indexer_loss=outputs.indexer_loss,
-        )
+        return self.language_model_output(outputs, labels, logits_to_keep, **kwargs)
 
 
 __all__ = [

@@ -211,7 +211,7 @@ def test_bfloat16_forward_and_generate_run():
     [
         (dict(attention_mask=torch.ones(1, 2, 5, 5)), "give the 2-D padding mask"),
         (dict(attention_mask=torch.ones(1, 3)), "it must be (1, 5)"),
-        (dict(position_ids=torch.arange(4)[None]), "it must be (1, 5)"),
+        (dict(position_ids=torch.arange(4)[None]), "must be (1, 5)"),
     ],
 )
 def test_bad_inputs_are_rejected_with_a_clear_message(kwargs, message):
