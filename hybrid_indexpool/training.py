@@ -238,7 +238,11 @@ def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) -> 
         raise ValueError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) or --init_config "
                          "(train a new model).")
     if args.model_name_or_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, distributed_config=distributed_config)
+        # Sharded, the weights stay float32 (`--bf16` then autocasts): FSDP2 needs one dtype per group, and the Gated
+        # DeltaNet's `A_log`/`dt_bias` are float32 next to half-precision projections in a half-precision model.
+        dtype = {} if distributed_config is None else {"dtype": torch.float32}
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, distributed_config=distributed_config,
+                                                     **dtype)
     else:
         text = args.init_config
         if not text.lstrip().startswith("{"):
