@@ -94,8 +94,9 @@ class FinetuneArguments(ModelDataArguments):
         metadata={"help": "Shard parameters, gradients and optimizer state over this many processes with FSDP2, "
                           "applied by transformers as it loads the model (DistributedConfig(fsdp_size=N)); start that "
                           "many processes with `accelerate launch` or `torchrun`. The FSDP route on CPUs (gloo), where "
-                          "accelerate's --use_fsdp is unavailable; on GPUs either works. Checkpoints then hold the model "
-                          "only (--save_only_model), since the Trainer cannot resume such a model."},
+                          "accelerate's --use_fsdp is unavailable; on GPUs either works. Weights stay float32 (--bf16 "
+                          "autocasts); checkpoints hold the model only (--save_only_model): the Trainer cannot resume "
+                          "such a model."},
     )
 
 

@@ -171,7 +171,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
     Causal depthwise convolution over the fused q/k/v projection, then the gated delta rule (chunked for prefill,
     recurrent for decode), then a gated RMSNorm and the output projection. Each row's real tokens come first (the
     model lays them out so); padding after them is zeroed, neither decays nor writes the recurrent state, and the
-    convolution state kept is that of the last real tokens.
+    convolution state kept is that of the last real tokens. Under tensor parallelism a rank runs its own heads.
     """
 
     def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
@@ -392,7 +392,8 @@ class HybridIndexPoolAttention(nn.Module):
         batch_size, seq_len, _ = hidden_states.shape
         cos, sin = position_embeddings
         # Head counts follow the projections: under tensor parallelism a rank holds only its own heads.
-        query = self.q_proj(hidden_states).view(batch_size, seq_len, -1, self.head_dim * (2 if self.output_gate else 1))
+        query_width = self.head_dim * (2 if self.output_gate else 1)
+        query = self.q_proj(hidden_states).view(batch_size, seq_len, -1, query_width)
         gate = None
         if self.output_gate:
             query, gate = query.chunk(2, dim=-1)
@@ -1149,6 +1150,7 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: HybridIndexPoolConfig):
         super().__init__(config)

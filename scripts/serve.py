@@ -1,6 +1,6 @@
 """Serve a HybridIndexPool checkpoint with transformers' own OpenAI-compatible server (`transformers serve`).
 
-    python -m hybrid_indexpool.scripts.serve CHECKPOINT [--port 8000] [--device cuda:0] [any `transformers serve` option]
+    python -m hybrid_indexpool.scripts.serve CHECKPOINT [--port 8000] [--device cuda:0] [`transformers serve` options]
 
 The endpoints are transformers' (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`; streaming
 included). `transformers serve` finds a checkpoint's class with `getattr(transformers, config.architectures[0])`, which

@@ -15,6 +15,8 @@ from transformers.distributed import DistributedConfig
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
 from hybrid_indexpool.scripts import finetune
+from hybrid_indexpool.tokenization import byte_level_tokenizer
+from hybrid_indexpool.training import FinetuneArguments, build_model
 from model_factory import tiny_config, tiny_model
 
 TESTS = Path(__file__).parent
@@ -187,3 +189,14 @@ def test_fsdp2_under_accelerate_launch_trains_like_one_process_and_its_checkpoin
     tokens = trained.generate(prompt, max_new_tokens=8, do_sample=False)
     assert tokens.shape[1] > prompt.shape[1]
     assert torch.equal(tokens, reference.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_fsdp_size_needs_that_many_processes_and_no_lora(tmp_path, monkeypatch):
+    data = tmp_path / "train.txt"
+    data.write_text("some text\n\nmore text\n")
+    command = finetune_command(data, tmp_path / "out", 2)[2:] + ["--fsdp_size", "2"]
+    with pytest.raises(ValueError, match="--fsdp_size 2 needs that many processes \\(this run has 1\\)"):
+        finetune.main(command)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--lora with --fsdp_size is not supported"):
+        build_model(FinetuneArguments(init_config=TINY, fsdp_size=2, lora=True), byte_level_tokenizer())
