@@ -18,6 +18,10 @@ import transformers
 import hybrid_indexpool
 from hybrid_indexpool.configuration import HybridIndexPoolConfig
 
+SERVE_HELP = """Serve a HybridIndexPool checkpoint with transformers' own OpenAI-compatible server (`transformers serve`:
+/v1/completions, /v1/chat/completions, streaming); every option is transformers'. --continuous-batching and --compile
+are refused (transformers' paged and static caches cannot hold this model's state)."""
+
 MODEL_CLASSES = (
     hybrid_indexpool.HybridIndexPoolModel,
     hybrid_indexpool.HybridIndexPoolForCausalLM,
@@ -75,11 +79,12 @@ def _serve_command():
     signature = inspect.signature(Serve)
     parameters = list(signature.parameters.values())
     parameters[0] = parameters[0].replace(
-        annotation=Annotated[str, typer.Argument(help="HybridIndexPool checkpoint folder or Hub id to serve.")],
+        annotation=Annotated[str, typer.Argument(metavar="CHECKPOINT",
+                                                 help="HybridIndexPool checkpoint folder or Hub id to serve.")],
         default=inspect.Parameter.empty,
     )
     serve.__signature__ = signature.replace(parameters=parameters)
-    serve.__doc__ = __doc__
+    serve.__doc__ = " ".join(SERVE_HELP.split())
     return serve
 
 
