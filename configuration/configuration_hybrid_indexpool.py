@@ -105,6 +105,44 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     keys_to_ignore_at_inference = ["cache"]
     # Multimodal RoPE settings, read by the rotary embedding itself.
     ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}
+    # Tensor parallelism (transformers' styles; `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))`
+    # under torchrun). Every rank keeps whole heads: see `check_tensor_parallel_size`.
+    base_model_tp_plan = {
+        # IndexPool attention, split by query and key/value heads. `q_proj` holds each head's query and output gate
+        # side by side, so a contiguous split keeps both halves of a head together. The cache holds the rank's heads.
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.o_proj": "rowwise",
+        # The indexer (`self_attn.indexer.*`) is replicated: it is small, and every rank must select the same
+        # windows; a replicated indexer selects exactly what one process selects, with no collective before the top-k.
+        # Gated DeltaNet, split by heads. The fused `in_proj_qkv` ([q heads | k heads | v heads]) has no contiguous
+        # slice per rank, so its weight is split but its output gathered, and each rank keeps its own heads' channels
+        # (with its slice of the replicated `conv1d`, `A_log` and `dt_bias`); `in_proj_z/b/a` split by value heads.
+        "layers.*.linear_attn.in_proj_qkv": "colwise_gather_output",
+        "layers.*.linear_attn.in_proj_z": "colwise",
+        "layers.*.linear_attn.in_proj_b": "colwise",
+        "layers.*.linear_attn.in_proj_a": "colwise",
+        "layers.*.linear_attn.norm": "replicated_with_grad_allreduce",
+        "layers.*.linear_attn.out_proj": "rowwise",
+        # MLP, routed experts and shared expert as in Qwen3-Next / Qwen3.5-MoE (the router stays replicated).
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.shared_expert.gate_proj": "colwise",
+        "layers.*.mlp.shared_expert.up_proj": "colwise",
+        "layers.*.mlp.shared_expert.down_proj": "rowwise",
+        # Hyper-connections and PLE as in Qwen4-Exp: only the largest weights are split, the rest is replicated.
+        "layers.*.attn_hyper_connection.input_mix_weight_down": "rowwise_split_input",
+        "layers.*.mlp_hyper_connection.input_mix_weight_down": "rowwise_split_input",
+        "hyper_connection_mixer.input_mix_weight_down": "rowwise_split_input",
+        "layers.*.ple.ple_embedding.ngram_embedding": "embedding_colwise",
+    }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -294,6 +332,26 @@ class HybridIndexPoolConfig(PreTrainedConfig):
                 fail(f"`{name}` is {getattr(self, name)}; it must be a positive integer.")
         if self.eos_token_id is None or self.eos_token_id == []:
             fail("`ple_layers` need `eos_token_id`: the n-gram context restarts after it. Set eos_token_id.")
+
+    def check_tensor_parallel_size(self, tp_size: int) -> None:
+        """Raise a `ValueError` naming every head count (or width) that `tp_size` ranks cannot split evenly.
+
+        Tensor parallelism gives each rank whole heads (attention query and key/value heads, Gated DeltaNet key and
+        value heads) and equal slices of the expert widths.
+        """
+        if tp_size <= 1:
+            return
+        names = ["num_attention_heads", "num_key_value_heads"]
+        if "linear_attention" in self.layer_types:
+            names += ["linear_num_key_heads", "linear_num_value_heads"]
+        if self.num_experts > 0:
+            names.append("moe_intermediate_size")
+        uneven = [f"{name} = {getattr(self, name)}" for name in names if getattr(self, name) % tp_size != 0]
+        if uneven:
+            raise ValueError(
+                f"HybridIndexPoolConfig: tensor parallel size {tp_size} does not divide {', '.join(uneven)}; every "
+                "rank holds whole heads, so use a tensor parallel size that divides them (or pipeline parallelism)."
+            )
 
     @property
     def ple_eos_token_id(self) -> int:

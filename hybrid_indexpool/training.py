@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     Trainer,
     TrainingArguments,
+    set_seed,
 )
 
 from .configuration import HybridIndexPoolConfig
@@ -87,6 +88,15 @@ class FinetuneArguments(ModelDataArguments):
     )
     merge_lora: bool = field(
         default=True, metadata={"help": "Merge the adapters into the weights for the final checkpoint."}
+    )
+    fsdp_size: int | None = field(
+        default=None,
+        metadata={"help": "Shard parameters, gradients and optimizer state over this many processes with FSDP2, "
+                          "applied by transformers as it loads the model (DistributedConfig(fsdp_size=N)); start that "
+                          "many processes with `accelerate launch` or `torchrun`. The FSDP route on CPUs (gloo), where "
+                          "accelerate's --use_fsdp is unavailable; on GPUs either works. Weights stay float32 (--bf16 "
+                          "autocasts); checkpoints hold the model only (--save_only_model): the Trainer cannot resume "
+                          "such a model."},
     )
 
 
@@ -219,13 +229,21 @@ def load_datasets(args: ModelDataArguments, tokenizer):
     return train_dataset, eval_dataset
 
 
-def load_model(args: ModelDataArguments, tokenizer) -> HybridIndexPoolForCausalLM:
-    """Load the checkpoint, or build a fresh model from `--init_config` sized for the tokenizer."""
+def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) -> HybridIndexPoolForCausalLM:
+    """Load the checkpoint, or build a fresh model from `--init_config` sized for the tokenizer.
+
+    With a transformers `DistributedConfig`, the model is sharded by transformers (its TP/FSDP plans) as it loads; a
+    fresh model is built on every process from the same seed and then sharded the same way.
+    """
     if (args.model_name_or_path is None) == (args.init_config is None):
         raise ValueError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) or --init_config "
                          "(train a new model).")
     if args.model_name_or_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        # Sharded, the weights stay float32 (`--bf16` then autocasts): FSDP2 needs one dtype per group, and the Gated
+        # DeltaNet's `A_log`/`dt_bias` are float32 next to half-precision projections in a half-precision model.
+        dtype = {} if distributed_config is None else {"dtype": torch.float32}
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, distributed_config=distributed_config,
+                                                     **dtype)
     else:
         text = args.init_config
         if not text.lstrip().startswith("{"):
@@ -234,6 +252,9 @@ def load_model(args: ModelDataArguments, tokenizer) -> HybridIndexPoolForCausalL
                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         settings.update(json.loads(text))
         model = HybridIndexPoolForCausalLM(HybridIndexPoolConfig(**settings))
+        if distributed_config is not None:
+            distributed_config, _, mesh_manager = model.prepare_distribute_model(distributed_config)
+            model = model.maybe_distribute_model(model, distributed_config, mesh_manager)
     if model.config.vocab_size < len(tokenizer):
         raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size} "
                          "embeddings; use the checkpoint's tokenizer.")
@@ -247,8 +268,24 @@ def load_model(args: ModelDataArguments, tokenizer) -> HybridIndexPoolForCausalL
 
 
 def build_model(args: FinetuneArguments, tokenizer):
-    """The model of `load_model`, wrapped with LoRA adapters when `--lora` is set."""
-    model = load_model(args, tokenizer)
+    """The model of `load_model` (sharded with FSDP2 when `--fsdp_size` is set), wrapped with LoRA adapters when
+    `--lora` is set."""
+    distributed_config = None
+    if args.fsdp_size is not None:
+        from transformers.distributed import DistributedConfig
+
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if args.fsdp_size < 2 or world_size != args.fsdp_size:
+            raise ValueError(
+                f"--fsdp_size {args.fsdp_size} needs that many processes (this run has {world_size}); start them "
+                f"with `accelerate launch --num_processes {max(args.fsdp_size, 2)}` or `torchrun --nproc_per_node "
+                f"{max(args.fsdp_size, 2)}`, or leave --fsdp_size out."
+            )
+        if args.lora:
+            raise ValueError("--lora with --fsdp_size is not supported: train LoRA adapters with DDP, or on GPUs "
+                             "with accelerate's FSDP (`accelerate launch --use_fsdp ...`).")
+        distributed_config = DistributedConfig(fsdp_size=args.fsdp_size)
+    model = load_model(args, tokenizer, distributed_config)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -291,7 +328,12 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
     if training_args.ddp_find_unused_parameters is None:
         # Within the token budget the indexer's scores are not needed, so its parameters get no gradient.
         training_args.ddp_find_unused_parameters = True
+    if args.fsdp_size is not None and training_args.save_strategy != "no" and not training_args.save_only_model:
+        # The Trainer cannot checkpoint the optimizer of a model sharded as it loads, so it saves the model only.
+        training_args.save_only_model = True
     tokenizer = load_tokenizer(args)
+    # A fresh model starts from the run's seed: the same weights in every process and in a one-process run.
+    set_seed(training_args.seed)
     model = build_model(args, tokenizer)
     train_dataset, eval_dataset = load_datasets(args, tokenizer)
     trainer = Trainer(
@@ -307,16 +349,38 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
     if eval_dataset is not None:
         metrics.update(trainer.evaluate())
 
-    final = trainer.model
-    if args.lora and args.merge_lora:
-        final = final.merge_and_unload()
-    if trainer.is_world_process_zero():
-        final.save_pretrained(training_args.output_dir)
-        tokenizer.save_pretrained(training_args.output_dir)
+    sharding = sharding_name(trainer)
+    if sharding is not None and not (args.lora and args.merge_lora):
+        # Sharded weights: every process joins the gather of the full weights, the main one writes them.
+        if trainer.is_fsdp_enabled:
+            trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+        trainer.save_model(training_args.output_dir)
+    else:
+        final = trainer.model
+        if args.lora and args.merge_lora:
+            final = final.merge_and_unload()
+        if trainer.is_world_process_zero():
+            final.save_pretrained(training_args.output_dir)
+            tokenizer.save_pretrained(training_args.output_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     print(f"finetune: process {rank} of {world} finished after {trainer.state.global_step} steps "
-          f"(trainer world size {trainer.args.world_size}, {trainer.args.parallel_mode})", flush=True)
+          f"(trainer world size {trainer.args.world_size}, {trainer.args.parallel_mode}"
+          f"{'' if sharding is None else ', ' + sharding})", flush=True)
     return metrics
+
+
+def sharding_name(trainer: Trainer) -> str | None:
+    """How the model's weights are sharded over the processes: "FSDP2 (transformers)", "FSDP<version> (accelerate)",
+    "DeepSpeed ZeRO-<stage>", or None when every process holds them whole (one process, DDP)."""
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        config = trainer.model.config.distributed_config
+        return "FSDP2 (transformers)" if config.dp_size > 1 else "tensor parallel (transformers)"
+    if trainer.is_fsdp_enabled:
+        return f"FSDP{trainer.accelerator.state.fsdp_plugin.fsdp_version} (accelerate)"
+    if trainer.is_deepspeed_enabled:
+        stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
+        return f"DeepSpeed ZeRO-{stage}"
+    return None

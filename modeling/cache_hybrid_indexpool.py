@@ -527,7 +527,8 @@ class HybridIndexPoolCache(Cache):
         if differences:
             raise ValueError("This cache was built for another model (" + "; ".join(differences) + "); build one "
                              "with HybridIndexPoolCache(model.config).")
-        rows = self.batch_size
+        # Layers another pipeline stage runs stay empty here: only the filled ones say how many rows there are.
+        rows = max([layer.batch_size for layer in self.layers])
         if rows not in (-1, batch_size):
             raise ValueError(
                 f"The cache holds {rows} rows but the input has {batch_size}; use a new cache, or resize it with "

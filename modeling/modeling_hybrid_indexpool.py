@@ -173,13 +173,23 @@ def last_real_entries(sequence: torch.Tensor, num_real: torch.Tensor, count: int
     return sequence.gather(-1, index)
 
 
+def tensor_parallel_rank(weight: torch.Tensor) -> tuple[int, int]:
+    """`(rank, ranks)` of the tensor-parallel group over which transformers' TP split `weight` (a DTensor), or
+    `(0, 1)` for an ordinary tensor."""
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None:
+        return 0, 1
+    dim = "tp" if mesh.ndim > 1 and "tp" in (mesh.mesh_dim_names or ()) else None
+    return mesh.get_local_rank(dim), mesh.size(dim)
+
+
 class HybridIndexPoolGatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer (the linear-attention layer of Qwen3-Next / Qwen3.5), Qwen3.5 weight layout.
 
     Causal depthwise convolution over the fused q/k/v projection, then the gated delta rule (chunked for prefill,
     recurrent for decode), then a gated RMSNorm and the output projection. Each row's real tokens come first (the
     model lays them out so); padding after them is zeroed, neither decays nor writes the recurrent state, and the
-    convolution state kept is that of the last real tokens.
+    convolution state kept is that of the last real tokens. Under tensor parallelism a rank runs its own heads.
     """
 
     def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
@@ -209,6 +219,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
             self.value_head_dim, eps=config.rms_norm_eps, activation=config.linear_output_gate_act
         )
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self._rank_channels = None  # under tensor parallelism, this rank's channels of the fused q/k/v projection
 
     def forward(
         self,
@@ -219,25 +230,29 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         batch_size, seq_len, _ = hidden_states.shape
         real = token_is_real[..., None].to(hidden_states.dtype)
         hidden_states = torch.where(token_is_real[..., None], hidden_states, 0.0)  # whatever a pad holds, even NaN
+        channels, key_dim, conv_weight, A_log, dt_bias = self._rank_share()
 
         # Causal depthwise convolution, continuing from the cached last `kernel - 1` inputs.
-        mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [batch, conv_dim, seq]
+        mixed = self.in_proj_qkv(hidden_states)
+        if channels is not None:
+            mixed = mixed.index_select(-1, channels)  # this rank's heads
+        mixed = mixed.transpose(1, 2)  # [batch, conv_dim, seq]
         conv_state = None if layer_cache is None else layer_cache.conv_state
         if conv_state is None:
-            conv_state = mixed.new_zeros(batch_size, self.conv_dim, self.conv_kernel_size - 1)
+            conv_state = mixed.new_zeros(batch_size, mixed.shape[1], self.conv_kernel_size - 1)
         conv_input = torch.cat([conv_state.to(mixed.dtype), mixed], dim=-1)
         if seq_len == 1:  # decode: one dot product per channel, cheaper than setting up a convolution
-            mixed = (conv_input * self.conv1d.weight[:, 0]).sum(dim=-1, keepdim=True)
+            mixed = (conv_input * conv_weight).sum(dim=-1, keepdim=True)
         else:
-            mixed = F.conv1d(conv_input, self.conv1d.weight, groups=self.conv_dim)
+            mixed = F.conv1d(conv_input, conv_weight[:, None], groups=conv_weight.shape[0])
         mixed = self.act_fn(mixed).transpose(1, 2)
 
-        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        query = query.reshape(batch_size, seq_len, self.num_key_heads, self.key_head_dim)
-        key = key.reshape(batch_size, seq_len, self.num_key_heads, self.key_head_dim)
-        value = value.reshape(batch_size, seq_len, self.num_value_heads, self.value_head_dim)
+        query, key, value = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+        query = query.reshape(batch_size, seq_len, -1, self.key_head_dim)
+        key = key.reshape(batch_size, seq_len, -1, self.key_head_dim)
+        value = value.reshape(batch_size, seq_len, -1, self.value_head_dim)
         beta = self.in_proj_b(hidden_states).sigmoid() * real
-        log_decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+        log_decay = -A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + dt_bias)
         log_decay = log_decay * real
 
         initial_state = None if layer_cache is None else layer_cache.recurrent_state
@@ -247,9 +262,31 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
             num_real = token_is_real.sum(dim=1)
             layer_cache.update(last_real_entries(conv_input, num_real, self.conv_kernel_size - 1), final_state)
 
-        gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, self.num_value_heads, self.value_head_dim)
-        core = self.norm(core, gate).reshape(batch_size, seq_len, self.value_dim)
+        gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.value_head_dim)
+        core = self.norm(core, gate).reshape(batch_size, seq_len, -1)
         return self.out_proj(core)
+
+    def _rank_share(self):
+        """This rank's share of the layer under transformers' tensor parallelism (all of it otherwise): the index of
+        its heads' channels in the fused q/k/v projection (None: every channel), its query/key width, and the
+        convolution weights `[channels, kernel]`, `A_log` and `dt_bias` of those channels and heads.
+
+        The rank follows `in_proj_z`, which the plan splits by value heads; each rank then owns the key heads those
+        value heads read (`linear_num_key_heads` divide evenly, see `check_tensor_parallel_size`).
+        """
+        rank, ranks = tensor_parallel_rank(self.in_proj_z.weight)
+        conv_weight = self.conv1d.weight[:, 0]
+        if ranks == 1:
+            return None, self.key_dim, conv_weight, self.A_log, self.dt_bias
+        key_dim, value_dim = self.key_dim // ranks, self.value_dim // ranks
+        if self._rank_channels is None:
+            self._rank_channels = torch.cat([
+                torch.arange(rank * key_dim, (rank + 1) * key_dim),  # query
+                torch.arange(self.key_dim + rank * key_dim, self.key_dim + (rank + 1) * key_dim),  # key
+                torch.arange(2 * self.key_dim + rank * value_dim, 2 * self.key_dim + (rank + 1) * value_dim),  # value
+            ]).to(conv_weight.device)
+        heads = slice(rank * self.num_value_heads // ranks, (rank + 1) * self.num_value_heads // ranks)
+        return self._rank_channels, key_dim, conv_weight[self._rank_channels], self.A_log[heads], self.dt_bias[heads]
 
 
 class HybridIndexPoolIndexer(nn.Module):
@@ -379,15 +416,23 @@ class HybridIndexPoolAttention(nn.Module):
         """
         batch_size, seq_len, _ = hidden_states.shape
         cos, sin = position_embeddings
-        query = self.q_proj(hidden_states).view(batch_size, seq_len, self.num_heads, -1)
+        # Head counts follow the projections: under tensor parallelism a rank holds only its own heads.
+        query_width = self.head_dim * (2 if self.output_gate else 1)
+        query = self.q_proj(hidden_states).view(batch_size, seq_len, -1, query_width)
         gate = None
         if self.output_gate:
             query, gate = query.chunk(2, dim=-1)
             gate = gate.reshape(batch_size, seq_len, -1)
+        if indexer_loss is not None and query.shape[2] != self.num_heads:
+            raise ValueError(
+                "indexer_loss needs the attention of every head, but this rank holds "
+                f"{query.shape[2]} of {self.num_heads} (tensor parallelism); train the indexer without tensor "
+                "parallelism (e.g. FSDP through accelerate)."
+            )
         query = self.q_norm(query).transpose(1, 2)  # [batch, heads, seq, head_dim]
-        key = self.k_norm(self.k_proj(hidden_states).view(batch_size, seq_len, self.num_kv_heads, self.head_dim))
+        key = self.k_norm(self.k_proj(hidden_states).view(batch_size, seq_len, -1, self.head_dim))
         key = key.transpose(1, 2)
-        value = self.v_proj(hidden_states).view(batch_size, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(batch_size, seq_len, -1, self.head_dim).transpose(1, 2)
         query = apply_rotary(query, cos[:, None], sin[:, None])
         key = apply_rotary(key, cos[:, None], sin[:, None])
 
@@ -455,7 +500,7 @@ class HybridIndexPoolAttention(nn.Module):
         num_positions, r = key.shape[-2], self.pool_size
         num_windows = min(pooled_index_keys.shape[1], num_positions // r)
         pooled_index_keys = pooled_index_keys[:, :num_windows]
-        key = key.repeat_interleave(num_heads // self.num_kv_heads, dim=1).float()
+        key = key.repeat_interleave(num_heads // key.shape[1], dim=1).float()
         key_positions = torch.arange(num_positions, device=key.device)
         chunk = max(1, (1 << 24) // max(1, batch_size * num_heads * num_positions))
         total, count = query.new_zeros((), dtype=torch.float32), 0
@@ -489,10 +534,10 @@ class HybridIndexPoolAttention(nn.Module):
         if not output_attentions:
             output = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=visible, dropout_p=dropout, scale=self.scaling,
-                enable_gqa=self.num_heads != self.num_kv_heads,
+                enable_gqa=query.shape[1] != key.shape[1],
             )
             return output.transpose(1, 2), None
-        group = self.num_heads // self.num_kv_heads
+        group = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
         weights = masked_softmax((query.float() @ key.float().transpose(-1, -2)) * self.scaling, visible)
         probs = F.dropout(weights, p=dropout, training=self.training)
@@ -796,6 +841,22 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     _is_stateful = True
 
     @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """Refuse what transformers' parallelism cannot do with this model before it applies its plans: a tensor
+        parallel size that does not split the heads evenly, and pipeline stages for hyper-connections or PLE (a stage
+        hands the next one `hidden_size` channels and no token ids)."""
+        if distributed_config is not None and mesh_manager is not None:
+            config = model.config.get_text_config()
+            config.check_tensor_parallel_size(distributed_config.tp_size)
+            if distributed_config.pp_size > 1 and (config.hc_count > 1 or config.ple_layers):
+                raise ValueError(
+                    "Pipeline parallelism passes one `hidden_size`-wide state between stages, but this model has "
+                    f"hyper-connections (hc_count = {config.hc_count}) or PLE layers ({config.ple_layers}) "
+                    "that need hc_count streams and the token ids in every stage; use tensor parallelism instead."
+                )
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
+    @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         # transformers looks for the experts decorator in the module of the class; subclasses defined elsewhere (the
         # converters' helpers, user code) use the same experts.
@@ -1007,6 +1068,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                                               else rope_positions)
         all_hidden_states, all_attentions, indexer_losses = (), (), []
         for decoder_layer in self.layers:
+            if not isinstance(decoder_layer, HybridIndexPoolDecoderLayer):
+                continue  # another pipeline stage runs this layer (transformers' pipeline parallelism left a stub)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
             hidden_states, weights, kl = decoder_layer(
@@ -1209,6 +1272,9 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
     """HybridIndexPool with a language-modelling head; `generate()` uses a [`HybridIndexPoolCache`]."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: HybridIndexPoolConfig):
         super().__init__(config)
