@@ -1,3 +1,3 @@
-from .configuration_hybrid_indexpool import HybridIndexPoolConfig
+from .configuration_hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
 
-__all__ = ["HybridIndexPoolConfig"]
+__all__ = ["HybridIndexPoolConfig", "HybridIndexPoolMultimodalConfig"]

@@ -3,7 +3,8 @@
 from huggingface_hub.dataclasses import strict
 from transformers import configuration_utils
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig
 
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
 POOL_WEIGHTINGS = ("learned", "mean")
@@ -102,6 +103,46 @@ class HybridIndexPoolConfig(PreTrainedConfig):
 
     model_type = "hybrid_indexpool"
     keys_to_ignore_at_inference = ["cache"]
+    # Multimodal RoPE settings, read by the rotary embedding itself.
+    ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}
+    # Tensor parallelism (transformers' styles; `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))`
+    # under torchrun). Every rank keeps whole heads: see `check_tensor_parallel_size`.
+    base_model_tp_plan = {
+        # IndexPool attention, split by query and key/value heads. `q_proj` holds each head's query and output gate
+        # side by side, so a contiguous split keeps both halves of a head together. The cache holds the rank's heads.
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.o_proj": "rowwise",
+        # The indexer (`self_attn.indexer.*`) is replicated: it is small, and every rank must select the same
+        # windows; a replicated indexer selects exactly what one process selects, with no collective before the top-k.
+        # Gated DeltaNet, split by heads. The fused `in_proj_qkv` ([q heads | k heads | v heads]) has no contiguous
+        # slice per rank, so its weight is split but its output gathered, and each rank keeps its own heads' channels
+        # (with its slice of the replicated `conv1d`, `A_log` and `dt_bias`); `in_proj_z/b/a` split by value heads.
+        "layers.*.linear_attn.in_proj_qkv": "colwise_gather_output",
+        "layers.*.linear_attn.in_proj_z": "colwise",
+        "layers.*.linear_attn.in_proj_b": "colwise",
+        "layers.*.linear_attn.in_proj_a": "colwise",
+        "layers.*.linear_attn.norm": "replicated_with_grad_allreduce",
+        "layers.*.linear_attn.out_proj": "rowwise",
+        # MLP, routed experts and shared expert as in Qwen3-Next / Qwen3.5-MoE (the router stays replicated).
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.shared_expert.gate_proj": "colwise",
+        "layers.*.mlp.shared_expert.up_proj": "colwise",
+        "layers.*.mlp.shared_expert.down_proj": "rowwise",
+        # Hyper-connections and PLE as in Qwen4-Exp: only the largest weights are split, the rest is replicated.
+        "layers.*.attn_hyper_connection.input_mix_weight_down": "rowwise_split_input",
+        "layers.*.mlp_hyper_connection.input_mix_weight_down": "rowwise_split_input",
+        "hyper_connection_mixer.input_mix_weight_down": "rowwise_split_input",
+        "layers.*.ple.ple_embedding.ngram_embedding": "embedding_colwise",
+    }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -226,6 +267,17 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             fail(
                 f"`index_pool_weighting` is {self.index_pool_weighting!r}; it must be one of {list(POOL_WEIGHTINGS)}."
             )
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            fail(
+                f"`rope_parameters['rope_type']` is {rope_type!r}; use 'default' or one of transformers' RoPE types "
+                f"{sorted(ROPE_INIT_FUNCTIONS)}."
+            )
+        if "rope_theta" not in self.rope_parameters:
+            fail("`rope_parameters` has no 'rope_theta'; give the RoPE base, e.g. {'rope_type': 'default', "
+                 "'rope_theta': 10000000.0}.")
+        if self.max_position_embeddings < 1:
+            fail(f"`max_position_embeddings` is {self.max_position_embeddings}; it must be a positive integer.")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             fail(f"`partial_rotary_factor` is {self.partial_rotary_factor}; it must lie in (0, 1].")
         rotary_dim = int(self.head_dim * self.partial_rotary_factor)
@@ -281,6 +333,26 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         if self.eos_token_id is None or self.eos_token_id == []:
             fail("`ple_layers` need `eos_token_id`: the n-gram context restarts after it. Set eos_token_id.")
 
+    def check_tensor_parallel_size(self, tp_size: int) -> None:
+        """Raise a `ValueError` naming every head count (or width) that `tp_size` ranks cannot split evenly.
+
+        Tensor parallelism gives each rank whole heads (attention query and key/value heads, Gated DeltaNet key and
+        value heads) and equal slices of the expert widths.
+        """
+        if tp_size <= 1:
+            return
+        names = ["num_attention_heads", "num_key_value_heads"]
+        if "linear_attention" in self.layer_types:
+            names += ["linear_num_key_heads", "linear_num_value_heads"]
+        if self.num_experts > 0:
+            names.append("moe_intermediate_size")
+        uneven = [f"{name} = {getattr(self, name)}" for name in names if getattr(self, name) % tp_size != 0]
+        if uneven:
+            raise ValueError(
+                f"HybridIndexPoolConfig: tensor parallel size {tp_size} does not divide {', '.join(uneven)}; every "
+                "rank holds whole heads, so use a tensor parallel size that divides them (or pipeline parallelism)."
+            )
+
     @property
     def ple_eos_token_id(self) -> int:
         """The end-of-sequence id the n-gram context restarts after (the first one when there are several)."""
@@ -297,4 +369,59 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         return self.index_topk // self.index_pool_size
 
 
-__all__ = ["HybridIndexPoolConfig"]
+@strict
+class HybridIndexPoolMultimodalConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`HybridIndexPoolForConditionalGeneration`]: the HybridIndexPool text model
+    (`text_config`, a [`HybridIndexPoolConfig`] whose `rope_parameters` carry the multimodal RoPE `mrope_section`)
+    reading the features of transformers' Qwen4-Exp vision tower (`vision_config`, a `Qwen4ExpVisionConfig`) in
+    place of image and video placeholder tokens, as Qwen4-Exp (Qwen3.8-Flash-Next) does.
+
+    Args:
+        text_config (`dict` or `HybridIndexPoolConfig`, *optional*): The language model.
+        vision_config (`dict` or `Qwen4ExpVisionConfig`, *optional*): The vision tower.
+        image_token_id, video_token_id (`int`): Placeholder tokens that image / video features replace.
+        vision_start_token_id, vision_end_token_id (`int`): Tokens around each image or video.
+        tie_word_embeddings (`bool`): Share the input embedding and the language-model head.
+    """
+
+    model_type = "hybrid_indexpool_multimodal"
+    sub_configs_defaults = {
+        "text_config": HybridIndexPoolConfig,
+        "vision_config": Qwen4ExpVisionConfig,
+    }
+
+    text_config: dict | PreTrainedConfig | None = None
+    vision_config: dict | PreTrainedConfig | None = None
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.check_settings()
+
+    def check_settings(self):
+        """Raise a `ValueError` naming what is wrong: the vision tower must fit the text model."""
+        text, vision = self.text_config, self.vision_config
+        text.check_settings()
+        if vision.out_hidden_size != text.hidden_size:
+            raise ValueError(
+                f"HybridIndexPoolMultimodalConfig: the vision tower's out_hidden_size ({vision.out_hidden_size}) "
+                f"must equal the text model's hidden_size ({text.hidden_size}): its features replace token embeddings."
+            )
+        section = text.rope_parameters.get("mrope_section")
+        if section is None or len(section) != 3:
+            raise ValueError(
+                "HybridIndexPoolMultimodalConfig: the text model's rope_parameters need 'mrope_section' (three "
+                "numbers: the frequencies of the time, height and width position streams), e.g. [11, 11, 10]."
+            )
+        for token in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if not 0 <= getattr(self, token) < text.vocab_size:
+                raise ValueError(f"HybridIndexPoolMultimodalConfig: `{token}` ({getattr(self, token)}) is outside the "
+                                 f"text model's vocabulary ({text.vocab_size} tokens).")
+
+
+__all__ = ["HybridIndexPoolConfig", "HybridIndexPoolMultimodalConfig"]

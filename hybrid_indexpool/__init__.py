@@ -7,15 +7,21 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForMultimodalLM,
     AutoModelForSequenceClassification,
 )
 
-from .configuration import HybridIndexPoolConfig
+from transformers.models.auto import modeling_auto
+
+from .configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
 from .modeling import (
     HybridIndexPoolCache,
     HybridIndexPoolForCausalLM,
+    HybridIndexPoolForConditionalGeneration,
     HybridIndexPoolForSequenceClassification,
     HybridIndexPoolModel,
+    HybridIndexPoolMultimodalModel,
     HybridIndexPoolPreTrainedModel,
 )
 
@@ -27,9 +33,31 @@ AutoModelForCausalLM.register(HybridIndexPoolConfig, HybridIndexPoolForCausalLM,
 AutoModelForSequenceClassification.register(
     HybridIndexPoolConfig, HybridIndexPoolForSequenceClassification, exist_ok=True
 )
+AutoConfig.register(HybridIndexPoolMultimodalConfig.model_type, HybridIndexPoolMultimodalConfig, exist_ok=True)
+AutoModel.register(HybridIndexPoolMultimodalConfig, HybridIndexPoolMultimodalModel, exist_ok=True)
+AutoModelForImageTextToText.register(HybridIndexPoolMultimodalConfig, HybridIndexPoolForConditionalGeneration,
+                                     exist_ok=True)
+AutoModelForMultimodalLM.register(HybridIndexPoolMultimodalConfig, HybridIndexPoolForConditionalGeneration,
+                                  exist_ok=True)
+# The class names too: transformers' pipelines and common tests look a model's task up by class name there.
+for names, config_class, model_class in (
+    (modeling_auto.MODEL_MAPPING_NAMES, HybridIndexPoolConfig, HybridIndexPoolModel),
+    (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, HybridIndexPoolConfig, HybridIndexPoolForCausalLM),
+    (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, HybridIndexPoolConfig,
+     HybridIndexPoolForSequenceClassification),
+    (modeling_auto.MODEL_MAPPING_NAMES, HybridIndexPoolMultimodalConfig, HybridIndexPoolMultimodalModel),
+    (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, HybridIndexPoolMultimodalConfig,
+     HybridIndexPoolForConditionalGeneration),
+    (modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, HybridIndexPoolMultimodalConfig,
+     HybridIndexPoolForConditionalGeneration),
+):
+    names.setdefault(config_class.model_type, model_class.__name__)
 
 __all__ = [
     "HybridIndexPoolConfig",
+    "HybridIndexPoolMultimodalConfig",
+    "HybridIndexPoolForConditionalGeneration",
+    "HybridIndexPoolMultimodalModel",
     "HybridIndexPoolCache",
     "HybridIndexPoolModel",
     "HybridIndexPoolForCausalLM",

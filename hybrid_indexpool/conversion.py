@@ -13,14 +13,17 @@ shards of bounded size. Peak memory therefore follows the largest shard, not the
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
 import resource
 import shutil
+import signal
 import struct
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +37,12 @@ from transformers import AutoConfig, GenerationConfig
 from transformers.utils.hub import convert_file_size_to_int
 
 from .configuration import HybridIndexPoolConfig
-from .modeling import HybridIndexPoolForCausalLM, HybridIndexPoolPreTrainedModel
-from .modeling.hub_export import AUTO_MAP, write_model_card, write_remote_code
+from .modeling import (
+    HybridIndexPoolForCausalLM,
+    HybridIndexPoolForConditionalGeneration,
+    HybridIndexPoolPreTrainedModel,
+)
+from .modeling.hub_export import auto_map_for, write_model_card, write_remote_code
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +50,8 @@ INDEX_FILE = "model.safetensors.index.json"
 COPIED_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    # A multimodal checkpoint's processor: AutoProcessor.from_pretrained(output) reads them.
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )
 # Which script converts which source `model_type`, to point a user who picked the wrong one at the right one.
 CONVERTER_SCRIPTS = {
@@ -83,6 +92,41 @@ def _slice_bytes(tensor_slice) -> int:
     for size in tensor_slice.get_shape():
         numel *= size
     return numel * _SAFETENSORS_DTYPE_BYTES[tensor_slice.get_dtype()]
+
+
+@contextlib.contextmanager
+def open_shard(path: Path):
+    """`safe_open` a source shard; a damaged or truncated file is a ConversionError that names it."""
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as error:  # safetensors' errors have no common public base
+        raise ConversionError(f"Source shard {path.name} cannot be read ({error}); the file is damaged or truncated "
+                              "(an interrupted download?): re-download it.") from error
+    with handle:
+        yield handle
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived during a conversion: raised so that the partial output is removed, as on Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _terminate_as_exception():
+    """While converting, turn SIGTERM and SIGHUP into `Terminated` (only the main thread can install handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(f"conversion stopped by signal {signal.Signals(signum).name}")
+
+    names = [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    previous = {name: signal.signal(getattr(signal, name), handler) for name in names}
+    try:
+        yield
+    finally:
+        for name, old in previous.items():
+            signal.signal(getattr(signal, name), old)
 
 
 @dataclass
@@ -128,7 +172,7 @@ class SourceCheckpoint:
             )
         shard_names, shard_sizes = {}, {}
         for shard in shards:
-            with safe_open(folder / shard, framework="pt") as handle:
+            with open_shard(folder / shard) as handle:
                 shard_names[shard] = list(handle.keys())
                 shard_sizes[shard] = sum(
                     _slice_bytes(handle.get_slice(name)) for name in shard_names[shard]
@@ -158,14 +202,18 @@ class SourceCheckpoint:
     def tensor_header(self, name: str) -> tuple[list[int], str]:
         """Shape and safetensors dtype (`"BF16"`, ...) of weight `name`, read from its shard's header only."""
         shard = next(shard for shard, names in self.shard_names.items() if name in names)
-        with safe_open(self.folder / shard, framework="pt") as handle:
+        with open_shard(self.folder / shard) as handle:
             tensor_slice = handle.get_slice(name)
             return list(tensor_slice.get_shape()), tensor_slice.get_dtype()
 
     def load_shard(self, shard: str) -> dict[str, torch.Tensor]:
         """The tensors of one shard file (and nothing else)."""
-        with safe_open(self.folder / shard, framework="pt") as handle:
-            return {name: handle.get_tensor(name) for name in handle.keys()}
+        with open_shard(self.folder / shard) as handle:
+            try:
+                return {name: handle.get_tensor(name) for name in handle.keys()}
+            except Exception as error:  # safetensors' errors have no common public base
+                raise ConversionError(f"Source shard {shard} cannot be read ({error}); it is damaged or truncated: "
+                                      "re-download it.") from error
 
     def require_model_type(self, accepted: Iterable[str], script: str) -> str:
         """Return the source's `model_type` if `script` converts it; else ConversionError naming what was found and
@@ -254,6 +302,19 @@ class ConversionPlan:
     @property
     def targets(self) -> list[str]:
         return [target for group in self.groups + self.concatenations for target in group.targets]
+
+    def with_renamed_targets(self, rename_target: Callable[[str], str]) -> "ConversionPlan":
+        """The same plan writing each target under `rename_target(name)` (e.g. our text model's weights moved under
+        the multimodal model's `model.language_model.`)."""
+        def renamed(group: WeightGroup) -> WeightGroup:
+            build = group.build
+            return WeightGroup(group.sources, tuple(map(rename_target, group.targets)),
+                               lambda tensors: {rename_target(name): tensor for name, tensor in build(tensors).items()})
+
+        return ConversionPlan(
+            [renamed(group) for group in self.groups], list(self.ignore),
+            [ConcatenatedWeight(c.sources, rename_target(c.target)) for c in self.concatenations],
+        )
 
     def check(self, weight_names: Iterable[str]) -> dict[str, list[str]]:
         """Check the plan against the source's weight names; returns `{reason: names}` of what it leaves out.
@@ -365,11 +426,17 @@ def fresh_weights(
     }
 
 
-def expected_weights(config: HybridIndexPoolConfig) -> tuple[dict[str, torch.Size], HybridIndexPoolForCausalLM]:
-    """`{name: shape}` of what our causal LM stores for `config` (tied weights once), and that model on the meta
-    device (no memory)."""
+def target_model_class(config) -> type[HybridIndexPoolPreTrainedModel]:
+    """The model a converted checkpoint of `config` holds: our causal LM, or the multimodal model for a
+    multimodal config."""
+    return HybridIndexPoolForConditionalGeneration if hasattr(config, "vision_config") else HybridIndexPoolForCausalLM
+
+
+def expected_weights(config) -> tuple[dict[str, torch.Size], HybridIndexPoolPreTrainedModel]:
+    """`{name: shape}` of what our model (causal LM or multimodal) stores for `config` (tied weights once), and that
+    model on the meta device (no memory)."""
     with torch.device("meta"):
-        model = HybridIndexPoolForCausalLM(config)
+        model = target_model_class(config)(config)
     tied = set(model.all_tied_weights_keys)
     return {name: t.shape for name, t in model.state_dict().items() if name not in tied}, model
 
@@ -515,12 +582,14 @@ def _own_tensor(tensor: torch.Tensor) -> torch.Tensor:
 MULTIMODAL_ROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
-def qwen_hybrid_settings(full_config, text_config) -> dict:
+def qwen_hybrid_settings(full_config, text_config, multimodal_rope: bool = False) -> dict:
     """Our config fields that every Qwen hybrid (Qwen3-Next, Qwen3.5, Qwen4-Exp) maps the same way: widths, gated
-    attention with partial RoPE (multimodal-RoPE sections dropped), Gated DeltaNet, norms, special tokens, dtype.
-    `full_config` is the checkpoint's config, `text_config` its text part (the same object for text checkpoints)."""
+    attention with partial RoPE (multimodal-RoPE sections dropped unless `multimodal_rope`), Gated DeltaNet, norms,
+    special tokens, dtype. `full_config` is the checkpoint's config, `text_config` its text part (the same object
+    for text checkpoints)."""
     text = text_config
-    rope = {key: value for key, value in text.rope_parameters.items() if key not in MULTIMODAL_ROPE_KEYS}
+    rope = {key: value for key, value in text.rope_parameters.items()
+            if multimodal_rope or key not in MULTIMODAL_ROPE_KEYS}
     return dict(
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
@@ -562,12 +631,12 @@ def qwen_text_prefix(multimodal: bool) -> str:
     return "model.language_model." if multimodal else "model."
 
 
-def qwen_outer_plan(config: HybridIndexPoolConfig, multimodal: bool) -> ConversionPlan:
+def qwen_outer_plan(config: HybridIndexPoolConfig, multimodal: bool, keep_vision: bool = False) -> ConversionPlan:
     """The part of a Qwen hybrid's plan outside the layers: the embedding, the head (or its tie), and what is left
-    out (an MTP head, a multimodal checkpoint's vision tower)."""
+    out (an MTP head, a multimodal checkpoint's vision tower unless `keep_vision`)."""
     groups = [rename(f"{qwen_text_prefix(multimodal)}embed_tokens.weight", "model.embed_tokens.weight")]
     ignore = [IgnoreRule(r"mtp\.", "multi-token-prediction head: our model has none")]
-    if multimodal:
+    if multimodal and not keep_vision:
         ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
     if config.tie_word_embeddings:
         ignore.append(IgnoreRule(r"lm_head\.weight$", "tied to the input embeddings"))
@@ -621,7 +690,8 @@ def convert_checkpoint(
     tensor's shape is checked as it is built, and the set of written names and shapes at the end.
 
     The result is written into a temporary folder next to `output_dir` and renamed at the end; on any exception
-    (KeyboardInterrupt included) the temporary folder is removed and an existing `output_dir` is left untouched.
+    (KeyboardInterrupt included, and SIGTERM or SIGHUP, which raise `Terminated`) the temporary folder is removed and
+    an existing `output_dir` is left untouched.
     The folder gets `config.json` (with `auto_map`), the sharded safetensors, the flat remote code, a model card,
     and the source's tokenizer files and `generation_config.json`, like `save_pretrained` writes them.
     """
@@ -662,101 +732,109 @@ def convert_checkpoint(
     rss = _PeakRss()
     streams: list[_ConcatenationFile] = []
     try:
-        writer = _ShardWriter(work_dir, max_shard_size)
-        # Bytes held at most: the current shard's unconsumed tensors + sources of groups still waiting (or being
-        # built) + built tensors not yet buffered + the output buffer. A renamed tensor counts twice while it moves
-        # from its group to the buffer, so this is an upper bound.
-        max_held = 0
-
-        def emit(name: str, tensor: torch.Tensor) -> None:
-            if tuple(tensor.shape) != tuple(expected[name]):
-                raise ConversionError(
-                    f"Built {name} with shape {tuple(tensor.shape)}, but our model expects {tuple(expected[name])} "
-                    "for this config; the source's config.json does not match its weights."
-                )
-            writer.add(name, _own_tensor(tensor))
-
-        fresh = list(extra)
-        for name in fresh:
-            emit(name, extra.pop(name))  # the writer holds it now
-            max_held = max(max_held, writer.buffer_bytes)
-
-        part_of = {}  # source name -> (its streamed concatenation, part index)
-        for concatenation in plan.concatenations:
-            headers = [source.tensor_header(name) for name in concatenation.sources]
-            stream = writer.add_concatenation(concatenation, headers)
-            if tuple(stream.shape) != tuple(expected[concatenation.target]):
-                raise ConversionError(
-                    f"The parts of {concatenation.target} add up to shape {tuple(stream.shape)}, but our model expects "
-                    f"{tuple(expected[concatenation.target])}; the source's config.json does not match its weights."
-                )
-            streams.append(stream)
-            part_of.update({name: (stream, index) for index, name in enumerate(concatenation.sources)})
-
-        group_of = {name: group for group in plan.groups for name in group.sources}
-        arrived: dict[int, dict[str, torch.Tensor]] = {}  # id(group) -> sources so far
-        pending_bytes = 0
-        shards = source.shards()
-        for shard in tqdm(shards, desc="Converting shards", unit="shard", disable=not progress):
-            tensors = source.load_shard(shard)
-            shard_bytes = sum(tensor_bytes(t) for t in tensors.values())
-            waiting_bytes = sum(stream.waiting_bytes for stream in streams)
-            max_held = max(max_held, shard_bytes + pending_bytes + waiting_bytes + writer.buffer_bytes)
-            for name in list(tensors):
-                tensor = tensors.pop(name)
-                shard_bytes -= tensor_bytes(tensor)
-                if name in part_of:
-                    stream, index = part_of[name]
-                    stream.add(index, tensor)
-                    waiting_bytes = sum(stream.waiting_bytes for stream in streams)
-                    max_held = max(max_held, shard_bytes + pending_bytes + waiting_bytes + writer.buffer_bytes)
-                    continue
-                group = group_of.get(name)
-                if group is None:
-                    continue  # left out by an ignore rule
-                sources = arrived.setdefault(id(group), {})
-                sources[name] = tensor
-                pending_bytes += tensor_bytes(tensor)
-                if len(sources) < len(group.sources):
-                    continue
-                built = group.build(sources)
-                if set(built) != set(group.targets):
-                    raise ConversionError(
-                        f"The group reading {_names_preview(group.sources, 2)} built {sorted(built)} instead of "
-                        f"{sorted(group.targets)}; fix the converter's plan."
-                    )
-                built_bytes = sum(tensor_bytes(t) for t in built.values())
-                for target in group.targets:
-                    emit(target, built[target])
-                    built_bytes -= tensor_bytes(built[target])
-                    max_held = max(max_held, shard_bytes + pending_bytes + built_bytes + writer.buffer_bytes)
-                pending_bytes -= sum(tensor_bytes(t) for t in sources.values())
-                del arrived[id(group)], sources, built
-            del tensors
-        unfinished = [stream for stream in streams if stream.next_part < len(stream.part_bytes)]
-        if unfinished:
-            raise ConversionError(f"Parts of {unfinished[0].shape} never arrived; the source shards are inconsistent.")
-        weight_map = writer.finish()
-
-        written = {}
-        for file_name in dict.fromkeys(weight_map.values()):
-            with safe_open(work_dir / file_name, framework="pt") as handle:
-                written.update({name: torch.Size(handle.get_slice(name).get_shape()) for name in handle.keys()})
-        if written != expected:
-            wrong = sorted(name for name in set(written) & set(expected) if written[name] != expected[name])
-            raise ConversionError(
-                "The written checkpoint does not match our model: "
-                f"missing {_names_preview(set(expected) - set(written))}; "
-                f"not in our model {_names_preview(set(written) - set(expected))}; wrong shapes {_names_preview(wrong)}."
-            )
-        _write_metadata(source, config, meta_model, work_dir)
-        peak_rss = rss.peak()
-        _replace(work_dir, output_dir)
+        with _terminate_as_exception():
+            return _convert_into(source, plan, config, output_dir, work_dir, streams, expected, meta_model, extra,
+                                 max_shard_size, ignored, progress, rss)
     except BaseException:
         for stream in streams:
             stream.handle.close()
         shutil.rmtree(work_dir, ignore_errors=True)
         raise
+
+
+def _convert_into(source, plan, config, output_dir, work_dir, streams, expected, meta_model, extra, max_shard_size,
+                  ignored, progress, rss) -> "ConversionReport":
+    """The streaming conversion of `convert_checkpoint` into `work_dir`, renamed to `output_dir` at the end."""
+    writer = _ShardWriter(work_dir, max_shard_size)
+    # Bytes held at most: the current shard's unconsumed tensors + sources of groups still waiting (or being
+    # built) + built tensors not yet buffered + the output buffer. A renamed tensor counts twice while it moves
+    # from its group to the buffer, so this is an upper bound.
+    max_held = 0
+
+    def emit(name: str, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ConversionError(
+                f"Built {name} with shape {tuple(tensor.shape)}, but our model expects {tuple(expected[name])} "
+                "for this config; the source's config.json does not match its weights."
+            )
+        writer.add(name, _own_tensor(tensor))
+
+    fresh = list(extra)
+    for name in fresh:
+        emit(name, extra.pop(name))  # the writer holds it now
+        max_held = max(max_held, writer.buffer_bytes)
+
+    part_of = {}  # source name -> (its streamed concatenation, part index)
+    for concatenation in plan.concatenations:
+        headers = [source.tensor_header(name) for name in concatenation.sources]
+        stream = writer.add_concatenation(concatenation, headers)
+        if tuple(stream.shape) != tuple(expected[concatenation.target]):
+            raise ConversionError(
+                f"The parts of {concatenation.target} add up to shape {tuple(stream.shape)}, but our model expects "
+                f"{tuple(expected[concatenation.target])}; the source's config.json does not match its weights."
+            )
+        streams.append(stream)
+        part_of.update({name: (stream, index) for index, name in enumerate(concatenation.sources)})
+
+    group_of = {name: group for group in plan.groups for name in group.sources}
+    arrived: dict[int, dict[str, torch.Tensor]] = {}  # id(group) -> sources so far
+    pending_bytes = 0
+    shards = source.shards()
+    for shard in tqdm(shards, desc="Converting shards", unit="shard", disable=not progress):
+        tensors = source.load_shard(shard)
+        shard_bytes = sum(tensor_bytes(t) for t in tensors.values())
+        waiting_bytes = sum(stream.waiting_bytes for stream in streams)
+        max_held = max(max_held, shard_bytes + pending_bytes + waiting_bytes + writer.buffer_bytes)
+        for name in list(tensors):
+            tensor = tensors.pop(name)
+            shard_bytes -= tensor_bytes(tensor)
+            if name in part_of:
+                stream, index = part_of[name]
+                stream.add(index, tensor)
+                waiting_bytes = sum(stream.waiting_bytes for stream in streams)
+                max_held = max(max_held, shard_bytes + pending_bytes + waiting_bytes + writer.buffer_bytes)
+                continue
+            group = group_of.get(name)
+            if group is None:
+                continue  # left out by an ignore rule
+            sources = arrived.setdefault(id(group), {})
+            sources[name] = tensor
+            pending_bytes += tensor_bytes(tensor)
+            if len(sources) < len(group.sources):
+                continue
+            built = group.build(sources)
+            if set(built) != set(group.targets):
+                raise ConversionError(
+                    f"The group reading {_names_preview(group.sources, 2)} built {sorted(built)} instead of "
+                    f"{sorted(group.targets)}; fix the converter's plan."
+                )
+            built_bytes = sum(tensor_bytes(t) for t in built.values())
+            for target in group.targets:
+                emit(target, built[target])
+                built_bytes -= tensor_bytes(built[target])
+                max_held = max(max_held, shard_bytes + pending_bytes + built_bytes + writer.buffer_bytes)
+            pending_bytes -= sum(tensor_bytes(t) for t in sources.values())
+            del arrived[id(group)], sources, built
+        del tensors
+    unfinished = [stream for stream in streams if stream.next_part < len(stream.part_bytes)]
+    if unfinished:
+        raise ConversionError(f"Parts of {unfinished[0].shape} never arrived; the source shards are inconsistent.")
+    weight_map = writer.finish()
+
+    written = {}
+    for file_name in dict.fromkeys(weight_map.values()):
+        with safe_open(work_dir / file_name, framework="pt") as handle:
+            written.update({name: torch.Size(handle.get_slice(name).get_shape()) for name in handle.keys()})
+    if written != expected:
+        wrong = sorted(name for name in set(written) & set(expected) if written[name] != expected[name])
+        raise ConversionError(
+            "The written checkpoint does not match our model: "
+            f"missing {_names_preview(set(expected) - set(written))}; "
+            f"not in our model {_names_preview(set(written) - set(expected))}; wrong shapes {_names_preview(wrong)}."
+        )
+    _write_metadata(source, config, meta_model, work_dir)
+    peak_rss = rss.peak()
+    _replace(work_dir, output_dir)
     return ConversionReport(
         output_dir=output_dir, num_tensors=len(written), num_output_shards=len(writer.files),
         output_bytes=writer.total_bytes, largest_source_shard_bytes=max(source.shard_sizes.values()),
@@ -767,11 +845,11 @@ def convert_checkpoint(
 
 def _write_metadata(source: SourceCheckpoint, config: HybridIndexPoolConfig, meta_model, folder: Path) -> None:
     """Everything but the weights: config with `auto_map`, remote code, card, generation config, tokenizer."""
-    # As `save_pretrained` of our causal LM would set them.
-    config.architectures = [HybridIndexPoolForCausalLM.__name__]
-    config.auto_map = dict(AUTO_MAP)
+    # As `save_pretrained` of our model would set them.
+    config.architectures = [target_model_class(config).__name__]
+    config.auto_map = auto_map_for(config)
     config.save_pretrained(folder)
-    write_remote_code(folder)
+    write_remote_code(folder, multimodal=hasattr(config, "vision_config"))
     write_model_card(meta_model, folder)
     for file_name in COPIED_FILES:
         if (source.folder / file_name).is_file():
@@ -814,6 +892,8 @@ def run_conversion_command(parser: argparse.ArgumentParser, convert: Callable[[]
         report = convert()
     except ConversionError as error:
         parser.exit(2, f"error: {error}\n")
+    except Terminated as stop:
+        parser.exit(128 + signal.SIGTERM, f"{stop}: the partial output was removed\n")
     print(report.summary())
     return report
 
@@ -826,6 +906,7 @@ __all__ = [
     "ConversionReport",
     "IgnoreRule",
     "SourceCheckpoint",
+    "Terminated",
     "WeightGroup",
     "conversion_argument_parser",
     "convert_checkpoint",

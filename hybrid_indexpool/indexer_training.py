@@ -17,12 +17,19 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
 from .kernels.pooled_index_topk import pooled_index_topk
 from .modeling.modeling_hybrid_indexpool import HybridIndexPoolAttention
-from .training import ModelDataArguments, check_output_dir, load_datasets, load_model, load_tokenizer
+from .training import (
+    ModelDataArguments,
+    check_output_dir,
+    language_model_collator,
+    load_datasets,
+    load_model,
+    load_tokenizer,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -193,7 +200,7 @@ def run_indexer_training(args: IndexerTrainingArguments, training_args: Training
             "selection."
         )
     train_dataset, eval_dataset = load_datasets(args, tokenizer)
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    collator = language_model_collator(tokenizer, args.packing)
 
     metrics = {}
     for stage in stages:
@@ -253,11 +260,12 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
         # Unpadded rows: window c is tokens c * r .. c * r + r - 1 of every row.
         r, num_slots = layer.pool_size, weights.shape[-1]
         num_windows = hidden_states.shape[1] // r
-        window_ids = torch.arange(num_windows, device=raw_keys.device).expand(raw_keys.shape[0], -1)
+        # Rotated at each window's first token: positions c * r (the input is one unpadded text sequence per row).
+        first_positions = inputs["rope_positions"][:, :, : num_windows * r: r]
         pooled_keys = layer.indexer.pool_windows(
             raw_keys[:, : num_windows * r].unflatten(1, (num_windows, r)),
             None if gate_logits is None else gate_logits[:, : num_windows * r].unflatten(1, (num_windows, r)),
-            window_ids, rotary_emb,
+            first_positions, rotary_emb,
         )
         num_visible = (positions + 1) // r
         pruned = num_visible > layer.topk_windows

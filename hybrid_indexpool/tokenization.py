@@ -1,7 +1,8 @@
 """Tokenizers that work offline: a byte-level tokenizer (nothing to train) and a small BPE trained on local text.
 
 Both are ordinary `PreTrainedTokenizerFast` objects: they save with `save_pretrained` next to a checkpoint and
-load back with `AutoTokenizer.from_pretrained`. Any Hugging Face tokenizer works with the model and the scripts.
+load back with `AutoTokenizer.from_pretrained`, and carry a minimal chat template (`CHAT_TEMPLATE`). Any Hugging Face
+tokenizer works with the model and the scripts.
 """
 
 from collections.abc import Iterable
@@ -11,11 +12,27 @@ from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 
+# A minimal chat format for tokenizers without one of their own (chat serving and `apply_chat_template` need one):
+# each turn is `<s>role` on a line, the text, then `</s>`; the generation prompt opens an assistant turn, whose `</s>`
+# ends generation. Message content is text, or a list of text parts as OpenAI clients send them.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ bos_token + message['role'] + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ eos_token + '\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ bos_token + 'assistant\n' }}{%- endif -%}"
+)
+
 
 def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=1 << 30, **SPECIAL_TOKENS)
+    # Left padding: what generation wants (the model accepts either side).
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=1 << 30, padding_side="left",
+                                   chat_template=CHAT_TEMPLATE, **SPECIAL_TOKENS)
 
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:

@@ -7,7 +7,9 @@ with packing or padding, gradient checkpointing, resuming, and LoRA through `pef
 
 import json
 import os
+import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,9 +19,11 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     HfArgumentParser,
+    default_data_collator,
     PreTrainedTokenizerBase,
     Trainer,
     TrainingArguments,
+    set_seed,
 )
 
 from .configuration import HybridIndexPoolConfig
@@ -61,8 +65,9 @@ class ModelDataArguments:
     block_size: int = field(default=512, metadata={"help": "Tokens per training sequence."})
     packing: bool = field(
         default=True,
-        metadata={"help": "Concatenate examples (separated by EOS) into full blocks; --packing False pads each "
-                          "example to the batch's longest instead."},
+        metadata={"help": "Concatenate examples (separated by EOS) into full blocks, each example attending only to "
+                          "itself (positions restart at 0 per example); --packing False pads each example to the "
+                          "batch's longest instead."},
     )
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Allow writing into a non-empty --output_dir (never needed to resume)."}
@@ -83,6 +88,15 @@ class FinetuneArguments(ModelDataArguments):
     )
     merge_lora: bool = field(
         default=True, metadata={"help": "Merge the adapters into the weights for the final checkpoint."}
+    )
+    fsdp_size: int | None = field(
+        default=None,
+        metadata={"help": "Shard parameters, gradients and optimizer state over this many processes with FSDP2, "
+                          "applied by transformers as it loads the model (DistributedConfig(fsdp_size=N)); start that "
+                          "many processes with `accelerate launch` or `torchrun`. The FSDP route on CPUs (gloo), where "
+                          "accelerate's --use_fsdp is unavailable; on GPUs either works. Weights stay float32 (--bf16 "
+                          "autocasts); checkpoints hold the model only (--save_only_model): the Trainer cannot resume "
+                          "such a model."},
     )
 
 
@@ -121,19 +135,35 @@ def load_tokenizer(args: ModelDataArguments) -> PreTrainedTokenizerBase:
     return byte_level_tokenizer()
 
 
-def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool, text_field: str = "text"):
-    """A `datasets.Dataset` of token blocks from local .txt / .json / .jsonl files.
-
-    Packing: every text plus EOS is concatenated and cut into `block_size` blocks (the remainder is dropped).
-    Padding: each text is truncated to `block_size` and the collator pads the batch.
-    """
-    from datasets import load_dataset
-
+def check_data_files(files: list[str]) -> None:
+    """Refuse data files that are missing, empty or not UTF-8 text, naming each one."""
     if not files:
         raise ValueError("No data files given: pass --train_files with local .txt, .json or .jsonl files.")
     missing = [name for name in files if not Path(name).is_file()]
     if missing:
         raise ValueError(f"Data files not found: {missing}.")
+    for name in files:
+        raw = Path(name).read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"Data file {name} is not UTF-8 text (byte {error.start} cannot be decoded); convert "
+                             "it, e.g. with iconv -t utf-8.") from error
+        if not text.strip():
+            raise ValueError(f"Data file {name} is empty; remove it from the file list or give it text.")
+
+
+def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool, text_field: str = "text"):
+    """A `datasets.Dataset` of token blocks from local .txt / .json / .jsonl files.
+
+    Packing: every text plus EOS is concatenated and cut into `block_size` blocks (the remainder is dropped); each
+    block carries `position_ids` that restart at 0 where an example starts (and at the block's start), so the model
+    runs every example on its own, and `labels` that never ask a block to predict an example's first token from the
+    one before. Padding: each text is truncated to `block_size` and the collator pads the batch.
+    """
+    from datasets import load_dataset
+
+    check_data_files(files)
     suffixes = {Path(name).suffix for name in files}
     if suffixes <= {".txt", ".text", ".md", ".py"}:
         dataset = load_dataset("text", data_files=files, split="train", sample_by="paragraph")
@@ -156,16 +186,37 @@ def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def pack(batch):
-        stream = [token for ids in tokenizer(batch[text_field])["input_ids"] for token in ids + eos]
+        examples = [ids + eos for ids in tokenizer(batch[text_field])["input_ids"]]
+        stream = [token for ids in examples for token in ids]
+        within = [index for ids in examples for index in range(len(ids))]  # position inside its example
         usable = len(stream) // block_size * block_size
-        blocks = [stream[start:start + block_size] for start in range(0, usable, block_size)]
-        return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks]}
+        blocks = {"input_ids": [], "attention_mask": [], "position_ids": [], "labels": []}
+        for start in range(0, usable, block_size):
+            ids = stream[start:start + block_size]
+            # A block that starts inside an example restarts that example's positions at 0.
+            positions, offset = [], within[start]
+            for column, index in enumerate(within[start:start + block_size]):
+                if column > 0 and index == 0:
+                    offset = 0
+                positions.append(index - offset)
+            blocks["input_ids"].append(ids)
+            blocks["attention_mask"].append([1] * block_size)
+            blocks["position_ids"].append(positions)
+            blocks["labels"].append([-100 if column > 0 and position == 0 else token
+                                     for column, (token, position) in enumerate(zip(ids, positions))])
+        return blocks
 
     packed = dataset.map(pack, batched=True, batch_size=1000, remove_columns=dataset.column_names)
     if len(packed) == 0:
         raise ValueError(f"The data holds fewer than --block_size ({block_size}) tokens; give more text or a "
                          "smaller block size.")
     return packed
+
+
+def language_model_collator(tokenizer, packing: bool):
+    """The collator of `build_lm_dataset`'s blocks: packed blocks carry their own positions and labels and all have
+    the same length, so stacking them is the whole collation; unpacked examples are padded."""
+    return default_data_collator if packing else DataCollatorForLanguageModeling(tokenizer, mlm=False)
 
 
 def load_datasets(args: ModelDataArguments, tokenizer):
@@ -178,13 +229,21 @@ def load_datasets(args: ModelDataArguments, tokenizer):
     return train_dataset, eval_dataset
 
 
-def load_model(args: ModelDataArguments, tokenizer) -> HybridIndexPoolForCausalLM:
-    """Load the checkpoint, or build a fresh model from `--init_config` sized for the tokenizer."""
+def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) -> HybridIndexPoolForCausalLM:
+    """Load the checkpoint, or build a fresh model from `--init_config` sized for the tokenizer.
+
+    With a transformers `DistributedConfig`, the model is sharded by transformers (its TP/FSDP plans) as it loads; a
+    fresh model is built on every process from the same seed and then sharded the same way.
+    """
     if (args.model_name_or_path is None) == (args.init_config is None):
         raise ValueError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) or --init_config "
                          "(train a new model).")
     if args.model_name_or_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        # Sharded, the weights stay float32 (`--bf16` then autocasts): FSDP2 needs one dtype per group, and the Gated
+        # DeltaNet's `A_log`/`dt_bias` are float32 next to half-precision projections in a half-precision model.
+        dtype = {} if distributed_config is None else {"dtype": torch.float32}
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, distributed_config=distributed_config,
+                                                     **dtype)
     else:
         text = args.init_config
         if not text.lstrip().startswith("{"):
@@ -193,15 +252,40 @@ def load_model(args: ModelDataArguments, tokenizer) -> HybridIndexPoolForCausalL
                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         settings.update(json.loads(text))
         model = HybridIndexPoolForCausalLM(HybridIndexPoolConfig(**settings))
+        if distributed_config is not None:
+            distributed_config, _, mesh_manager = model.prepare_distribute_model(distributed_config)
+            model = model.maybe_distribute_model(model, distributed_config, mesh_manager)
     if model.config.vocab_size < len(tokenizer):
         raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size} "
                          "embeddings; use the checkpoint's tokenizer.")
+    if args.block_size > model.config.max_position_embeddings:
+        warnings.warn(
+            f"--block_size {args.block_size} is beyond the model's max_position_embeddings "
+            f"({model.config.max_position_embeddings}): positions past it were never trained; lower --block_size or "
+            "use a scaled rope_type.", stacklevel=2,
+        )
     return model
 
 
 def build_model(args: FinetuneArguments, tokenizer):
-    """The model of `load_model`, wrapped with LoRA adapters when `--lora` is set."""
-    model = load_model(args, tokenizer)
+    """The model of `load_model` (sharded with FSDP2 when `--fsdp_size` is set), wrapped with LoRA adapters when
+    `--lora` is set."""
+    distributed_config = None
+    if args.fsdp_size is not None:
+        from transformers.distributed import DistributedConfig
+
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if args.fsdp_size < 2 or world_size != args.fsdp_size:
+            raise ValueError(
+                f"--fsdp_size {args.fsdp_size} needs that many processes (this run has {world_size}); start them "
+                f"with `accelerate launch --num_processes {max(args.fsdp_size, 2)}` or `torchrun --nproc_per_node "
+                f"{max(args.fsdp_size, 2)}`, or leave --fsdp_size out."
+            )
+        if args.lora:
+            raise ValueError("--lora with --fsdp_size is not supported: train LoRA adapters with DDP, or on GPUs "
+                             "with accelerate's FSDP (`accelerate launch --use_fsdp ...`).")
+        distributed_config = DistributedConfig(fsdp_size=args.fsdp_size)
+    model = load_model(args, tokenizer, distributed_config)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -211,6 +295,20 @@ def build_model(args: FinetuneArguments, tokenizer):
         )
         model = get_peft_model(model, lora_config)
     return model
+
+
+def last_complete_checkpoint(output_dir: str) -> str:
+    """The newest `checkpoint-N` folder that holds its trainer state (written last, so an interrupted save is
+    skipped)."""
+    pattern = re.compile(r"^checkpoint-(\d+)$")
+    complete = [
+        (int(match.group(1)), path) for path in Path(output_dir).glob("checkpoint-*")
+        if (match := pattern.match(path.name)) and (path / "trainer_state.json").is_file()
+    ]
+    if not complete:
+        raise ValueError(f"--resume_from_checkpoint last: {output_dir} holds no complete checkpoint (a folder "
+                         "checkpoint-N with trainer_state.json); start without --resume_from_checkpoint.")
+    return str(max(complete)[1])
 
 
 def check_output_dir(args: ModelDataArguments, training_args: TrainingArguments) -> None:
@@ -230,32 +328,59 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
     if training_args.ddp_find_unused_parameters is None:
         # Within the token budget the indexer's scores are not needed, so its parameters get no gradient.
         training_args.ddp_find_unused_parameters = True
+    if args.fsdp_size is not None and training_args.save_strategy != "no" and not training_args.save_only_model:
+        # The Trainer cannot checkpoint the optimizer of a model sharded as it loads, so it saves the model only.
+        training_args.save_only_model = True
     tokenizer = load_tokenizer(args)
+    # A fresh model starts from the run's seed: the same weights in every process and in a one-process run.
+    set_seed(training_args.seed)
     model = build_model(args, tokenizer)
     train_dataset, eval_dataset = load_datasets(args, tokenizer)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), processing_class=tokenizer,
+        data_collator=language_model_collator(tokenizer, args.packing), processing_class=tokenizer,
     )
     resume = training_args.resume_from_checkpoint
     if resume == "last":
-        resume = True
+        resume = last_complete_checkpoint(training_args.output_dir)
     result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics)
     metrics["log_history"] = trainer.state.log_history
     if eval_dataset is not None:
         metrics.update(trainer.evaluate())
 
-    final = trainer.model
-    if args.lora and args.merge_lora:
-        final = final.merge_and_unload()
-    if trainer.is_world_process_zero():
-        final.save_pretrained(training_args.output_dir)
-        tokenizer.save_pretrained(training_args.output_dir)
+    sharding = sharding_name(trainer)
+    if sharding is not None and not (args.lora and args.merge_lora):
+        # Sharded weights: every process joins the gather of the full weights, the main one writes them.
+        if trainer.is_fsdp_enabled:
+            trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+        trainer.save_model(training_args.output_dir)
+    else:
+        final = trainer.model
+        if args.lora and args.merge_lora:
+            final = final.merge_and_unload()
+        if trainer.is_world_process_zero():
+            final.save_pretrained(training_args.output_dir)
+            tokenizer.save_pretrained(training_args.output_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     print(f"finetune: process {rank} of {world} finished after {trainer.state.global_step} steps "
-          f"(trainer world size {trainer.args.world_size}, {trainer.args.parallel_mode})", flush=True)
+          f"(trainer world size {trainer.args.world_size}, {trainer.args.parallel_mode}"
+          f"{'' if sharding is None else ', ' + sharding})", flush=True)
     return metrics
+
+
+def sharding_name(trainer: Trainer) -> str | None:
+    """How the model's weights are sharded over the processes: "FSDP2 (transformers)", "FSDP<version> (accelerate)",
+    "DeepSpeed ZeRO-<stage>", or None when every process holds them whole (one process, DDP)."""
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        config = trainer.model.config.distributed_config
+        return "FSDP2 (transformers)" if config.dp_size > 1 else "tensor parallel (transformers)"
+    if trainer.is_fsdp_enabled:
+        return f"FSDP{trainer.accelerator.state.fsdp_plugin.fsdp_version} (accelerate)"
+    if trainer.is_deepspeed_enabled:
+        stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
+        return f"DeepSpeed ZeRO-{stage}"
+    return None

@@ -5,6 +5,11 @@ from .modeling_hybrid_indexpool import (
     HybridIndexPoolModel,
     HybridIndexPoolPreTrainedModel,
 )
+from .modeling_hybrid_indexpool_multimodal import (
+    HybridIndexPoolForConditionalGeneration,
+    HybridIndexPoolMultimodalModel,
+    HybridIndexPoolMultimodalPreTrainedModel,
+)
 
 __all__ = [
     "HybridIndexPoolCache",
@@ -14,4 +19,7 @@ __all__ = [
     "HybridIndexPoolForSequenceClassification",
     "HybridIndexPoolModel",
     "HybridIndexPoolPreTrainedModel",
+    "HybridIndexPoolForConditionalGeneration",
+    "HybridIndexPoolMultimodalModel",
+    "HybridIndexPoolMultimodalPreTrainedModel",
 ]

@@ -167,12 +167,15 @@ class IndexPoolLayerCache(_LayerCache):
         open_index_keys: `[batch, r - 1, index_head_dim]` raw indexer keys of the open window, the first
             `lengths[b] % r` valid.
         open_gate_logits: the same for the pooling-gate logits (float32), or None with mean pooling.
+        open_window_position: `[batch, streams]` rotary position of the open window's first token (its pooled key
+            is rotated there when the window completes).
         lengths: `[batch]` int64, real tokens per row.
         capacity: positions reserved per row (a multiple of r).
     """
 
     _batch_tensors = (
-        "key_storage", "value_storage", "pooled_storage", "open_index_keys", "open_gate_logits", "lengths",
+        "key_storage", "value_storage", "pooled_storage", "open_index_keys", "open_gate_logits",
+        "open_window_position", "lengths",
     )
     is_croppable = True
 
@@ -185,6 +188,7 @@ class IndexPoolLayerCache(_LayerCache):
         self.pooled_storage: torch.Tensor | None = None
         self.open_index_keys: torch.Tensor | None = None
         self.open_gate_logits: torch.Tensor | None = None
+        self.open_window_position: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.capacity = 0
         # Host-side upper bound of `lengths.max()`: decides growth without reading the device. Exact after every
@@ -225,11 +229,6 @@ class IndexPoolLayerCache(_LayerCache):
         adds one to the host-side bound and reads nothing.
         """
         batch_size, num_new = token_is_real.shape
-        if self.lengths is not None and self.lengths.shape[0] != batch_size:
-            raise ValueError(
-                f"The cache holds {self.lengths.shape[0]} rows but the input has {batch_size}; use a new cache, or "
-                "expand the cache with batch_repeat_interleave / batch_select_indices first."
-            )
         if num_new == 1 and self.lengths is not None:
             if torch.compiler.is_compiling():
                 if self.max_cache_len is None:
@@ -253,15 +252,21 @@ class IndexPoolLayerCache(_LayerCache):
                 needed = _round_up(max(self.length_bound, 1), GROWTH_CHUNK)
             self._planned_capacity = _round_up(max(needed, 1), self.pool_size)
         elif self.length_bound > self.capacity:
-            if self.max_cache_len is not None:
-                raise ValueError(
-                    f"The cache was reserved for max_cache_len={self.max_cache_len} tokens ({self.capacity} real "
-                    f"tokens per row) and this input needs {self.length_bound}; build a larger cache."
-                )
+            # Past what was reserved (or grown) so far: grow by a bounded step. A compiled step never gets here: it
+            # runs only within a reservation (generate() reserves each call's tokens up front).
             grown = max(self.length_bound, self.capacity + self.capacity // GROWTH_FRACTION)
-            self._planned_capacity = _round_up(_round_up(grown, GROWTH_CHUNK), self.pool_size)
+            grown = _round_up(_round_up(grown, GROWTH_CHUNK), self.pool_size)
+            self._planned_capacity = max(self._planned_capacity, grown)
 
-    def _allocate(self, key_states, value_states, raw_index_keys, gate_logits) -> None:
+    def reserve(self, tokens_to_come: int) -> None:
+        """Make the next update reserve room for `tokens_to_come` more tokens per row at once (reads the device)."""
+        if self.lengths is None:
+            return
+        self.length_bound = int(self.lengths.max())
+        needed = _round_up(self.length_bound + tokens_to_come, self.pool_size)
+        self._planned_capacity = max(self._planned_capacity, needed) if needed > self.capacity else 0
+
+    def _allocate(self, key_states, value_states, raw_index_keys, gate_logits, num_streams: int) -> None:
         """Allocate (first update) or grow the storage to the planned capacity, keeping what it holds."""
         capacity, r = self._planned_capacity, self.pool_size
         batch_size, kv_heads, _, head_dim = key_states.shape
@@ -273,6 +278,8 @@ class IndexPoolLayerCache(_LayerCache):
         if self.key_storage is None:
             self.lengths = torch.zeros(batch_size, dtype=torch.long, device=key_states.device)
             self.open_index_keys = raw_index_keys.new_zeros(batch_size, r - 1, index_head_dim)
+            self.open_window_position = torch.zeros(batch_size, num_streams, dtype=torch.long,
+                                                    device=key_states.device)
             if gate_logits is not None:
                 self.open_gate_logits = gate_logits.new_zeros(batch_size, r - 1, index_head_dim)
         else:
@@ -283,7 +290,7 @@ class IndexPoolLayerCache(_LayerCache):
         self.key_storage, self.value_storage, self.pooled_storage = key_storage, value_storage, pooled_storage
         self.capacity = capacity
         _mark_static(self.key_storage, self.value_storage, self.pooled_storage, self.open_index_keys,
-                     self.open_gate_logits, self.lengths)
+                     self.open_gate_logits, self.open_window_position, self.lengths)
 
     def update(
         self,
@@ -292,6 +299,7 @@ class IndexPoolLayerCache(_LayerCache):
         raw_index_keys: torch.Tensor,
         gate_logits: torch.Tensor | None,
         token_is_real: torch.Tensor,
+        rope_positions: torch.Tensor,
         pool_windows: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store the new tokens' keys/values at their rows' positions, pool every window they complete, and advance
@@ -302,23 +310,24 @@ class IndexPoolLayerCache(_LayerCache):
             raw_index_keys: `[batch, new, index_head_dim]` indexer keys before norm and RoPE.
             gate_logits: `[batch, new, index_head_dim]` float32 pooling-gate logits (without the slot bias) or None.
             token_is_real: `[batch, new]` bool; padding is not stored.
-            pool_windows: `(window_keys [b, w, r, d], window_gate_logits or None, window_ids [b, w]) -> [b, w, d]`,
-                the indexer's pooling with norm and RoPE.
+            rope_positions: `[streams, batch, new]` rotary positions of the new tokens; a pooled window is rotated at
+                its first token's.
+            pool_windows: `(window_keys [b, w, r, d], window_gate_logits or None, first_positions [streams, b, w])
+                -> [b, w, d]`, the indexer's pooling with norm and RoPE.
 
         Returns:
             Keys and values `[batch, kv_heads, capacity, head_dim]` and pooled keys `[batch, capacity // r,
             index_head_dim]` (views of the storage; entries beyond each row's length are stale or zero).
         """
         if self.key_storage is None or self._planned_capacity > self.capacity:
-            self._allocate(key_states, value_states, raw_index_keys, gate_logits)
-        if key_states.shape[-2] == 1:
-            self._write_one(key_states, value_states, raw_index_keys, gate_logits, token_is_real, pool_windows)
-        else:
-            self._write_many(key_states, value_states, raw_index_keys, gate_logits, token_is_real, pool_windows)
+            self._allocate(key_states, value_states, raw_index_keys, gate_logits, rope_positions.shape[0])
+        write = self._write_one if key_states.shape[-2] == 1 else self._write_many
+        write(key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions, pool_windows)
         self.lengths.add_(token_is_real.sum(dim=1))
         return self.keys, self.values, self.pooled_storage
 
-    def _write_one(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, pool_windows):
+    def _write_one(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions,
+                   pool_windows):
         """Decode: one token per row, fixed shapes, masked writes, no host synchronisation."""
         r = self.pool_size
         rows = torch.arange(key_states.shape[0], device=key_states.device)
@@ -338,8 +347,13 @@ class IndexPoolLayerCache(_LayerCache):
 
         window_keys = with_new(self.open_index_keys, raw_index_keys)
         window_logits = None if gate_logits is None else with_new(self.open_gate_logits, gate_logits)
+        # The window's first token is the new one when the window opens with it.
+        opens = (num_open == 0)[:, None]
+        first_position = torch.where(opens, rope_positions[:, :, 0].T, self.open_window_position)  # [batch, streams]
         pooled = pool_windows(window_keys[:, None], None if window_logits is None else window_logits[:, None],
-                              num_pooled[:, None])[:, 0]
+                              first_position.T[:, :, None])[:, 0]
+        self.open_window_position.copy_(torch.where(opens & real[:, None], first_position,
+                                                    self.open_window_position))
         completes = real & (num_open == r - 1)
         window_target = num_pooled.clamp(max=self.pooled_storage.shape[1] - 1)
         self.pooled_storage[rows, window_target] = torch.where(
@@ -351,7 +365,8 @@ class IndexPoolLayerCache(_LayerCache):
                 self.open_gate_logits.copy_(
                     torch.where(real[:, None, None], window_logits[:, : r - 1], self.open_gate_logits))
 
-    def _write_many(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, pool_windows):
+    def _write_many(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions,
+                    pool_windows):
         """Prefill: any number of tokens per row; may read the device for its shapes."""
         r = self.pool_size
         batch_size, num_new, index_head_dim = raw_index_keys.shape
@@ -373,6 +388,9 @@ class IndexPoolLayerCache(_LayerCache):
         logit_buffer = None
         if gate_logits is not None:
             logit_buffer = self._scatter_rows(gate_logits, self.open_gate_logits, rows, columns, relative, width)
+        # Rotary positions laid out the same way: the open window's first token's at 0, the new tokens' after.
+        position_buffer = self._scatter_rows(rope_positions.permute(1, 2, 0), self.open_window_position[:, None],
+                                             rows, columns, relative, width)  # [batch, width, streams]
 
         complete_rows, complete_windows = (
             torch.arange(num_windows, device=device) < num_complete[:, None]).nonzero(as_tuple=True)
@@ -382,9 +400,12 @@ class IndexPoolLayerCache(_LayerCache):
             window_logits = None
             if logit_buffer is not None:
                 window_logits = logit_buffer.view(batch_size, num_windows, r, index_head_dim)
-            pooled = pool_windows(window_keys, window_logits, window_ids)
+            first_positions = position_buffer[:, ::r].permute(2, 0, 1)  # [streams, batch, windows]
+            pooled = pool_windows(window_keys, window_logits, first_positions)
             self.pooled_storage[complete_rows, window_ids[complete_rows, complete_windows]] = (
                 pooled[complete_rows, complete_windows].to(self.pooled_storage.dtype))
+        self.open_window_position.copy_(position_buffer[torch.arange(batch_size, device=device),
+                                                        (num_complete * r).clamp(max=width - 1)])
         if r > 1:
             # The tokens after the last complete window form the new open window.
             open_index = (num_complete[:, None] * r + torch.arange(r - 1, device=device)).clamp(max=width - 1)
@@ -431,7 +452,7 @@ class IndexPoolLayerCache(_LayerCache):
     def memory_footprint(self) -> dict[str, tuple[int, int]]:
         """`{component: (bytes in use, bytes reserved)}`."""
         if self.lengths is None:
-            return {"key_value": (0, 0), "pooled_index_keys": (0, 0), "open_window": (0, 0), "lengths": (0, 0)}
+            return {"key_value": (0, 0), "pooled_index_keys": (0, 0), "open_window": (0, 0), "bookkeeping": (0, 0)}
         total_tokens = int(self.lengths.sum())
         total_windows = int((self.lengths // self.pool_size).sum())
         total_open = total_tokens - total_windows * self.pool_size
@@ -440,13 +461,13 @@ class IndexPoolLayerCache(_LayerCache):
         index_head_dim = self.pooled_storage.shape[-1]
         open_per_token = index_head_dim * (self.open_index_keys.element_size() + (
             0 if self.open_gate_logits is None else self.open_gate_logits.element_size()))
-        lengths = _bytes(self.lengths)
+        bookkeeping = _bytes(self.lengths) + _bytes(self.open_window_position)
         return {
             "key_value": (total_tokens * key_value_per_token, _bytes(self.key_storage) + _bytes(self.value_storage)),
             "pooled_index_keys": (total_windows * index_head_dim * self.pooled_storage.element_size(),
                                   _bytes(self.pooled_storage)),
             "open_window": (total_open * open_per_token, _bytes(self.open_index_keys) + _bytes(self.open_gate_logits)),
-            "lengths": (lengths, lengths),
+            "bookkeeping": (bookkeeping, bookkeeping),
         }
 
     def unpooled_index_bytes(self) -> int:
@@ -454,6 +475,15 @@ class IndexPoolLayerCache(_LayerCache):
         if self.lengths is None:
             return 0
         return int(self.lengths.sum()) * self.pooled_storage.shape[-1] * self.pooled_storage.element_size()
+
+
+def cache_layout(config) -> dict:
+    """The settings that decide what a cache holds and how: two models with the same ones can share caches."""
+    names = ("layer_types", "index_pool_size", "num_key_value_heads", "head_dim", "index_head_dim",
+             "index_pool_weighting", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_conv_kernel_dim", "ple_layers", "hc_count")
+    return {name: (list(value) if isinstance(value := getattr(config, name), (list, tuple)) else value)
+            for name in names}
 
 
 class HybridIndexPoolCache(Cache):
@@ -481,9 +511,29 @@ class HybridIndexPoolCache(Cache):
         super().__init__(layers=layers)
         self.max_cache_len = max_cache_len
         self.pool_size = config.index_pool_size
+        self.layout = cache_layout(config)
         # Attention-mask columns seen (padding included): a device tensor advanced in place, so a compiled decode
         # step neither reads nor specialises on it.
         self.seen_tokens: torch.Tensor | None = None
+        # [batch, 1] offset of each row's rotary positions from its token count after a multimodal prompt (image
+        # tokens share positions), set by the multimodal model; None for text.
+        self.rope_deltas: torch.Tensor | None = None
+
+    def check_compatible(self, config, batch_size: int) -> None:
+        """Raise a `ValueError` saying what differs when this cache was built for another model or batch."""
+        theirs, ours = self.layout, cache_layout(config)
+        differences = [f"{name}: cache {theirs[name]!r}, model {ours[name]!r}" for name in ours
+                       if theirs.get(name) != ours[name]]
+        if differences:
+            raise ValueError("This cache was built for another model (" + "; ".join(differences) + "); build one "
+                             "with HybridIndexPoolCache(model.config).")
+        # Layers another pipeline stage runs stay empty here: only the filled ones say how many rows there are.
+        rows = max([layer.batch_size for layer in self.layers])
+        if rows not in (-1, batch_size):
+            raise ValueError(
+                f"The cache holds {rows} rows but the input has {batch_size}; use a new cache, or resize it with "
+                "batch_repeat_interleave / batch_select_indices first."
+            )
 
     @property
     def index_layers(self) -> list[IndexPoolLayerCache]:
@@ -507,6 +557,16 @@ class HybridIndexPoolCache(Cache):
             positions = positions + past.to(positions.device)[:, None]
         return positions.clamp(min=0)
 
+    def reserve(self, max_cache_len: int) -> None:
+        """Reserve storage, once, for the cache to reach `max_cache_len` attention-mask columns (what `generate()`
+        calls when it continues from a cache it was given)."""
+        to_come = max_cache_len - self.get_seq_length()
+        self.max_cache_len = max(self.max_cache_len or 0, max_cache_len)
+        for layer in self.index_layers:
+            layer.max_cache_len = self.max_cache_len
+            layer.is_compileable = True
+            layer.reserve(max(to_come, 0))
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Attention-mask columns seen so far (padding included), the same for every layer."""
         return 0 if self.seen_tokens is None else int(self.seen_tokens)
@@ -525,7 +585,22 @@ class HybridIndexPoolCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.seen_tokens = None
+        self.seen_tokens = self.rope_deltas = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.rope_deltas is not None:
+            self.rope_deltas = self.rope_deltas.index_select(0, beam_idx.to(self.rope_deltas.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.rope_deltas is not None:
+            self.rope_deltas = self.rope_deltas.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.rope_deltas is not None:
+            self.rope_deltas = self.rope_deltas[indices.to(self.rope_deltas.device)]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`).
@@ -559,9 +634,9 @@ class HybridIndexPoolCache(Cache):
             for name, (in_use, held) in layer.memory_footprint().items():
                 used[name] = used.get(name, 0) + in_use
                 reserved[name] = reserved.get(name, 0) + held
-        counter = _bytes(self.seen_tokens)
-        used["lengths"] = used.get("lengths", 0) + counter
-        reserved["lengths"] = reserved.get("lengths", 0) + counter
+        counters = _bytes(self.seen_tokens) + _bytes(self.rope_deltas)
+        used["bookkeeping"] = used.get("bookkeeping", 0) + counters
+        reserved["bookkeeping"] = reserved.get("bookkeeping", 0) + counters
         footprint = dict(used)
         footprint.update({f"{name}_reserved": size for name, size in reserved.items()})
         footprint["total"] = sum(used.values())

@@ -17,13 +17,14 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
+from transformers.integrations.moe import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
@@ -34,7 +35,8 @@ from ..kernels.pooled_index_topk import pooled_index_scores_torch, pooled_index_
 from ..kernels.sparse_attention import masked_softmax, sparse_attention
 from ..kernels.weighted_pool import weighted_pool
 from .cache_hybrid_indexpool import HybridIndexPoolCache, IndexPoolLayerCache, LinearAttentionLayerCache
-from .hub_export import AUTO_MAP, write_model_card, write_remote_code
+from .hub_export import auto_map_for, write_model_card, write_remote_code
+from .token_layout import TokenLayout
 from .ngram_hash import hash_multipliers, head_table_sizes, shifted_in_segment
 
 
@@ -93,21 +95,37 @@ class HybridIndexPoolRMSNormGated(nn.Module):
 
 
 class HybridIndexPoolRotaryEmbedding(nn.Module):
-    """Partial, non-interleaved RoPE shared by the attention heads and the indexer heads.
+    """Partial, non-interleaved RoPE shared by the attention heads and the indexer heads, through transformers' RoPE
+    machinery: every `rope_type` of `ROPE_INIT_FUNCTIONS` (linear, dynamic NTK, YaRN, LongRoPE, Llama 3, ...), with
+    the frequency updates of the dynamic types (which read the longest position from the device).
 
-    `forward(x, position_ids [batch, seq])` returns `cos, sin` of shape `[batch, seq, rotary_dim]`.
+    With `mrope_section` in `rope_parameters` (a multimodal model) it is Qwen4-Exp's interleaved multimodal RoPE:
+    positions come in three streams (time, height, width) and frequency `i` follows the height stream when
+    `i % 3 == 1` and `i < 3 * mrope_section[1]`, the width stream when `i % 3 == 2` and `i < 3 * mrope_section[2]`,
+    the time stream otherwise. Equal streams (text) give plain RoPE.
+
+    `forward(x, position_ids)` takes `[batch, seq]` or `[3, batch, seq]` positions and returns `cos, sin` of shape
+    `[batch, seq, rotary_dim]`.
     """
 
     def __init__(self, config: HybridIndexPoolConfig):
         super().__init__()
         self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters.get("rope_type", "default")
+        self.mrope_section = config.rope_parameters.get("mrope_section")
         init_fn = self.compute_default_rope_parameters
         if self.rope_type != "default":
             init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
         inv_freq, self.attention_scaling = init_fn(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @property
+    def num_streams(self) -> int:
+        """Position streams this RoPE reads: 3 with multimodal RoPE, else 1."""
+        return 1 if self.mrope_section is None else 3
 
     @staticmethod
     def compute_default_rope_parameters(config: HybridIndexPoolConfig, device=None, **kwargs):
@@ -118,8 +136,15 @@ class HybridIndexPoolRotaryEmbedding(nn.Module):
         return inv_freq, 1.0
 
     @torch.no_grad()
+    @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        if position_ids.dim() == 3:  # [3, batch, seq, dim / 2]: interleave the streams' frequencies
+            interleaved = freqs[0].clone()
+            for stream in (1, 2):
+                take = slice(stream, 3 * self.mrope_section[stream], 3)
+                interleaved[..., take] = freqs[stream, ..., take]
+            freqs = interleaved
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return cos.to(x.dtype), sin.to(x.dtype)
@@ -139,12 +164,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([rotated, passed], dim=-1)
 
 
+def last_real_entries(sequence: torch.Tensor, num_real: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` entries that end at each row's last real token, along the last dimension of `sequence`
+    `[batch, ..., count + new]` (a state of `count` entries followed by the new tokens, each row's real tokens before
+    its padding): the state to keep after these tokens."""
+    index = num_real[:, None] + torch.arange(count, device=sequence.device)
+    index = index.view(index.shape[0], *([1] * (sequence.dim() - 2)), count).expand(*sequence.shape[:-1], count)
+    return sequence.gather(-1, index)
+
+
+def tensor_parallel_rank(weight: torch.Tensor) -> tuple[int, int]:
+    """`(rank, ranks)` of the tensor-parallel group over which transformers' TP split `weight` (a DTensor), or
+    `(0, 1)` for an ordinary tensor."""
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None:
+        return 0, 1
+    dim = "tp" if mesh.ndim > 1 and "tp" in (mesh.mesh_dim_names or ()) else None
+    return mesh.get_local_rank(dim), mesh.size(dim)
+
+
 class HybridIndexPoolGatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer (the linear-attention layer of Qwen3-Next / Qwen3.5), Qwen3.5 weight layout.
 
     Causal depthwise convolution over the fused q/k/v projection, then the gated delta rule (chunked for prefill,
-    recurrent for decode), then a gated RMSNorm and the output projection. Padding tokens are zeroed before the
-    convolution and neither decay nor write the recurrent state.
+    recurrent for decode), then a gated RMSNorm and the output projection. Each row's real tokens come first (the
+    model lays them out so); padding after them is zeroed, neither decays nor writes the recurrent state, and the
+    convolution state kept is that of the last real tokens. Under tensor parallelism a rank runs its own heads.
     """
 
     def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
@@ -174,6 +219,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
             self.value_head_dim, eps=config.rms_norm_eps, activation=config.linear_output_gate_act
         )
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self._rank_channels = None  # under tensor parallelism, this rank's channels of the fused q/k/v projection
 
     def forward(
         self,
@@ -183,37 +229,64 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         batch_size, seq_len, _ = hidden_states.shape
         real = token_is_real[..., None].to(hidden_states.dtype)
-        hidden_states = hidden_states * real
+        hidden_states = torch.where(token_is_real[..., None], hidden_states, 0.0)  # whatever a pad holds, even NaN
+        channels, key_dim, conv_weight, A_log, dt_bias = self._rank_share()
 
         # Causal depthwise convolution, continuing from the cached last `kernel - 1` inputs.
-        mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [batch, conv_dim, seq]
+        mixed = self.in_proj_qkv(hidden_states)
+        if channels is not None:
+            mixed = mixed.index_select(-1, channels)  # this rank's heads
+        mixed = mixed.transpose(1, 2)  # [batch, conv_dim, seq]
         conv_state = None if layer_cache is None else layer_cache.conv_state
         if conv_state is None:
-            conv_state = mixed.new_zeros(batch_size, self.conv_dim, self.conv_kernel_size - 1)
+            conv_state = mixed.new_zeros(batch_size, mixed.shape[1], self.conv_kernel_size - 1)
         conv_input = torch.cat([conv_state.to(mixed.dtype), mixed], dim=-1)
         if seq_len == 1:  # decode: one dot product per channel, cheaper than setting up a convolution
-            mixed = (conv_input * self.conv1d.weight[:, 0]).sum(dim=-1, keepdim=True)
+            mixed = (conv_input * conv_weight).sum(dim=-1, keepdim=True)
         else:
-            mixed = F.conv1d(conv_input, self.conv1d.weight, groups=self.conv_dim)
+            mixed = F.conv1d(conv_input, conv_weight[:, None], groups=conv_weight.shape[0])
         mixed = self.act_fn(mixed).transpose(1, 2)
 
-        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        query = query.reshape(batch_size, seq_len, self.num_key_heads, self.key_head_dim)
-        key = key.reshape(batch_size, seq_len, self.num_key_heads, self.key_head_dim)
-        value = value.reshape(batch_size, seq_len, self.num_value_heads, self.value_head_dim)
+        query, key, value = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+        query = query.reshape(batch_size, seq_len, -1, self.key_head_dim)
+        key = key.reshape(batch_size, seq_len, -1, self.key_head_dim)
+        value = value.reshape(batch_size, seq_len, -1, self.value_head_dim)
         beta = self.in_proj_b(hidden_states).sigmoid() * real
-        log_decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+        log_decay = -A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + dt_bias)
         log_decay = log_decay * real
 
         initial_state = None if layer_cache is None else layer_cache.recurrent_state
         mode = "recurrent" if initial_state is not None and seq_len == 1 else "chunk"
         core, final_state = gated_delta_rule(query, key, value, log_decay, beta, initial_state, mode=mode)
         if layer_cache is not None:
-            layer_cache.update(conv_input[..., -(self.conv_kernel_size - 1):], final_state)
+            num_real = token_is_real.sum(dim=1)
+            layer_cache.update(last_real_entries(conv_input, num_real, self.conv_kernel_size - 1), final_state)
 
-        gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, self.num_value_heads, self.value_head_dim)
-        core = self.norm(core, gate).reshape(batch_size, seq_len, self.value_dim)
+        gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.value_head_dim)
+        core = self.norm(core, gate).reshape(batch_size, seq_len, -1)
         return self.out_proj(core)
+
+    def _rank_share(self):
+        """This rank's share of the layer under transformers' tensor parallelism (all of it otherwise): the index of
+        its heads' channels in the fused q/k/v projection (None: every channel), its query/key width, and the
+        convolution weights `[channels, kernel]`, `A_log` and `dt_bias` of those channels and heads.
+
+        The rank follows `in_proj_z`, which the plan splits by value heads; each rank then owns the key heads those
+        value heads read (`linear_num_key_heads` divide evenly, see `check_tensor_parallel_size`).
+        """
+        rank, ranks = tensor_parallel_rank(self.in_proj_z.weight)
+        conv_weight = self.conv1d.weight[:, 0]
+        if ranks == 1:
+            return None, self.key_dim, conv_weight, self.A_log, self.dt_bias
+        key_dim, value_dim = self.key_dim // ranks, self.value_dim // ranks
+        if self._rank_channels is None:
+            self._rank_channels = torch.cat([
+                torch.arange(rank * key_dim, (rank + 1) * key_dim),  # query
+                torch.arange(self.key_dim + rank * key_dim, self.key_dim + (rank + 1) * key_dim),  # key
+                torch.arange(2 * self.key_dim + rank * value_dim, 2 * self.key_dim + (rank + 1) * value_dim),  # value
+            ]).to(conv_weight.device)
+        heads = slice(rank * self.num_value_heads // ranks, (rank + 1) * self.num_value_heads // ranks)
+        return self._rank_channels, key_dim, conv_weight[self._rank_channels], self.A_log[heads], self.dt_bias[heads]
 
 
 class HybridIndexPoolIndexer(nn.Module):
@@ -262,15 +335,17 @@ class HybridIndexPoolIndexer(nn.Module):
         self,
         window_keys: torch.Tensor,
         window_gate_logits: torch.Tensor | None,
-        window_ids: torch.Tensor,
+        first_positions: torch.Tensor,
         rotary_emb: HybridIndexPoolRotaryEmbedding,
     ) -> torch.Tensor:
-        """Pool `[batch, windows, r, head_dim]` raw keys into normed, rotated `[batch, windows, head_dim]` keys."""
+        """Pool `[batch, windows, r, head_dim]` raw keys into normed `[batch, windows, head_dim]` keys rotated at the
+        rotary positions of each window's first token, `first_positions [streams, batch, windows]` (for text,
+        `c * r`)."""
         if window_gate_logits is not None:
             window_gate_logits = window_gate_logits + self.pool_slot_bias.float()
         pooled = weighted_pool(window_keys, window_gate_logits).to(window_keys.dtype)
         pooled = self.k_norm(pooled)
-        cos, sin = rotary_emb(pooled, window_ids * self.pool_size)
+        cos, sin = rotary_emb(pooled, first_positions[0] if len(first_positions) == 1 else first_positions)
         return apply_rotary(pooled, cos, sin)
 
 
@@ -322,13 +397,18 @@ class HybridIndexPoolAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
+        rope_positions: torch.Tensor,
         token_is_real: torch.Tensor,
         rotary_emb: HybridIndexPoolRotaryEmbedding,
         layer_cache: IndexPoolLayerCache | None = None,
         output_attentions: bool = False,
         indexer_loss: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Returns the output, the attention weights (when asked) and the indexer's KL loss (when asked:
+        """`positions [batch, seq]` count each row's real tokens (windows and the cache follow them);
+        `rope_positions [streams, batch, seq]` are the rotary positions (pooled keys are rotated at their windows'
+        first tokens' ones).
+
+        Returns the output, the attention weights (when asked) and the indexer's KL loss (when asked:
         `indexer_loss="dense"` against dense attention over all complete windows, `"sparse"` over the selected ones).
 
         `indexer_loss="dense"` is the dense warm-up of DESIGN §3: the attention itself is then dense at any length,
@@ -336,15 +416,23 @@ class HybridIndexPoolAttention(nn.Module):
         """
         batch_size, seq_len, _ = hidden_states.shape
         cos, sin = position_embeddings
-        query = self.q_proj(hidden_states).view(batch_size, seq_len, self.num_heads, -1)
+        # Head counts follow the projections: under tensor parallelism a rank holds only its own heads.
+        query_width = self.head_dim * (2 if self.output_gate else 1)
+        query = self.q_proj(hidden_states).view(batch_size, seq_len, -1, query_width)
         gate = None
         if self.output_gate:
             query, gate = query.chunk(2, dim=-1)
             gate = gate.reshape(batch_size, seq_len, -1)
+        if indexer_loss is not None and query.shape[2] != self.num_heads:
+            raise ValueError(
+                "indexer_loss needs the attention of every head, but this rank holds "
+                f"{query.shape[2]} of {self.num_heads} (tensor parallelism); train the indexer without tensor "
+                "parallelism (e.g. FSDP through accelerate)."
+            )
         query = self.q_norm(query).transpose(1, 2)  # [batch, heads, seq, head_dim]
-        key = self.k_norm(self.k_proj(hidden_states).view(batch_size, seq_len, self.num_kv_heads, self.head_dim))
+        key = self.k_norm(self.k_proj(hidden_states).view(batch_size, seq_len, -1, self.head_dim))
         key = key.transpose(1, 2)
-        value = self.v_proj(hidden_states).view(batch_size, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(batch_size, seq_len, -1, self.head_dim).transpose(1, 2)
         query = apply_rotary(query, cos[:, None], sin[:, None])
         key = apply_rotary(key, cos[:, None], sin[:, None])
 
@@ -357,7 +445,7 @@ class HybridIndexPoolAttention(nn.Module):
             state.plan(token_is_real)
         # Everything by position: [batch, kv_heads, capacity, head_dim] and [batch, capacity // r, index_head_dim]
         key, value, pooled_index_keys = state.update(
-            key, value, raw_index_keys, gate_logits, token_is_real,
+            key, value, raw_index_keys, gate_logits, token_is_real, rope_positions,
             partial(self.indexer.pool_windows, rotary_emb=rotary_emb),
         )
         # A padding query sees no window, only its tail: a finite output that is never read.
@@ -367,8 +455,10 @@ class HybridIndexPoolAttention(nn.Module):
         if seq_len == 1 and layer_cache is not None and indexer_loss is None:
             # Decode: fixed shapes and no host synchronisation. The selection is everything visible while that fits
             # the budget, so this is the dense result too.
+            # The budget, or every window the storage can hold when that is less: the shapes follow the capacity.
+            topk = min(self.topk_windows, pooled_index_keys.shape[1])
             selected = pooled_index_topk(
-                index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows,
+                index_queries.detach(), pooled_index_keys.detach(), num_visible, topk,
                 None if head_weights is None else head_weights.detach(),
             )
             output, weights = sparse_attention(
@@ -410,7 +500,7 @@ class HybridIndexPoolAttention(nn.Module):
         num_positions, r = key.shape[-2], self.pool_size
         num_windows = min(pooled_index_keys.shape[1], num_positions // r)
         pooled_index_keys = pooled_index_keys[:, :num_windows]
-        key = key.repeat_interleave(num_heads // self.num_kv_heads, dim=1).float()
+        key = key.repeat_interleave(num_heads // key.shape[1], dim=1).float()
         key_positions = torch.arange(num_positions, device=key.device)
         chunk = max(1, (1 << 24) // max(1, batch_size * num_heads * num_positions))
         total, count = query.new_zeros((), dtype=torch.float32), 0
@@ -444,10 +534,10 @@ class HybridIndexPoolAttention(nn.Module):
         if not output_attentions:
             output = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=visible, dropout_p=dropout, scale=self.scaling,
-                enable_gqa=self.num_heads != self.num_kv_heads,
+                enable_gqa=query.shape[1] != key.shape[1],
             )
             return output.transpose(1, 2), None
-        group = self.num_heads // self.num_kv_heads
+        group = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
         weights = masked_softmax((query.float() @ key.float().transpose(-1, -2)) * self.scaling, visible)
         probs = F.dropout(weights, p=dropout, training=self.training)
@@ -468,9 +558,15 @@ class HybridIndexPoolMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
 
 
+@use_experts_implementation
 class HybridIndexPoolExperts(nn.Module):
     """The routed SwiGLU experts as fused weights: `gate_up_proj [experts, 2 * inner, hidden]`,
-    `down_proj [experts, hidden, inner]`."""
+    `down_proj [experts, hidden, inner]`.
+
+    transformers' experts integration dispatches the computation (`config._experts_implementation`): `"grouped_mm"`
+    by default (one grouped matrix product per projection, no loop over experts and no host synchronisation, so a
+    decode step compiles whole), `"batched_mm"`, or `"eager"`, the loop over the experts that were hit below.
+    """
 
     def __init__(self, config: HybridIndexPoolConfig):
         super().__init__()
@@ -480,14 +576,14 @@ class HybridIndexPoolExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, inner))
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor):
-        """`hidden_states [tokens, hidden]`, `expert_ids`/`expert_weights [tokens, k]` -> `[tokens, hidden]`."""
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """`hidden_states [tokens, hidden]`, `top_k_index`/`top_k_weights [tokens, k]` -> `[tokens, hidden]`."""
         output = torch.zeros_like(hidden_states)
-        for expert in expert_ids.unique().tolist():
-            token_index, slot = torch.nonzero(expert_ids == expert, as_tuple=True)
+        for expert in top_k_index.unique().tolist():
+            token_index, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
             gate, up = F.linear(hidden_states[token_index], self.gate_up_proj[expert]).chunk(2, dim=-1)
             expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
-            weighted = expert_out * expert_weights[token_index, slot, None].to(expert_out.dtype)
+            weighted = expert_out * top_k_weights[token_index, slot, None].to(expert_out.dtype)
             output.index_add_(0, token_index, weighted.to(output.dtype))
         return output
 
@@ -578,9 +674,11 @@ class HybridIndexPoolNGramEmbedding(nn.Module):
         num_rows = -(-sum(self.table_sizes) // multiple) * multiple
         self.ngram_embedding = nn.Embedding(num_rows, config.ple_embed_dim // self.num_heads)
 
-    def forward(self, token_ids: torch.Tensor, token_context: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, token_ids: torch.Tensor, token_context: torch.Tensor | None,
+                num_real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`token_ids [batch, seq]` and the `ple_ngram_size - 1` tokens before them (None: start of the sequence)
-        -> embeddings `[batch, seq, ple_embed_dim]` and the context for the next call."""
+        -> embeddings `[batch, seq, ple_embed_dim]` and the context for the next call, which ends at each row's last
+        real token (`num_real [batch]` real tokens first in each row; all of them when None)."""
         batch_size, seq_len = token_ids.shape
         if token_context is None:
             token_context = token_ids.new_full((batch_size, self.ngram_size - 1), self.eos_token_id)
@@ -595,7 +693,9 @@ class HybridIndexPoolNGramEmbedding(nn.Module):
             row_ids.append(torch.remainder(mixed[..., None], self.head_table_sizes[heads]) + self.head_table_offsets[heads])
         row_ids = torch.cat(row_ids, dim=-1)[:, -seq_len:]  # [batch, seq, heads]
         embeddings = self.ngram_embedding(row_ids.to(self.ngram_embedding.weight.device)).flatten(-2)
-        return embeddings.to(token_ids.device), history[:, -(self.ngram_size - 1):]
+        if num_real is None:
+            return embeddings.to(token_ids.device), history[:, -(self.ngram_size - 1):]
+        return embeddings.to(token_ids.device), last_real_entries(history, num_real, self.ngram_size - 1)
 
 
 class HybridIndexPoolPerLayerEmbedding(nn.Module):
@@ -634,15 +734,15 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
         token_context = conv_state = None
         if layer_cache is not None:
             token_context, conv_state = layer_cache.ple_token_context, layer_cache.ple_conv_state
-        embeddings, token_context = self.ple_embedding(token_ids, token_context)
+        num_real = token_is_real.sum(dim=1)  # each row's real tokens come first
+        embeddings, token_context = self.ple_embedding(token_ids, token_context, num_real)
         keys = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
         queries = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
         gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)  # [batch, seq, hc_count, 1]
         gate = gate.sign() * gate.abs().clamp(min=1e-6).sqrt()
-        real = token_is_real[..., None].to(streams.dtype)
         gated_values = torch.sigmoid(gate) * self.value_proj(embeddings).unsqueeze(-2)
-        normed = self.norm_conv(gated_values.flatten(-2)) * real
-        gated_values = gated_values.flatten(-2) * real
+        normed = torch.where(token_is_real[..., None], self.norm_conv(gated_values.flatten(-2)), 0.0)
+        gated_values = torch.where(token_is_real[..., None], gated_values.flatten(-2), 0.0)
 
         # Dilated causal convolution, continuing from the cached last inputs.
         conv_input = normed.transpose(1, 2)  # [batch, channels, seq]
@@ -650,7 +750,7 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
             conv_state = conv_input.new_zeros(*conv_input.shape[:2], self.conv_state_length)
         conv_input = torch.cat([conv_state.to(conv_input.dtype), conv_input], dim=-1)
         if layer_cache is not None:
-            layer_cache.update_ple(token_context, conv_input[..., conv_input.shape[-1] - self.conv_state_length:])
+            layer_cache.update_ple(token_context, last_real_entries(conv_input, num_real, self.conv_state_length))
         conv_output = F.conv1d(conv_input, self.conv1d.weight, dilation=self.conv_dilation, groups=conv_input.shape[1])
         return gated_values + F.silu(conv_output).transpose(1, 2)
 
@@ -691,6 +791,7 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
+        rope_positions: torch.Tensor,
         token_is_real: torch.Tensor,
         rotary_emb: HybridIndexPoolRotaryEmbedding,
         cache: HybridIndexPoolCache | None = None,
@@ -714,7 +815,7 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.linear_attn(hidden_states, token_is_real, layer_cache)
         else:
             hidden_states, weights, kl = self.self_attn(
-                hidden_states, position_embeddings, positions, token_is_real, rotary_emb, layer_cache,
+                hidden_states, position_embeddings, positions, rope_positions, token_is_real, rotary_emb, layer_cache,
                 output_attentions, indexer_loss,
             )
         if self.hyper_connections:
@@ -733,9 +834,33 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["HybridIndexPoolDecoderLayer"]
+    # The Gated DeltaNet decay parameters stay float32 when the model is loaded in half precision.
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias"]
     _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _is_stateful = True
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """Refuse what transformers' parallelism cannot do with this model before it applies its plans: a tensor
+        parallel size that does not split the heads evenly, and pipeline stages for hyper-connections or PLE (a stage
+        hands the next one `hidden_size` channels and no token ids)."""
+        if distributed_config is not None and mesh_manager is not None:
+            config = model.config.get_text_config()
+            config.check_tensor_parallel_size(distributed_config.tp_size)
+            if distributed_config.pp_size > 1 and (config.hc_count > 1 or config.ple_layers):
+                raise ValueError(
+                    "Pipeline parallelism passes one `hidden_size`-wide state between stages, but this model has "
+                    f"hyper-connections (hc_count = {config.hc_count}) or PLE layers ({config.ple_layers}) "
+                    "that need hc_count streams and the token ids in every stage; use tensor parallelism instead."
+                )
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers looks for the experts decorator in the module of the class; subclasses defined elsewhere (the
+        # converters' helpers, user code) use the same experts.
+        return True
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as usual, plus what makes the folder a self-contained Hub checkpoint: flat remote code, `auto_map`
@@ -745,14 +870,14 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
         """
         if kwargs.get("is_main_process", True):
             os.makedirs(save_directory, exist_ok=True)
-            write_remote_code(save_directory)
+            write_remote_code(save_directory, multimodal=hasattr(self.config, "vision_config"))
             write_model_card(self, save_directory)
-        self.config.auto_map = dict(AUTO_MAP)
+        self.config.auto_map = auto_map_for(self.config)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        std = self.config.initializer_range
+        std = self.config.get_text_config().initializer_range
         if isinstance(module, HybridIndexPoolRMSNorm):
             init.zeros_(module.weight)  # zero-centred: the scale is 1 + weight
         elif isinstance(module, HybridIndexPoolGatedDeltaNet):
@@ -833,9 +958,9 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         output_hidden_states = bool(
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        use_cache_asked = use_cache
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        self._check_inputs(input_ids, inputs_embeds)
         if self.config.ple_layers:
             ple_input_ids = input_ids if ple_input_ids is None else ple_input_ids
             if ple_input_ids is None:
@@ -852,43 +977,81 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 f"`cache` is a {type(cache).__name__}; this model needs a HybridIndexPoolCache "
                 "(leave it empty and one is created, or build one with HybridIndexPoolCache(model.config))."
             )
-        if use_cache and cache is None:
-            cache = HybridIndexPoolCache(self.config)
+        if cache is not None:
+            cache.check_compatible(self.config, inputs_embeds.shape[0])
 
         batch_size, seq_len = inputs_embeds.shape[:2]
         token_is_real = self._token_is_real(attention_mask, cache, batch_size, seq_len, inputs_embeds.device)
-        # Storage positions: each row counts its real tokens (the cache's per-row lengths come first).
-        if cache is not None:
-            positions = cache.begin_update(token_is_real)
-        else:
-            positions = (token_is_real.long().cumsum(dim=1) - 1).clamp(min=0)
-        rope_positions = self._rope_positions(position_ids, positions, batch_size, seq_len)
+        rope_positions, text_positions = self._rope_positions(position_ids, batch_size, seq_len, inputs_embeds.device)
+        # The layers run on a grid where every sequence's real tokens come first (see TokenLayout): padding and
+        # holes then cost the recurrent layers nothing, and packed sequences never see each other.
+        layout = None
+        if seq_len > 1 and text_positions is not None and self._is_packed(text_positions, token_is_real):
+            if cache is not None or use_cache_asked:
+                raise ValueError(
+                    "`position_ids` restart at 0 inside a row (packed sequences, as DataCollatorWithFlattening "
+                    "makes): that is for training without a cache; pass use_cache=False, or one sequence per row."
+                )
+            use_cache = False
+            layout = TokenLayout.unpack(text_positions, token_is_real)
+        elif seq_len > 1:
+            layout = TokenLayout.compact(token_is_real)
+        if use_cache and cache is None:
+            cache = HybridIndexPoolCache(self.config)
         ple_token_ids = None
         if self.config.ple_layers:
             # Padding never enters an n-gram: it reads as end-of-sequence, after which the n-gram context restarts.
             ple_token_ids = ple_input_ids.to(inputs_embeds.device).masked_fill(
                 ~token_is_real, self.config.ple_eos_token_id
             )
+        if layout is not None:
+            inputs_embeds, token_is_real = layout.to_grid(inputs_embeds), layout.token_is_real
+            if rope_positions is not None:  # [streams, batch, seq]: the streams ride along
+                rope_positions = layout.to_grid(rope_positions.permute(1, 2, 0)).permute(2, 0, 1)
+            text_positions = None if text_positions is None else layout.to_grid(text_positions)
+            ple_token_ids = None if ple_token_ids is None else layout.to_grid(ple_token_ids)
+        # Storage positions: each row counts its real tokens (the cache's per-row lengths come first).
+        if cache is not None:
+            positions = cache.begin_update(token_is_real)
+        else:
+            positions = (token_is_real.long().cumsum(dim=1) - 1).clamp(min=0)
+        if text_positions is not None and seq_len > 1:
+            self._check_positions(text_positions, positions, token_is_real)
+        if rope_positions is None:
+            # The rotary positions count the tokens too, shifted per row after a multimodal prompt.
+            rope_positions = positions
+            if cache is not None and cache.rope_deltas is not None:
+                rope_positions = positions + cache.rope_deltas.to(positions.device)
+            rope_positions = rope_positions[None].expand(self.rotary_emb.num_streams, -1, -1)
         if self.config.hc_count > 1:
             inputs_embeds = inputs_embeds.repeat(1, 1, self.config.hc_count)  # every stream starts as the embedding
         # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
         # so peak memory follows the cache (linear in the context), not the prompt's activations.
+        grid_length = inputs_embeds.shape[1]
         chunk = self.config.prefill_chunk_length
-        if cache is None or chunk is None or seq_len <= chunk or output_attentions or indexer_loss:
-            chunk = seq_len
+        if cache is None or chunk is None or grid_length <= chunk or output_attentions or indexer_loss:
+            chunk = grid_length
         pieces = [
             self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
-                             rope_positions[:, start:start + chunk], token_is_real[:, start:start + chunk], cache,
+                             rope_positions[:, :, start:start + chunk], token_is_real[:, start:start + chunk], cache,
                              output_attentions, output_hidden_states,
                              indexer_loss, None if ple_token_ids is None else ple_token_ids[:, start:start + chunk])
-            for start in range(0, seq_len, chunk)
+            for start in range(0, grid_length, chunk)
         ]
         hidden_states = torch.cat([piece[0] for piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
         all_hidden_states = None
         if output_hidden_states:
-            all_hidden_states = tuple(torch.cat(states, dim=1) for states in zip(*(piece[1] for piece in pieces)))
+            all_hidden_states = tuple(torch.cat(states, dim=1) if len(states) > 1 else states[0]
+                                      for states in zip(*(piece[1] for piece in pieces)))
         all_attentions = pieces[0][2] if output_attentions else None
         layer_losses = pieces[0][3]
+        if layout is not None:
+            hidden_states = layout.from_grid(hidden_states)
+            if all_hidden_states is not None:
+                all_hidden_states = tuple(layout.from_grid(states) for states in all_hidden_states)
+            if all_attentions is not None:  # [rows, heads, queries, positions]: move the queries
+                all_attentions = tuple(layout.from_grid(weights.transpose(1, 2)).transpose(1, 2)
+                                       for weights in all_attentions)
         return HybridIndexPoolModelOutput(
             last_hidden_state=hidden_states,
             cache=cache if use_cache else None,
@@ -901,13 +1064,17 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                     output_hidden_states, indexer_loss=None, ple_token_ids=None):
         """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions and
         the IndexPool layers' indexer losses."""
-        position_embeddings = self.rotary_emb(hidden_states, rope_positions)
+        position_embeddings = self.rotary_emb(hidden_states, rope_positions[0] if len(rope_positions) == 1
+                                              else rope_positions)
         all_hidden_states, all_attentions, indexer_losses = (), (), []
         for decoder_layer in self.layers:
+            if not isinstance(decoder_layer, HybridIndexPoolDecoderLayer):
+                continue  # another pipeline stage runs this layer (transformers' pipeline parallelism left a stub)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
             hidden_states, weights, kl = decoder_layer(
-                hidden_states, position_embeddings, positions, token_is_real, self.rotary_emb, cache=cache,
+                hidden_states, position_embeddings, positions, rope_positions, token_is_real, self.rotary_emb,
+                cache=cache,
                 output_attentions=output_attentions, indexer_loss=indexer_loss, ple_token_ids=ple_token_ids,
             )
             if output_attentions and decoder_layer.layer_type == "indexpool_attention":
@@ -921,6 +1088,35 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         return hidden_states, all_hidden_states, all_attentions, indexer_losses
+
+    def _check_inputs(self, input_ids, inputs_embeds) -> None:
+        """Refuse malformed inputs with a message that names the argument and the fix."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        given = input_ids if input_ids is not None else inputs_embeds
+        name = "input_ids" if input_ids is not None else "inputs_embeds"
+        if given.dim() != (2 if input_ids is not None else 3):
+            shape = "[batch, seq]" if input_ids is not None else "[batch, seq, hidden_size]"
+            raise ValueError(f"`{name}` has shape {tuple(given.shape)}; give {shape} (add a batch dimension with "
+                             f"{name}[None] for a single sequence).")
+        if given.shape[0] == 0 or given.shape[1] == 0:
+            raise ValueError(f"`{name}` has shape {tuple(given.shape)}: give at least one row of at least one token.")
+        if input_ids is not None:
+            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+                raise ValueError(f"`input_ids` are {input_ids.dtype}; token ids must be integers (e.g. torch.long).")
+            # Checked outside decode steps only: reading the values waits for the device.
+            if input_ids.shape[1] > 1 and bool((input_ids < 0).any() | (input_ids >= self.config.vocab_size).any()):
+                raise ValueError(
+                    f"`input_ids` hold ids from {int(input_ids.min())} to {int(input_ids.max())}, outside the "
+                    f"vocabulary [0, {self.config.vocab_size}); check the tokenizer matches this model."
+                )
+        else:
+            if inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(f"`inputs_embeds` are {inputs_embeds.shape[-1]} wide; this model's hidden_size is "
+                                 f"{self.config.hidden_size}.")
+            if not inputs_embeds.is_floating_point():
+                raise ValueError(f"`inputs_embeds` are {inputs_embeds.dtype}; give floating-point embeddings (e.g. "
+                                 "model.get_input_embeddings()(input_ids)).")
 
     @staticmethod
     def _token_is_real(attention_mask, cache, batch_size, seq_len, device):
@@ -943,31 +1139,142 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             )
         return attention_mask[:, attention_mask.shape[1] - seq_len:].to(device=device, dtype=torch.bool)
 
-    @staticmethod
-    def _rope_positions(position_ids, positions, batch_size, seq_len):
-        """Rotary positions `[batch, seq]`: `position_ids` when given, else the storage positions."""
+    def _rope_positions(self, position_ids, batch_size, seq_len, device):
+        """`position_ids` as rotary positions `[streams, batch, seq]` for this model's RoPE and, where they include
+        them, the text positions `[batch, seq]` (which count the real tokens); `(None, None)` when not given.
+
+        Accepted: `[batch, seq]` text positions; `[3, batch, seq]` multimodal streams (time, height, width);
+        `[4, batch, seq]`, the text positions then the three streams (what `generate()` builds for Qwen-VL models).
+        """
         if position_ids is None:
-            return positions
-        if position_ids.dim() == 3:
-            if not bool((position_ids == position_ids[:1]).all()):
-                raise ValueError(
-                    "`position_ids` has several different position streams (multimodal RoPE for images or "
-                    "video); this text model needs one position per token: give `[batch, seq]`."
-                )
-            position_ids = position_ids[0]
-        if position_ids.shape == (1, seq_len):
-            position_ids = position_ids.expand(batch_size, seq_len)
-        if position_ids.shape != (batch_size, seq_len):
+            return None, None
+        streams = self.rotary_emb.num_streams
+        text_positions, multimodal = None, None
+        if position_ids.dim() == 2:
+            text_positions = position_ids
+        elif position_ids.dim() == 3 and position_ids.shape[0] in (1, 3, 4):
+            if position_ids.shape[0] in (1, 4):
+                text_positions = position_ids[0]
+            if position_ids.shape[0] != 1:
+                multimodal = position_ids[-3:]
+        else:
             raise ValueError(
-                f"`position_ids` has shape {tuple(position_ids.shape)}; it must be ({batch_size}, {seq_len})."
+                f"`position_ids` has shape {tuple(position_ids.shape)}; give [batch, seq] text positions, or "
+                "[3, batch, seq] multimodal (time, height, width) positions, or [4, batch, seq] with the text positions "
+                "first."
             )
-        return position_ids.to(device=positions.device, dtype=torch.long)
+        if multimodal is not None and streams == 1:
+            if not bool((multimodal == multimodal[:1]).all()):
+                raise ValueError(
+                    "`position_ids` has several different position streams (multimodal RoPE for images or video), "
+                    "but this model's rope_parameters have no 'mrope_section': give [batch, seq] positions, or use "
+                    "a multimodal model."
+                )
+            text_positions = multimodal[0] if text_positions is None else text_positions
+            multimodal = None
+        for name, given in (("text", text_positions), ("multimodal", multimodal)):
+            if given is not None and given.shape[-2:] not in ((batch_size, seq_len), (1, seq_len)):
+                raise ValueError(f"`position_ids` ({name}) has shape {tuple(given.shape)}; its last two dimensions "
+                                 f"must be ({batch_size}, {seq_len}).")
+        if text_positions is not None:
+            text_positions = text_positions.expand(batch_size, seq_len).to(device=device, dtype=torch.long)
+        rope = multimodal if multimodal is not None else text_positions[None]
+        rope = rope.expand(streams, batch_size, seq_len).to(device=device, dtype=torch.long)
+        return rope, text_positions
+
+    @staticmethod
+    def _is_packed(position_ids, token_is_real) -> bool:
+        """Whether some row holds several sequences: more than one real token at position 0 (reads the device)."""
+        return bool((((position_ids == 0) & token_is_real).sum(dim=1) > 1).any())
+
+    @staticmethod
+    def _check_positions(position_ids, positions, token_is_real) -> None:
+        """Refuse `position_ids` that disagree with each row's count of real tokens (reads the device; not done in
+        decode steps): windows, the cache and RoPE all follow that count."""
+        wrong = token_is_real & (position_ids != positions)
+        if bool(wrong.any()):
+            row, column = (int(index) for index in wrong.nonzero()[0])
+            raise ValueError(
+                f"`position_ids` give position {int(position_ids[row, column])} to a token that is real token number "
+                f"{int(positions[row, column])} of its row (row {row}): positions must count each row's real tokens "
+                "from 0 (from the tokens already in the cache), as attention_mask.cumsum(-1) - 1 does. Leave "
+                "`position_ids` out and the model counts them; positions restarting at 0 mean packed sequences."
+            )
 
 
-class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin):
+class HybridIndexPoolGenerationMixin(GenerationMixin):
+    """What the language-model heads share: the output of `lm_head` with its losses, and what `generate()` needs to
+    know about this model family: its cache (reserved once for the call), positions counted by the model itself, and
+    the 2-D padding mask passed through to a (possibly compiled) decode step."""
+
+    def language_model_output(self, outputs, labels=None, logits_to_keep: int | torch.Tensor = 0,
+                              **kwargs) -> "HybridIndexPoolCausalLMOutput":
+        """Logits of the last `logits_to_keep` positions (all when 0) and, given `labels`, the loss; a requested
+        indexer loss is added, weighted by `indexer_loss_weight`."""
+        text_config = self.config.get_text_config()
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(outputs.last_hidden_state[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
+        if outputs.indexer_loss is not None:
+            weighted = text_config.indexer_loss_weight * outputs.indexer_loss
+            loss = weighted if loss is None else loss + weighted
+        return HybridIndexPoolCausalLMOutput(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions, indexer_loss=outputs.indexer_loss,
+        )
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
+        """`generate()` gets a HybridIndexPoolCache (the default DynamicCache cannot hold pooled windows)."""
+        cache = model_kwargs.get("cache")
+        if isinstance(cache, HybridIndexPoolCache) and generation_config.use_cache is not False:
+            cache.reserve(max_cache_length)  # continuing from a cache: room for this call's tokens, once
+        if cache is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if generation_config.cache_implementation not in (None, "dynamic", "hybrid_indexpool"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
+                "HybridIndexPool; leave it unset (a HybridIndexPoolCache is built) or pass `cache=`."
+            )
+        # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
+        model_kwargs["cache"] = HybridIndexPoolCache(self.config.get_text_config(), max_cache_len=max_cache_length)
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """None: the model counts each row's real tokens itself, from the attention mask and the cache, which
+        `generate()`'s own positions get wrong for right-padded rows once decoding starts."""
+        return None
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
+        )
+        cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
+        if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
+            # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
+            # every length: say so up front instead of recompiling once the length changes.
+            torch._dynamo.maybe_mark_dynamic(attention_mask, 1)
+        return model_inputs
+
+    @staticmethod
+    def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs):
+        """The layers build their own selections from the 2-D padding mask: `generate()` passes it through."""
+        return attention_mask
+
+
+class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPoolGenerationMixin):
     """HybridIndexPool with a language-modelling head; `generate()` uses a [`HybridIndexPoolCache`]."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: HybridIndexPoolConfig):
         super().__init__(config)
@@ -1004,49 +1311,7 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, GenerationMixin
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, indexer_loss=indexer_loss, ple_input_ids=ple_input_ids,
         )
-        hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        if outputs.indexer_loss is not None:
-            weighted = self.config.indexer_loss_weight * outputs.indexer_loss
-            loss = weighted if loss is None else loss + weighted
-        return HybridIndexPoolCausalLMOutput(
-            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, indexer_loss=outputs.indexer_loss,
-        )
-
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-    ):
-        """`generate()` gets a HybridIndexPoolCache (the default DynamicCache cannot hold pooled windows)."""
-        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
-            return super()._prepare_cache_for_generation(
-                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-            )
-        if generation_config.cache_implementation not in (None, "dynamic", "hybrid_indexpool"):
-            raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
-                "HybridIndexPool; leave it unset (a HybridIndexPoolCache is built) or pass `cache=`."
-            )
-        # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
-        model_kwargs["cache"] = HybridIndexPoolCache(self.config, max_cache_len=max_cache_length)
-
-    def prepare_inputs_for_generation(self, *args, **kwargs):
-        model_inputs = super().prepare_inputs_for_generation(*args, **kwargs)
-        cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
-        if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
-            # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
-            # every length: say so up front instead of recompiling once the length changes.
-            torch._dynamo.maybe_mark_dynamic(attention_mask, 1)
-        return model_inputs
-
-    @staticmethod
-    def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs):
-        """The layers build their own selections from the 2-D padding mask: `generate()` passes it through."""
-        return attention_mask
+        return self.language_model_output(outputs, labels, logits_to_keep, **kwargs)
 
 
 class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
@@ -1102,6 +1367,7 @@ class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
 
 
 __all__ = [
+    "HybridIndexPoolGenerationMixin",
     "HybridIndexPoolPreTrainedModel",
     "HybridIndexPoolModel",
     "HybridIndexPoolForCausalLM",

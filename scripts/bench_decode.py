@@ -39,6 +39,16 @@ from tqdm import tqdm
 
 SETTINGS = ("pooled_r4", "unpooled_r1", "dense", "qwen4_exp")
 DENSE_BUDGET = 1 << 22
+# Layer widths. flash-next: Qwen3.8-Flash-Next's attention (16 query heads of 256, 2 key/value heads), Gated DeltaNet
+# (16 key heads and 32 value heads of 128) and indexer (4 heads of 128, budget 2048) in 4 layers (3 Gated DeltaNet +
+# 1 IndexPool); unlike the real model it has 4 layers instead of 48, a dense MLP of 1024 instead of 512 experts, a
+# 16K vocabulary instead of 248K, and no hyper-connections or n-gram embeddings.
+PRESETS = {
+    "tiny": {},
+    "flash-next": dict(hidden_size=2048, intermediate_size=1024, layers=4, heads=16, kv_heads=2, head_dim=256,
+                       index_heads=4, index_head_dim=128, topk=2048, linear_key_heads=16, linear_value_heads=32,
+                       linear_head_dim=128, vocab_size=16384),
+}
 
 
 def model_config(setting: str, args):
@@ -49,7 +59,8 @@ def model_config(setting: str, args):
         return Qwen4ExpTextConfig(
             vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_num_key_heads=args.linear_key_heads, linear_num_value_heads=args.linear_value_heads,
+            linear_key_head_dim=args.linear_head_dim, linear_value_head_dim=args.linear_head_dim,
             num_experts=1, num_experts_per_tok=1, moe_intermediate_size=args.intermediate_size,
             shared_expert_intermediate_size=args.intermediate_size, hc_count=2, hc_lowrank=16, ple_layer_ids=[],
             indexer_n_heads=args.index_heads, indexer_kv_heads=1, indexer_head_dim=args.index_head_dim,
@@ -61,8 +72,9 @@ def model_config(setting: str, args):
     return HybridIndexPoolConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-        linear_value_head_dim=32, index_n_heads=args.index_heads, index_head_dim=args.index_head_dim,
+        head_dim=args.head_dim, linear_num_key_heads=args.linear_key_heads,
+        linear_num_value_heads=args.linear_value_heads, linear_key_head_dim=args.linear_head_dim,
+        linear_value_head_dim=args.linear_head_dim, index_n_heads=args.index_heads, index_head_dim=args.index_head_dim,
         index_topk=DENSE_BUDGET if setting == "dense" else args.topk,
         index_pool_size=1 if setting == "unpooled_r1" else 4, index_pool_weighting="mean",
         layer_types=["linear_attention"] * (args.layers - 1) + ["indexpool_attention"],
@@ -70,15 +82,37 @@ def model_config(setting: str, args):
 
 
 def build_model(setting: str, args):
+    dtype = getattr(torch, args.dtype)
     if setting == "qwen4_exp":
         from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
 
         torch.manual_seed(args.seed)
-        return Qwen4ExpForCausalLM(model_config(setting, args)).eval()
+        return Qwen4ExpForCausalLM(model_config(setting, args)).eval().to(dtype)
     from hybrid_indexpool import HybridIndexPoolForCausalLM
 
     torch.manual_seed(args.seed)
-    return HybridIndexPoolForCausalLM(model_config(setting, args)).eval()
+    return HybridIndexPoolForCausalLM(model_config(setting, args)).eval().to(dtype)
+
+
+def roofline_bytes(model, cache, context: int) -> int:
+    """Bytes a decode step must move at the least: every weight read once (one embedding row), the keys and values
+    it attends (the selected windows and the open tail, or all of them for dense attention) and the pooled keys it
+    scores, read once, and the recurrent and convolution states read and written once."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    embedding = model.get_input_embeddings().weight
+    total = weights + embedding[0].numel() * embedding.element_size()
+    element = embedding.element_size()
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_state"):
+            total += 2 * sum(t.numel() * t.element_size() for t in (layer.recurrent_state, layer.conv_state))
+            continue
+        r = layer.pool_size
+        attended = min(context, config.index_topk + r - 1)
+        total += 2 * attended * config.num_key_value_heads * config.head_dim * element  # keys and values
+        if config.index_topk < context:
+            total += (context // r) * config.index_head_dim * element  # every pooled key, once
+    return total
 
 
 def qwen4_cache_bytes(cache) -> dict:
@@ -199,6 +233,7 @@ def measure(setting: str, context: int, args) -> dict:
         if ours:
             result["cache_bytes"] = cache.memory_footprint()
             result.update(indexer_step(model, cache, args))
+            result["roofline_bytes"] = roofline_bytes(model, cache, context)
         else:
             result["cache_bytes"] = qwen4_cache_bytes(cache)
     return result
@@ -219,8 +254,9 @@ def copy_bandwidth(args) -> float:
 
 def print_table(results: list[dict], bandwidth: float) -> None:
     print(f"\nmemory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s")
-    header = ("setting", "context", "prefill s", "eager ms", "compiled ms", "speedup", "aten calls", "compiled aten",
-              "reserved MiB", "in use MiB", "index keys KiB", "indexer ms", "indexer % bw")
+    header = ("setting", "context", "prefill s", "eager ms", "compiled ms", "speedup", "roofline ms", "best/roofline",
+              "aten calls", "compiled aten", "reserved MiB", "in use MiB", "index keys KiB", "indexer ms",
+              "indexer % bw")
     print("".join(f"{h:>15}" for h in header))
     for row in results:
         cache = row.get("cache_bytes", {})
@@ -228,9 +264,13 @@ def print_table(results: list[dict], bandwidth: float) -> None:
         fraction = row.get("indexer_bytes_per_second", 0) / bandwidth
         prefill = "synthetic" if row["prefill_s"] is None else f"{row['prefill_s']:.2f}"
         compiled = row.get("compiled_decode_ms")
+        roofline = row["roofline_bytes"] / bandwidth * 1e3 if "roofline_bytes" in row else None
+        best = min(row["decode_ms"], compiled or float("inf"))
         cells = (row["setting"], f"{row['context']:,}", prefill, f"{row['decode_ms']:.2f}",
                  "-" if compiled is None else f"{compiled:.2f}",
-                 "-" if compiled is None else f"{row['decode_ms'] / compiled:.1f}x", f"{row['aten_calls']:,}",
+                 "-" if compiled is None else f"{row['decode_ms'] / compiled:.1f}x",
+                 "-" if roofline is None else f"{roofline:.2f}", "-" if roofline is None else f"{best / roofline:.1f}x",
+                 f"{row['aten_calls']:,}",
                  f"{row['compiled_aten_calls']:,}" if "compiled_aten_calls" in row else "-",
                  f"{cache.get('reserved', 0) / 2**20:.1f}", f"{cache.get('total', 0) / 2**20:.1f}",
                  f"{index_bytes / 2**10:.1f}", f"{row['indexer_ms']:.3f}" if "indexer_ms" in row else "-",
@@ -284,6 +324,10 @@ def parse_arguments(argv=None):
     parser.add_argument("--topk", type=int, default=512, help="token budget (default 512)")
     parser.add_argument("--new-tokens", type=int, default=8, help="decoded tokens per run (median reported)")
     parser.add_argument("--repeats", type=int, default=5, help="repetitions of the indexer-step timing")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="layer widths: tiny (the benchmark model of docs/) or flash-next (Qwen3.8-Flash-Next's "
+                             "per-layer widths; see PRESETS); explicit width options override it")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--intermediate-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4, help="layers (the last one IndexPool, the rest linear)")
@@ -292,6 +336,9 @@ def parse_arguments(argv=None):
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--index-heads", type=int, default=2)
     parser.add_argument("--index-head-dim", type=int, default=32)
+    parser.add_argument("--linear-key-heads", type=int, default=2, help="Gated DeltaNet key heads")
+    parser.add_argument("--linear-value-heads", type=int, default=4, help="Gated DeltaNet value heads")
+    parser.add_argument("--linear-head-dim", type=int, default=32, help="Gated DeltaNet key and value head width")
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
@@ -303,6 +350,10 @@ def parse_arguments(argv=None):
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--plot", help="draw latency and memory against context to this image file")
     args = parser.parse_args(argv)
+    given = {action.dest for action in parser._actions if any(option in (argv or []) for option in action.option_strings)}
+    for name, value in PRESETS[args.preset].items():
+        if name not in given:
+            setattr(args, name, value)
     if args.quick:
         args.contexts = args.contexts or "2048,4096"
         args.new_tokens, args.repeats = 4, 3

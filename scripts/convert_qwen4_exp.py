@@ -7,8 +7,11 @@ Gated DeltaNet, gated attention, MoE (per-expert weights on disk are fused), hyp
 n-gram embeddings (whose table, split in parts on disk, is written as one tensor, streamed part by part).
 
 Reads `Qwen4ExpForCausalLM` (`qwen4_exp_text`) and the multimodal `Qwen4ExpForConditionalGeneration` (`qwen4_exp`)
-folders; the vision tower of the latter is left out (the converted model reads text). It streams shard by shard, so
-memory stays near the largest shard, not the model (the real model has about 180B parameters).
+folders. A multimodal source becomes our `HybridIndexPoolForConditionalGeneration`: transformers' Qwen4-Exp vision
+tower with the source's weights, our text model with its multimodal RoPE, and the source's processor files (so
+`AutoProcessor.from_pretrained(output)` works); `--text_only` converts its language model alone into our causal LM.
+It streams shard by shard, so memory stays near the largest shard, not the model (the real model has about 180B
+parameters).
 
     python -m hybrid_indexpool.scripts.convert_qwen4_exp --source Qwen3.8-Flash-Next --output Qwen3.8-Flash-IndexPool
 """
@@ -17,7 +20,7 @@ import re
 
 import torch
 
-from hybrid_indexpool import HybridIndexPoolConfig
+from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
 from hybrid_indexpool.conversion import (
     ConcatenatedWeight,
     ConversionError,
@@ -43,9 +46,13 @@ TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE = "qwen4_exp_text", "qwen4_exp"
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
 
-def build_config(source: SourceCheckpoint, pool_weighting: str = "learned") -> HybridIndexPoolConfig:
-    """Our config for the source: every field mapped; QSA becomes IndexPool with the same budget and pool size."""
-    full, text = qwen_source_configs(source, multimodal=source.model_type == MULTIMODAL_MODEL_TYPE)
+def build_config(source: SourceCheckpoint, pool_weighting: str = "learned", text_only: bool = False):
+    """Our config for the source: every field mapped; QSA becomes IndexPool with the same budget and pool size. A
+    multimodal source gives a `HybridIndexPoolMultimodalConfig` (the vision tower's config as it is) unless
+    `text_only`."""
+    multimodal = source.model_type == MULTIMODAL_MODEL_TYPE
+    keep_vision = multimodal and not text_only
+    full, text = qwen_source_configs(source, multimodal=multimodal)
     missing = [name for name in QSA_FIELDS if getattr(text, name, None) is None]
     if missing:
         raise ConversionError(
@@ -54,8 +61,8 @@ def build_config(source: SourceCheckpoint, pool_weighting: str = "learned") -> H
         )
     layer_types = ["indexpool_attention" if kind == "indexed_attention" else kind for kind in text.layer_types]
     try:
-        return HybridIndexPoolConfig(
-            **qwen_hybrid_settings(full, text),
+        text_config = HybridIndexPoolConfig(
+            **qwen_hybrid_settings(full, text, multimodal_rope=keep_vision),
             layer_types=layer_types,
             index_n_heads=text.indexer_n_heads,
             index_head_dim=text.indexer_head_dim,
@@ -79,6 +86,14 @@ def build_config(source: SourceCheckpoint, pool_weighting: str = "learned") -> H
             ple_ngram_vocab_size_base=text.ngram_vocab_size_base,
             ple_vocab_size_multiple=text.make_ngram_vocab_size_divisible_by,
             ple_hash_seed=text.seed,
+        )
+        if not keep_vision:
+            return text_config
+        return HybridIndexPoolMultimodalConfig(
+            text_config=text_config, vision_config=full.vision_config.to_dict(), image_token_id=full.image_token_id,
+            video_token_id=full.video_token_id, vision_start_token_id=full.vision_start_token_id,
+            vision_end_token_id=full.vision_end_token_id, tie_word_embeddings=bool(full.tie_word_embeddings),
+            dtype=text_config.dtype,
         )
     except ValueError as error:
         raise ConversionError(f"The source config does not map to ours: {error}") from error
@@ -120,12 +135,33 @@ def check_hash_tables(sources: tuple[str, ...], embedding: HybridIndexPoolNGramE
     return WeightGroup(sources, (), build)
 
 
-def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> ConversionPlan:
-    """Which source weights become which of ours, and which are left out."""
+def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
+    """Which source weights become which of ours, and which are left out. For a multimodal target the text model's
+    weights go under `model.language_model.` and the vision tower's keep their names."""
+    keep_vision = isinstance(config, HybridIndexPoolMultimodalConfig)
+    text_plan = build_text_plan(source, config.get_text_config(), keep_vision)
+    if not keep_vision:
+        return text_plan
+    plan = text_plan.with_renamed_targets(to_multimodal_name)
+    plan.groups += [rename(name, name) for name in source.weight_names if name.startswith(VISION_PREFIX)]
+    return plan
+
+
+VISION_PREFIX = "model.visual."
+
+
+def to_multimodal_name(name: str) -> str:
+    """Where a weight of our causal LM lives in our multimodal model."""
+    return name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model.")
+
+
+def build_text_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig, keep_vision: bool) -> ConversionPlan:
+    """The plan of our causal LM's weights (the vision tower left out unless `keep_vision`, which another part of
+    the plan then covers)."""
     multimodal = source.model_type == MULTIMODAL_MODEL_TYPE
     prefix = qwen_text_prefix(multimodal)
     names = source.weight_names
-    outer = qwen_outer_plan(config, multimodal)
+    outer = qwen_outer_plan(config, multimodal, keep_vision)
     groups, ignore, concatenations = list(outer.groups), outer.ignore, []
     groups += [
         rename(f"{prefix}hyper_connection_mixer.{part}", f"model.hyper_connection_mixer.{part}")
@@ -172,8 +208,10 @@ def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> Conve
     return ConversionPlan(groups, ignore, concatenations)
 
 
-def pooling_weights(config: HybridIndexPoolConfig) -> dict[str, torch.Tensor]:
+def pooling_weights(config) -> dict[str, torch.Tensor]:
     """Learned pooling at exactly the mean: a zero gate projection and zero slot biases in every IndexPool layer."""
+    if isinstance(config, HybridIndexPoolMultimodalConfig):
+        return {to_multimodal_name(name): tensor for name, tensor in pooling_weights(config.text_config).items()}
     if config.index_pool_weighting != "learned":
         return {}
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
@@ -189,15 +227,17 @@ def pooling_weights(config: HybridIndexPoolConfig) -> dict[str, torch.Tensor]:
 
 
 def convert(
-    source_dir, output_dir, *, pool_weighting: str = "learned", overwrite: bool = False,
+    source_dir, output_dir, *, pool_weighting: str = "learned", text_only: bool = False, overwrite: bool = False,
     max_shard_size: int | str = "5GB", progress: bool = True, log=print,
 ) -> ConversionReport:
-    """Convert the Qwen4-Exp checkpoint in `source_dir` into ours in `output_dir`."""
+    """Convert the Qwen4-Exp checkpoint in `source_dir` into ours in `output_dir` (a multimodal one with its vision
+    tower, unless `text_only`)."""
     source = SourceCheckpoint.open(source_dir)
     source.require_model_type((TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE), SCRIPT)
     if source.model_type == MULTIMODAL_MODEL_TYPE:
-        log("multimodal checkpoint: converting its language model; the vision tower is left out")
-    config = build_config(source, pool_weighting)
+        log("multimodal checkpoint: converting its language model; the vision tower is left out" if text_only else
+            "multimodal checkpoint: converting the language model and keeping the vision tower")
+    config = build_config(source, pool_weighting, text_only)
     return convert_checkpoint(
         source, build_plan(source, config), config, output_dir, overwrite=overwrite, max_shard_size=max_shard_size,
         extra_tensors=pooling_weights(config), progress=progress, log=log,
@@ -208,10 +248,12 @@ def main(argv=None) -> ConversionReport:
     parser = conversion_argument_parser(__doc__, "folder of the Qwen4-Exp checkpoint")
     parser.add_argument("--index_pool_weighting", choices=("learned", "mean"), default="learned",
                         help="pooling of the indexer keys (default learned, starting exactly at Qwen4-Exp's mean)")
+    parser.add_argument("--text_only", action="store_true",
+                        help="of a multimodal checkpoint, convert the language model alone (our causal LM, no vision)")
     args = parser.parse_args(argv)
     return run_conversion_command(parser, lambda: convert(
-        args.source, args.output, pool_weighting=args.index_pool_weighting, overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size, progress=not args.no_progress,
+        args.source, args.output, pool_weighting=args.index_pool_weighting, text_only=args.text_only,
+        overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.no_progress,
     ))
 
 

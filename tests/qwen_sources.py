@@ -29,7 +29,9 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, share
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 # Text positions make the three multimodal RoPE streams equal; the sections must still cover the rotated half.
 MROPE = {**ROPE, "mrope_section": [1, 1, 2], "mrope_interleaved": True}
-VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64)
+VISION = dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64)
+# Placeholder and delimiter tokens inside the tiny vocabulary.
+VISION_TOKENS = dict(image_token_id=93, video_token_id=94, vision_start_token_id=95, vision_end_token_id=96)
 
 
 def tiny_source_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -83,7 +85,8 @@ def tiny_qwen4_source(multimodal: bool = False, seed: int = 0, **overrides) -> t
     torch.manual_seed(seed)
     text = Qwen4ExpTextConfig(**{**QWEN4_TEXT, "rope_parameters": dict(MROPE), **overrides})
     if multimodal:
-        model = Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=text.to_dict(), vision_config=VISION))
+        model = Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=text.to_dict(), vision_config=VISION,
+                                                                 **VISION_TOKENS))
     else:
         model = Qwen4ExpForCausalLM(text)
     with torch.no_grad():

@@ -216,3 +216,56 @@ def test_single_file_source_and_tied_embeddings(tmp_path):
     input_ids = torch.randint(1, 97, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids).logits, source(input_ids).logits, atol=1e-4, rtol=0)
+
+
+def test_sigterm_mid_conversion_removes_the_partial_output(source_folder, tmp_path, monkeypatch):
+    import signal
+
+    from hybrid_indexpool.conversion import Terminated
+
+    loaded = []
+
+    def terminated_while_loading(self, shard):
+        loaded.append(shard)
+        if len(loaded) == 2:  # the work folder holds a partial output by now
+            assert any(name.startswith(".ours.converting-") for name in os.listdir(tmp_path))
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, shard)
+
+    original = SourceCheckpoint.load_shard
+    monkeypatch.setattr(SourceCheckpoint, "load_shard", terminated_while_loading)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated, match="SIGTERM"):
+        library_conversion(source_folder, tmp_path / "ours")
+    assert os.listdir(tmp_path) == [] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_killed_converter_process_leaves_nothing_behind(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    source = save_source(tiny_source_model("qwen3_next", vocab_size=60000, hidden_size=256), tmp_path / "source",
+                         max_shard_size="8MB")
+    command = [sys.executable, "-m", "hybrid_indexpool.scripts.convert_qwen3_next", "--source", str(source),
+               "--output", str(tmp_path / "ours"), "--max_shard_size", "4MB", "--no_progress"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(name.startswith(".ours.converting-") for name in os.listdir(tmp_path)):
+        assert process.poll() is None and time.time() < deadline, "the conversion never started writing"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "partial output was removed" in stderr
+    assert sorted(os.listdir(tmp_path)) == ["source"]
+
+
+def test_a_truncated_source_shard_is_named(source_folder, tmp_path):
+    folder = copy_source(source_folder, tmp_path)
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-64])
+    with pytest.raises(ConversionError, match=f"Source shard {shard.name} cannot be read .*truncated"):
+        library_conversion(folder, tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()

@@ -21,3 +21,15 @@ def test_bpe_trained_on_local_text_compresses_it():
     ids = tokenizer(text).input_ids
     assert len(tokenizer) == 400 and len(ids) < len(text.encode()) / 2
     assert tokenizer.decode(ids) == text
+
+
+def test_byte_level_tokenizer_has_a_minimal_chat_template_that_saves(tmp_path):
+    tokenizer = byte_level_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<s>user\nhi</s>\n<s>assistant\nyo</s>\n<s>assistant\n"
+    ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and tokenizer.eos_token_id in ids  # the markers are special tokens
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False) == text[:-len(
+        "<s>assistant\n")]

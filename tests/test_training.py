@@ -105,3 +105,61 @@ def test_refuses_a_non_empty_output_folder_and_bad_data(tmp_path, text_file):
         build_lm_dataset([str(tmp_path / "missing.txt")], byte_level_tokenizer(), 64, True)
     with pytest.raises(ValueError, match="exactly one of --model_name_or_path"):
         run_finetune(FinetuneArguments(train_files=[text_file]), training_arguments(tmp_path / "new"))
+
+
+def test_packed_blocks_keep_every_example_to_itself(tmp_path):
+    data = tmp_path / "train.txt"
+    data.write_text("\n\n".join(f"example {i} " + "word " * (i % 5 + 2) for i in range(30)))
+    tokenizer = byte_level_tokenizer()
+    blocks = build_lm_dataset([str(data)], tokenizer, 64, packing=True)
+    for row in range(len(blocks)):
+        ids, positions, labels = (torch.tensor(blocks[row][name]) for name in ("input_ids", "position_ids", "labels"))
+        starts = (positions == 0).nonzero().flatten().tolist()
+        assert starts[0] == 0 and len(starts) > 1  # several examples per block, positions restarting at each
+        for start in starts[1:]:
+            assert ids[start - 1] == tokenizer.eos_token_id and labels[start] == -100
+        assert torch.equal(labels[positions != 0], ids[positions != 0])
+    # The model runs each example of a block alone.
+    model = AutoModelForCausalLM.from_config(
+        __import__("hybrid_indexpool").HybridIndexPoolConfig(**json.loads(TINY), vocab_size=259)).eval()
+    ids, positions = torch.tensor([blocks[0]["input_ids"]]), torch.tensor([blocks[0]["position_ids"]])
+    starts = (positions[0] == 0).nonzero().flatten().tolist() + [64]
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions).logits
+        for start, end in zip(starts, starts[1:]):
+            torch.testing.assert_close(packed[:, start:end], model(ids[:, start:end]).logits, atol=1e-5, rtol=0)
+
+
+def test_refuses_empty_and_non_utf8_data_files_by_name(tmp_path):
+    empty, binary = tmp_path / "empty.txt", tmp_path / "latin.txt"
+    empty.write_text("  \n")
+    binary.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError, match="empty.txt is empty"):
+        build_lm_dataset([str(empty)], byte_level_tokenizer(), 64, True)
+    with pytest.raises(ValueError, match="latin.txt is not UTF-8"):
+        build_lm_dataset([str(binary)], byte_level_tokenizer(), 64, True)
+
+
+def test_resume_last_takes_the_newest_complete_checkpoint(tmp_path, text_file):
+    from hybrid_indexpool.training import last_complete_checkpoint
+
+    args = FinetuneArguments(init_config=TINY, train_files=[text_file], block_size=128)
+    run_finetune(args, training_arguments(tmp_path / "run", max_steps=4, save_steps=4))
+    (tmp_path / "run" / "checkpoint-6").mkdir()  # a save interrupted by Ctrl-C: no trainer state
+    assert last_complete_checkpoint(tmp_path / "run") == str(tmp_path / "run" / "checkpoint-4")
+    resumed = run_finetune(args, training_arguments(tmp_path / "run", max_steps=6, save_steps=100,
+                                                    resume_from_checkpoint="last"))
+    # Resuming from the empty checkpoint-6 (what get_last_checkpoint picks) would have failed to load.
+    steps = [entry["step"] for entry in resumed["log_history"] if "loss" in entry]
+    assert steps[-2:] == [5, 6]
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        last_complete_checkpoint(tmp_path / "elsewhere")
+
+
+def test_warns_when_the_block_size_passes_the_trained_positions(tmp_path, text_file):
+    from hybrid_indexpool.training import load_model
+
+    small = json.dumps({**json.loads(TINY), "max_position_embeddings": 64})
+    with pytest.warns(UserWarning, match="beyond the model's max_position_embeddings"):
+        load_model(FinetuneArguments(init_config=small, train_files=[text_file], block_size=128),
+                   byte_level_tokenizer())

@@ -7,14 +7,19 @@ For query `t` with indexer queries `q[t, h]` and pooled keys `kbar[c]`:
 over the windows `c < num_visible_windows[t]`; the `topk` best are kept. Ties go to the lower window id, so the
 result does not depend on how the candidates are split into chunks.
 
-Each score is packed with its window id into one int64 selection key that sorts like (score, -id): the float32
-bits made monotonic in the high word, `2^31 - 1 - id` in the low word. Keys are unique, so `torch.topk` over them is
-exact with no tie repair, a running top-k merges chunks by a plain `topk` of the concatenation, and nothing reads
-the device: a decode step is fixed-shape and free of host synchronisation.
+Two ways to the same selection:
+
+- **Fixed shapes, no host reads** (decode, and whatever is compiled): each score is packed with its window id into
+  one int64 selection key that sorts like (score, -id), the float32 bits made monotonic in the high word and
+  `2^31 - 1 - id` in the low word. Keys are unique, so `torch.topk` over them is exact with no tie repair, and a
+  running top-k merges chunks by a plain `topk`.
+- **With host bounds** (prefill, `window_limit` given): a float `topk` per chunk, skipping windows no query of a
+  chunk can see, and a repair of the rows whose k-th best score is tied across the cut (zeros from the ReLU), found
+  by reading a count from the device. Several times cheaper per score on a CPU than building the keys.
 
 Queries and windows go in chunks, so memory stays bounded by the chunk sizes, never `[T, N / r]`, and a decode step
 allocates nothing proportional to the context beyond one window chunk. The per-head products are computed a
-cache-sized block at a time.
+cache-sized block at a time and summed straight into the score buffer.
 """
 
 import torch
@@ -28,8 +33,8 @@ HEAD_BLOCK_ELEMENTS = 1 << 18
 
 # Low word of a selection key: larger for lower window ids, so that ties go to the lower id.
 _ID_BASE = 2**31 - 1
-# The key of a window the query cannot see: below every real key.
-_INVISIBLE = torch.iinfo(torch.int64).min
+# High word of the key of a -inf score (an invisible window): float bits 0xFF800000 ordered as `selection_keys` does.
+_INVISIBLE_HIGH = ((0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF) + 1
 
 
 def _chunk_sizes(batch_size: int, num_queries: int, num_windows: int, topk: int) -> tuple[int, int]:
@@ -38,39 +43,66 @@ def _chunk_sizes(batch_size: int, num_queries: int, num_windows: int, topk: int)
     return query_chunk, window_chunk
 
 
-def _chunk_scores(queries: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Scores `[batch, rows, n]` of `queries` `[batch, rows * heads, d]` (float32) against `keys` `[batch, n, d]`,
-    with `weights` `[batch, rows, heads]` already holding the `1 / sqrt(d)` scale."""
+# Up to this many (query, head) rows the keys are the left operand of the score product (see `_write_scores`).
+KEYS_LEFT_ROWS = 32
+
+
+def _write_scores(out: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> None:
+    """Scores of `queries` `[batch, rows * heads, d]` (float32) against `keys` `[batch, n, d]` into `out`
+    `[batch, rows, n]` (may be a strided view), with `weights` `[batch, rows, heads]` already holding the
+    `1 / sqrt(d)` scale. The per-head products go a cache-sized block at a time and are summed over the heads
+    straight into `out`.
+
+    A few rows (decode): `keys @ queries^T`, so that the CPU streams the keys once in the order they are stored,
+    close to the memory bandwidth (the other orientation runs ~1.8x slower there). Many rows (prefill):
+    `queries @ keys^T`, the faster one for a real matrix product.
+    """
     batch_size, rows, num_heads = weights.shape
     num_keys = keys.shape[1]
     block = max(1, min(num_keys, HEAD_BLOCK_ELEMENTS // max(1, batch_size * rows * num_heads)))
-    head_weights = weights.reshape(batch_size * rows, 1, num_heads)
-    blocks = []
+    keys_left = rows * num_heads <= KEYS_LEFT_ROWS
     for start in range(0, num_keys, block):
         end = min(start + block, num_keys)
-        per_head = torch.bmm(queries, keys[:, start:end].float().transpose(1, 2)).relu_()  # [b, rows * heads, n]
-        per_head = per_head.view(batch_size * rows, num_heads, end - start)
-        blocks.append(torch.bmm(head_weights, per_head).view(batch_size, rows, end - start))
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+        block_keys = keys[:, start:end].float()
+        if keys_left:
+            per_head = torch.bmm(block_keys, queries.transpose(1, 2)).relu_()  # [batch, n, rows * heads]
+            per_head = per_head.view(batch_size, end - start, rows, num_heads).permute(0, 2, 3, 1)
+        else:
+            per_head = torch.bmm(queries, block_keys.transpose(1, 2)).relu_()  # [batch, rows * heads, n]
+            per_head = per_head.view(batch_size, rows, num_heads, end - start)
+        target = out[..., start:end]
+        torch.mul(per_head[:, :, 0], weights[:, :, 0, None], out=target)
+        for head in range(1, num_heads):
+            target.addcmul_(per_head[:, :, head], weights[:, :, head, None])
 
 
-def selection_keys(scores: torch.Tensor, first_id: int, num_visible: torch.Tensor) -> torch.Tensor:
+def selection_keys(scores: torch.Tensor, first_id: int, num_visible: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """int64 keys `[..., n]` ordering float32 `scores` `[..., n]` of windows `first_id ..` by (score, -window id);
-    windows at or beyond `num_visible` (broadcast against `scores`) get the lowest key."""
-    bits = scores.view(torch.int32)
-    # Negative floats order backwards in their bits; -0.0 and 0.0 must tie.
-    bits = torch.where(scores == 0, 0, torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits))
+    windows at or beyond `num_visible` (broadcast against `scores`) get a score of -inf, below every visible one.
+
+    `scores` is overwritten (its memory holds the ordered bits); the keys go into `out` when given. Every step is
+    one in-place pass, since on a CPU these passes cost as much as computing the scores.
+    """
     window_ids = torch.arange(first_id, first_id + scores.shape[-1], device=scores.device)
-    keys = (bits.to(torch.int64) << 32) | (_ID_BASE - window_ids)
-    return keys.masked_fill_(window_ids >= num_visible, _INVISIBLE)
+    scores.masked_fill_(window_ids >= num_visible, float("-inf"))
+    bits = scores.view(torch.int32)
+    sign = bits >> 31  # -1 for negative floats, 0 otherwise
+    bits ^= sign & 0x7FFFFFFF  # negative floats order backwards in their bits ...
+    bits -= sign  # ... and one up, so that -0.0 ties with 0.0
+    keys = bits.to(torch.int64) if out is None else out.copy_(bits)
+    keys <<= 32
+    keys |= _ID_BASE - window_ids
+    return keys
 
 
 def window_ids_of(keys: torch.Tensor, topk: int) -> torch.Tensor:
     """Window ids `[..., topk]` of selection keys `[..., n]` (n <= topk), ascending, `-1` for invisible ones and
     after the last."""
-    ids = (_ID_BASE - (keys & 0xFFFFFFFF)).masked_fill(keys == _INVISIBLE, _ID_BASE)
+    invisible = (keys >> 32) <= _INVISIBLE_HIGH
+    ids = (_ID_BASE - (keys & 0xFFFFFFFF)).masked_fill_(invisible, _ID_BASE)
     ids = ids.sort(dim=-1).values
-    ids = ids.masked_fill(ids == _ID_BASE, -1)
+    ids = ids.masked_fill_(ids == _ID_BASE, -1)
     if ids.shape[-1] < topk:
         ids = torch.cat([ids, ids.new_full((*ids.shape[:-1], topk - ids.shape[-1]), -1)], dim=-1)
     return ids
@@ -94,6 +126,27 @@ def pooled_index_scores_torch(
     return torch.einsum("bthc,bth->btc", per_head, _scaled_head_weights(index_queries, head_weights))
 
 
+def _top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Positions of the `topk` best entries of each row of `scores` `[..., n]`, `n > topk`, in ascending order; of
+    equal scores the lower position wins. Reads the device once."""
+    values, positions = scores.topk(topk, dim=-1, sorted=False)
+    kth = values.amin(dim=-1, keepdim=True)
+    positions = positions.sort(dim=-1).values
+    # A row with more than `topk` entries >= its k-th best has a tie straddling the cut (zeros from the ReLU, or
+    # -inf when fewer than topk windows are visible), and topk chose among the tied entries arbitrarily. Those rows
+    # take everything above the k-th best, then the lowest positions among the equal ones. Each row is judged on
+    # its own, so one row's values (NaN, say) never change another row's selection.
+    tied = (scores >= kth).sum(dim=-1, dtype=torch.int32) > topk
+    if bool(tied.any()):
+        rows = tied.nonzero(as_tuple=True)
+        tied_scores, tied_kth = scores[rows], kth[rows]  # [tied rows, n], [tied rows, 1]
+        above, equal = tied_scores > tied_kth, tied_scores == tied_kth
+        wanted = topk - above.sum(dim=-1, dtype=torch.int32)
+        take = above | (equal & (equal.cumsum(dim=-1, dtype=torch.int32) <= wanted[:, None]))
+        positions[rows] = take.nonzero()[:, -1].view(-1, topk)  # row-major: each row's positions ascending
+    return positions
+
+
 def pooled_index_topk_torch(
     index_queries: torch.Tensor,
     pooled_index_keys: torch.Tensor,
@@ -110,39 +163,97 @@ def pooled_index_topk_torch(
         num_visible_windows: `[batch, queries]` integer: query `t` may select windows `0 .. n - 1`.
         topk: windows to keep per query.
         head_weights: `[batch, queries, index_heads]` or None (all heads weigh 1).
-        window_limit: no query sees a window at or beyond this (a host-side bound, for a prefill). When given, each
-            query chunk also reads its own causal bound from the device to skip windows none of its queries can see.
-            None (decode): every window of `pooled_index_keys` is scored and nothing is read from the device.
+        window_limit: no query sees a window at or beyond this (a host-side bound, for a prefill): selects with
+            float top-k, reading bounds and ties from the device. None (decode, compiled code): every window of
+            `pooled_index_keys` is scored, with fixed shapes and nothing read from the device.
 
     Returns:
         `[batch, queries, topk]` int64 window ids in ascending order, `-1` after the last one where fewer than
         `topk` windows are visible.
     """
-    batch_size, num_queries, num_heads, head_dim = index_queries.shape
+    batch_size, num_queries, _, _ = index_queries.shape
     num_windows = pooled_index_keys.shape[1]
     if window_limit is not None:
         num_windows = min(num_windows, window_limit)
     if num_windows == 0 or num_queries == 0 or topk == 0:
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
+    select = _select_with_keys if window_limit is None else _select_with_host_bounds
+    return select(index_queries, pooled_index_keys[:, :num_windows], num_visible_windows, topk,
+                  _scaled_head_weights(index_queries, head_weights))
+
+
+def _select_with_keys(index_queries, pooled_index_keys, num_visible_windows, topk, weights):
+    """Fixed shapes, no host reads: a running top-k of int64 selection keys over window chunks."""
+    batch_size, num_queries, num_heads, head_dim = index_queries.shape
+    num_windows = pooled_index_keys.shape[1]
     query_chunk, window_chunk = _chunk_sizes(batch_size, num_queries, num_windows, topk)
-    weights = _scaled_head_weights(index_queries, head_weights)
     selections = []
     for query_start in range(0, num_queries, query_chunk):
         query_end = min(query_start + query_chunk, num_queries)
         rows = query_end - query_start
         queries = index_queries[:, query_start:query_end].float().reshape(batch_size, rows * num_heads, head_dim)
         visible = num_visible_windows[:, query_start:query_end, None]
-        limit = num_windows if window_limit is None else min(num_windows, int(visible.max()))
-        best = None
-        for window_start in range(0, limit, window_chunk):
-            window_end = min(window_start + window_chunk, limit)
-            scores = _chunk_scores(queries, pooled_index_keys[:, window_start:window_end],
-                                   weights[:, query_start:query_end])
-            keys = selection_keys(scores, window_start, visible)
-            if best is not None:
-                keys = torch.cat([best, keys], dim=-1)
-            best = keys if keys.shape[-1] <= topk else keys.topk(topk, dim=-1, sorted=False).values
-        if best is None:
-            best = torch.full((batch_size, rows, 0), _INVISIBLE, dtype=torch.long, device=index_queries.device)
-        selections.append(window_ids_of(best, topk))
+        # Columns [0, kept) hold the running best keys, the next window chunk's keys follow them.
+        keys = torch.empty(batch_size, rows, min(topk, num_windows) + window_chunk, dtype=torch.long,
+                           device=index_queries.device)
+        scores = torch.empty(batch_size, rows, window_chunk, device=index_queries.device)
+        kept = 0
+        for window_start in range(0, num_windows, window_chunk):
+            count = min(window_chunk, num_windows - window_start)
+            _write_scores(scores[..., :count], queries, pooled_index_keys[:, window_start:window_start + count],
+                          weights[:, query_start:query_end])
+            selection_keys(scores[..., :count], window_start, visible, out=keys[..., kept:kept + count])
+            kept += count
+            if kept > topk:
+                keys[..., :topk] = keys[..., :kept].topk(topk, dim=-1, sorted=False).values
+                kept = topk
+        selections.append(window_ids_of(keys[..., :kept], topk))
     return selections[0] if len(selections) == 1 else torch.cat(selections, dim=1)
+
+
+def _select_with_host_bounds(index_queries, pooled_index_keys, num_visible_windows, topk, weights):
+    """A running float top-k over window chunks, each query chunk bounded by its own causal limit, with the tie
+    repair of `_top_positions`."""
+    batch_size, num_queries, num_heads, head_dim = index_queries.shape
+    num_windows = pooled_index_keys.shape[1]
+    device = index_queries.device
+    selected = torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=device)
+    query_chunk, window_chunk = _chunk_sizes(batch_size, num_queries, num_windows, topk)
+    # Columns [0, kept) hold the running best (ascending ids), the chunk's scores follow them.
+    score_buffer = torch.empty(batch_size, query_chunk, topk + window_chunk, device=device)
+    for query_start in range(0, num_queries, query_chunk):
+        query_end = min(query_start + query_chunk, num_queries)
+        rows = query_end - query_start
+        queries = index_queries[:, query_start:query_end].float().reshape(batch_size, rows * num_heads, head_dim)
+        visible = num_visible_windows[:, query_start:query_end, None]
+        causal_limit = min(num_windows, int(visible.max()))  # no query of the chunk sees beyond
+        min_visible = int(visible.min())
+        kept, best_ids = 0, None
+        for window_start in range(0, causal_limit, window_chunk):
+            window_end = min(window_start + window_chunk, causal_limit)
+            scores = score_buffer[:, :rows, : kept + window_end - window_start]
+            _write_scores(scores[..., kept:], queries, pooled_index_keys[:, window_start:window_end],
+                          weights[:, query_start:query_end])
+            if window_end > min_visible:  # some query of the chunk cannot see all of these windows
+                first = max(min_visible, window_start)
+                ids = torch.arange(first, window_end, device=device)
+                scores[..., kept + first - window_start:].masked_fill_(ids >= visible, float("-inf"))
+            chunk_ids = torch.arange(window_start - kept, window_end, device=device)  # id of each column
+            if scores.shape[-1] <= topk:  # everything stays: the scores are in place already
+                fresh = chunk_ids[kept:].expand(batch_size, rows, -1)
+                best_ids = fresh if best_ids is None else torch.cat([best_ids, fresh], dim=-1)
+                kept = scores.shape[-1]
+                continue
+            positions = _top_positions(scores, topk)
+            best_scores = scores.gather(-1, positions)
+            chunk_ids = chunk_ids.expand(batch_size, rows, -1).gather(-1, positions)
+            best_ids = chunk_ids if kept == 0 else torch.where(
+                positions < kept, best_ids.gather(-1, positions.clamp(max=kept - 1)), chunk_ids)
+            kept = topk
+            score_buffer[:, :rows, :kept] = best_scores
+        if best_ids is None:
+            continue
+        # Ascending ids already; windows with -inf (invisible) have the highest ids, so the -1 go last.
+        invisible = score_buffer[:, :rows, :kept] == float("-inf")
+        selected[:, query_start:query_end, :kept] = best_ids.masked_fill(invisible, -1)
+    return selected

@@ -100,12 +100,15 @@ def sparse_attention_torch(
         pool_size: tokens per window.
         scaling: multiplier of the dot products.
         dropout, training: attention dropout, applied in training only.
-        return_weights: also return the attention weights scattered to `[batch, heads, queries, positions]` (dense;
-            for inspection on short inputs only).
+        return_weights: compute densely and also return the attention weights `[batch, heads, queries, positions]`
+            (for inspection on short inputs only).
 
     Returns:
         Output `[batch, queries, heads, head_dim]` and the weights or None.
     """
+    if return_weights:
+        return _attention_with_weights(query, key, value, selected_windows, query_positions, pool_size, scaling,
+                                       dropout, training)
     batch_size, num_heads, num_queries, head_dim = query.shape
     num_kv_heads, num_positions = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads
@@ -114,9 +117,6 @@ def sparse_attention_torch(
     query_chunk = max(1, GATHER_BLOCK_ELEMENTS // max(1, batch_size * slots_per_query * num_kv_heads * head_dim))
 
     output = query.new_empty(batch_size, num_queries, num_heads, head_dim)
-    weights = None
-    if return_weights:
-        weights = query.new_zeros(batch_size, num_heads, num_queries, num_positions, dtype=torch.float32)
     window_length = topk * pool_size
     width = num_kv_heads * head_dim
     key_rows, value_rows = _position_rows(key), _position_rows(value)
@@ -145,8 +145,6 @@ def sparse_attention_torch(
         window_value = gather_windows(value_rows, windows, pool_size, window_value_out).view(window_shape).float()
         tail_key = gather_positions(key_rows, tail, tail_out).view(tail_shape).float()
         tail_value = gather_positions(value_rows, tail, tail_value_out).view(tail_shape).float()
-        if return_weights:
-            slots, _ = attention_slots(windows, positions, pool_size)
         for kv_head in range(num_kv_heads):
             heads = slice(kv_head * group, (kv_head + 1) * group)
             chunk_query = query[:, heads, start:end].transpose(1, 2).float()  # [b, t, group, d]
@@ -159,7 +157,19 @@ def sparse_attention_torch(
             chunk_output = torch.matmul(probs[..., :window_length], window_value[..., kv_head, :])
             chunk_output = chunk_output + torch.matmul(probs[..., window_length:], tail_value[..., kv_head, :])
             output[:, start:end, heads] = chunk_output.to(query.dtype)
-            if return_weights:
-                scatter_index = slots[:, None].expand(batch_size, group, end - start, slots_per_query)
-                weights[:, heads, start:end].scatter_add_(-1, scatter_index, probs.transpose(1, 2))
-    return output, weights
+    return output, None
+
+
+def _attention_with_weights(query, key, value, selected_windows, query_positions, pool_size, scaling, dropout,
+                            training):
+    """The same attention computed densely, for inspection on short inputs: the returned weights
+    `[batch, heads, queries, positions]` are the ones the output is computed from (so they carry gradients)."""
+    num_heads, num_kv_heads, num_positions = query.shape[1], key.shape[1], key.shape[2]
+    slots, valid = attention_slots(selected_windows, query_positions, pool_size)
+    allowed = torch.zeros(*slots.shape[:2], num_positions + 1, dtype=torch.bool, device=slots.device)
+    allowed = allowed.scatter(-1, slots.masked_fill(~valid, num_positions), True)[..., :num_positions]
+    group = num_heads // num_kv_heads
+    key, value = key.repeat_interleave(group, dim=1).float(), value.repeat_interleave(group, dim=1).float()
+    weights = masked_softmax((query.float() @ key.transpose(-1, -2)) * scaling, allowed[:, None])
+    probs = torch.nn.functional.dropout(weights, p=dropout, training=True) if training and dropout > 0.0 else weights
+    return (probs @ value).transpose(1, 2).to(query.dtype), weights

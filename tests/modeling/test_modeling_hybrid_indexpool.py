@@ -183,6 +183,20 @@ def test_mixture_of_experts_forward_backward_and_cache():
     assert model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
 
 
+def test_experts_run_through_transformers_integration_and_every_implementation_agrees():
+    model = tiny_model(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48)
+    assert model.config._experts_implementation == "grouped_mm"  # the default: no loop over experts
+    input_ids = torch.randint(1, 97, (2, 20))
+    logits = {}
+    for implementation in ("grouped_mm", "batched_mm", "eager"):
+        model.set_experts_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids).logits
+    torch.testing.assert_close(logits["grouped_mm"], logits["eager"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits["batched_mm"], logits["eager"], atol=1e-5, rtol=1e-5)
+
+
 def test_bfloat16_forward_and_generate_run():
     model = tiny_model().to(torch.bfloat16)
     input_ids = torch.randint(1, 97, (2, 30))
@@ -197,7 +211,7 @@ def test_bfloat16_forward_and_generate_run():
     [
         (dict(attention_mask=torch.ones(1, 2, 5, 5)), "give the 2-D padding mask"),
         (dict(attention_mask=torch.ones(1, 3)), "it must be (1, 5)"),
-        (dict(position_ids=torch.arange(4)[None]), "it must be (1, 5)"),
+        (dict(position_ids=torch.arange(4)[None]), "must be (1, 5)"),
     ],
 )
 def test_bad_inputs_are_rejected_with_a_clear_message(kwargs, message):

@@ -15,6 +15,7 @@ def test_quick_mode_runs_every_setting_and_writes_table_json_and_plot(tmp_path, 
     ])
     printed = capsys.readouterr().out
     assert "memory bandwidth (copy)" in printed and "indexer % bw" in printed and "reserved MiB" in printed
+    assert "roofline ms" in printed
     rows = {(row["setting"], row["context"]): row for row in report["results"]}
     assert set(rows) == {(setting, context) for setting in bench_decode.SETTINGS for context in (300, 600)}
     for context in (300, 600):
@@ -51,3 +52,30 @@ def test_compiled_decode_is_timed_and_counted_beside_eager():
     assert row["aten_calls"] > 100 and row["compiled_aten_calls"] > 0
     # Reserved once for the prompt and every decoded token: within a chunk of what is in use.
     assert row["cache_bytes"]["reserved"] <= 1.10 * row["cache_bytes"]["total"]
+
+
+def test_flash_next_preset_sets_the_real_widths_and_explicit_options_win():
+    args = bench_decode.parse_arguments(["--preset", "flash-next", "--topk", "64"])
+    assert (args.hidden_size, args.heads, args.kv_heads, args.head_dim) == (2048, 16, 2, 256)
+    assert (args.linear_key_heads, args.linear_value_heads, args.linear_head_dim) == (16, 32, 128)
+    assert (args.index_heads, args.index_head_dim, args.topk) == (4, 128, 64)
+
+
+def test_roofline_counts_weights_selected_keys_values_pooled_keys_and_states():
+    import torch
+
+    from hybrid_indexpool import HybridIndexPoolCache
+
+    args = bench_decode.parse_arguments(["--topk", "32", "--hidden-size", "64", "--intermediate-size", "64"])
+    model = bench_decode.build_model("pooled_r4", args)
+    cache = HybridIndexPoolCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(1, 1000, (1, 200)), cache=cache)
+    config, element = model.config, 4
+    weights = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name) * element
+    states = 2 * sum(t.numel() * element for layer in cache.layers if hasattr(layer, "recurrent_state")
+                     for t in (layer.recurrent_state, layer.conv_state))
+    attended = 2 * (32 + 3) * config.num_key_value_heads * config.head_dim * element
+    pooled = 50 * config.index_head_dim * element
+    embedding_row = config.hidden_size * element
+    assert bench_decode.roofline_bytes(model, cache, 200) == weights + embedding_row + states + attended + pooled

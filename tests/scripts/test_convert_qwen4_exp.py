@@ -82,11 +82,11 @@ def test_ngram_tables_are_streamed_whole_and_memory_stays_near_a_shard(converted
     assert report.max_held_bytes <= 3 * report.largest_source_shard_bytes + 40_000
 
 
-def test_multimodal_layout_converts_its_language_model(tmp_path):
+def test_text_only_conversion_of_a_multimodal_checkpoint_converts_its_language_model(tmp_path):
     source = tiny_qwen4_source(multimodal=True)
     save_source(source, tmp_path / "source", max_shard_size="40KB")
     messages = []
-    report = convert(tmp_path / "source", tmp_path / "ours", progress=False, log=messages.append)
+    report = convert(tmp_path / "source", tmp_path / "ours", text_only=True, progress=False, log=messages.append)
     assert any("vision tower" in message for message in messages)
     assert any(name.startswith("model.visual.") for names in report.ignored.values() for name in names)
     ours = HybridIndexPoolForCausalLM.from_pretrained(tmp_path / "ours").eval()

@@ -13,6 +13,14 @@ def test_demo_generates_and_reports_a_quarter_size_indexer_cache(capsys):
         assert component in printed
     # 163 positions were cached: 40 pooled windows against 163 unpooled keys.
     assert "24.5% of the unpooled size" in printed
+    assert "in use" in printed and "reserved" in printed
+
+
+def test_demo_with_a_picture_runs_the_multimodal_model(capsys):
+    demo.main(["--image", "--prompt-length", "120", "--new-tokens", "3", "--topk", "32", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert "multimodal model (a 64 x 128 picture in the prompt)" in printed
+    assert "generated 3 tokens after a 120-token prompt" in printed
 
 
 def test_demo_refuses_a_prompt_within_the_budget():

@@ -1,0 +1,103 @@
+"""Serve a HybridIndexPool checkpoint with transformers' own OpenAI-compatible server (`transformers serve`).
+
+    python -m hybrid_indexpool.scripts.serve CHECKPOINT [--port 8000] [--device cuda:0] [`transformers serve` options]
+
+The endpoints are transformers' (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`; streaming
+included). `transformers serve` finds a checkpoint's class with `getattr(transformers, config.architectures[0])`, which
+does not know remote-code architectures; this script makes the HybridIndexPool classes known to transformers (the Auto
+classes, and that lookup) and starts the server pinned to CHECKPOINT. Requests are generated one at a time with
+`generate()` (`--continuous-batching` is refused: its paged KV cache cannot hold this model's state).
+"""
+
+import inspect
+import sys
+from typing import Annotated
+
+import transformers
+
+import hybrid_indexpool
+from hybrid_indexpool.configuration import HybridIndexPoolConfig
+
+SERVE_HELP = """Serve a HybridIndexPool checkpoint with transformers' own OpenAI-compatible server (`transformers serve`:
+/v1/completions, /v1/chat/completions, streaming); every option is transformers'. --continuous-batching and --compile
+are refused (transformers' paged and static caches cannot hold this model's state)."""
+
+MODEL_CLASSES = (
+    hybrid_indexpool.HybridIndexPoolModel,
+    hybrid_indexpool.HybridIndexPoolForCausalLM,
+    hybrid_indexpool.HybridIndexPoolForSequenceClassification,
+)
+
+
+def register_with_transformers() -> None:
+    """Make `getattr(transformers, "HybridIndexPoolForCausalLM")` (and the other classes) work, as for the
+    architectures transformers ships; importing `hybrid_indexpool` already registered them with the Auto classes."""
+    for model_class in MODEL_CLASSES:
+        setattr(transformers, model_class.__name__, model_class)
+
+
+def check_checkpoint(checkpoint: str, trust_remote_code: bool = False) -> None:
+    """Refuse, before the server starts, a checkpoint that is not a HybridIndexPool model."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"serve: cannot read a model config from {checkpoint!r}: {error}") from error
+    if config.model_type != HybridIndexPoolConfig.model_type:
+        raise SystemExit(
+            f"serve: {checkpoint!r} is a {config.model_type!r} model, not a HybridIndexPool one; serve it with "
+            "`transformers serve` itself."
+        )
+
+
+def _serve_command():
+    """transformers' `Serve` command with the model argument required (the checkpoint) and the options of this model
+    checked before the server starts; every other option is transformers' own."""
+    import typer
+    from transformers.cli.serve import Serve
+
+    def serve(**options):
+        if options["continuous_batching"]:
+            raise typer.BadParameter(
+                "continuous batching keeps keys and values in transformers' paged KV cache, which cannot hold "
+                "HybridIndexPool's state (Gated DeltaNet recurrent states, pooled indexer keys, per-row lengths). "
+                "Serve without --continuous-batching: requests then run one at a time through generate().",
+                param_hint="--continuous-batching",
+            )
+        if options["compile"]:
+            raise typer.BadParameter(
+                "--compile asks generate() for transformers' static cache, which cannot hold HybridIndexPool's "
+                "state. Leave it out: this model's cache is already reserved with fixed shapes, and generate() "
+                "compiles the decode step on GPUs by itself.",
+                param_hint="--compile",
+            )
+        check_checkpoint(options["force_model"], options["trust_remote_code"])
+        register_with_transformers()
+        Serve(**options)
+
+    signature = inspect.signature(Serve)
+    parameters = list(signature.parameters.values())
+    parameters[0] = parameters[0].replace(
+        annotation=Annotated[str, typer.Argument(metavar="CHECKPOINT",
+                                                 help="HybridIndexPool checkpoint folder or Hub id to serve.")],
+        default=inspect.Parameter.empty,
+    )
+    serve.__signature__ = signature.replace(parameters=parameters)
+    serve.__doc__ = " ".join(SERVE_HELP.split())
+    return serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    import typer
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        raise SystemExit('serve: the server needs FastAPI, Uvicorn and openai: pip install "hybrid-indexpool[serve]".')
+    app = typer.Typer(add_completion=False)
+    app.command()(_serve_command())
+    app(args=sys.argv[1:] if argv is None else argv, prog_name="python -m hybrid_indexpool.scripts.serve")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The decode step compiles whole (`torch.compile(fullgraph=True)`): same logits and tokens as eager, one graph for
+every step, also through `generate()`'s compiled decoding."""
+
+import pytest
+import torch
+import torch._dynamo.testing
+from transformers import CompileConfig
+
+from hybrid_indexpool import HybridIndexPoolCache
+
+from model_factory import tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def greedy_decode(forward, model, input_ids, mask, steps):
+    """Prefill eagerly into a reserved cache, then `steps` greedy steps through `forward`: logits and tokens."""
+    cache = HybridIndexPoolCache(model.config, max_cache_len=input_ids.shape[1] + steps)
+    with torch.no_grad():
+        logits = model(input_ids, attention_mask=mask, cache=cache).logits[:, -1:]
+        all_logits, tokens = [], []
+        for _ in range(steps):
+            token = logits.argmax(-1)
+            tokens.append(token)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            torch._dynamo.maybe_mark_dynamic(mask, 1)  # what generate() does for this cache
+            logits = forward(token, attention_mask=mask, cache=cache).logits
+            all_logits.append(logits)
+    return torch.cat(all_logits, dim=1), torch.cat(tokens, dim=1)
+
+
+def check_compiled_decode(backend: str, steps: int = 50):
+    torch._dynamo.reset()
+    model = tiny_model(index_topk=8, index_head_weights=True)
+    input_ids = torch.randint(1, 97, (2, 30))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :6] = 0  # left padding: row 1 has 24 real tokens
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    eager_logits, eager_tokens = greedy_decode(model, model, input_ids, mask, steps)
+    compiled_logits, compiled_tokens = greedy_decode(compiled, model, input_ids, mask, steps)
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=0)
+    assert torch.equal(compiled_tokens, eager_tokens)
+    assert counter.frame_count == 1  # one graph served all 50 steps: nothing recompiled as the context grew
+
+
+def test_the_decode_step_compiles_whole_and_one_graph_serves_every_step():
+    # aot_eager: dynamo's whole-graph capture and AOT autograd, without inductor's (slow on CPU) code generation.
+    check_compiled_decode("aot_eager")
+
+
+@pytest.mark.slow
+def test_the_decode_step_compiled_by_inductor_matches_eager():
+    check_compiled_decode("inductor")
+
+
+def test_generate_compiles_its_decode_steps_and_gives_the_eager_tokens():
+    torch._dynamo.reset()
+    model = tiny_model(index_topk=8)
+    input_ids = torch.randint(1, 97, (2, 30))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[0, :3] = 0
+    eager = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):  # a function: CompileConfig deep-copies its settings
+        graphs.append(graph_module)
+        return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    config = CompileConfig(fullgraph=True, backend=counting_backend, mode=None)
+    config._compile_all_devices = True  # generate() compiles only on accelerators unless told otherwise
+    compiled = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              compile_config=config)
+    assert torch.equal(compiled, eager)
+    assert len(graphs) == 1
