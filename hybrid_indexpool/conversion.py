@@ -24,6 +24,7 @@ import signal
 import struct
 import tempfile
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -728,18 +729,20 @@ def convert_checkpoint(
         )
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    work_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.converting-", dir=output_dir.parent))
+    # Named before it exists and created under the signal handler, so that a SIGTERM at any moment finds it removable.
+    work_dir = output_dir.parent / f".{output_dir.name}.converting-{uuid.uuid4().hex[:12]}"
     rss = _PeakRss()
     streams: list[_ConcatenationFile] = []
-    try:
-        with _terminate_as_exception():
+    with _terminate_as_exception():
+        try:
+            work_dir.mkdir()
             return _convert_into(source, plan, config, output_dir, work_dir, streams, expected, meta_model, extra,
                                  max_shard_size, ignored, progress, rss)
-    except BaseException:
-        for stream in streams:
-            stream.handle.close()
-        shutil.rmtree(work_dir, ignore_errors=True)
-        raise
+        except BaseException:
+            for stream in streams:
+                stream.handle.close()
+            shutil.rmtree(work_dir, ignore_errors=True)
+            raise
 
 
 def _convert_into(source, plan, config, output_dir, work_dir, streams, expected, meta_model, extra, max_shard_size,

@@ -244,19 +244,32 @@ def test_a_killed_converter_process_leaves_nothing_behind(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
-    source = save_source(tiny_source_model("qwen3_next", vocab_size=60000, hidden_size=256), tmp_path / "source",
-                         max_shard_size="8MB")
-    command = [sys.executable, "-m", "hybrid_indexpool.scripts.convert_qwen3_next", "--source", str(source),
-               "--output", str(tmp_path / "ours"), "--max_shard_size", "4MB", "--no_progress"]
+    source = save_source(tiny_source_model("qwen3_next"), tmp_path / "source")
+    # The converter's command line, held still after its first output shard (so that the signal lands mid-conversion
+    # whatever the machine's speed): the shard writer announces it on stdout and sleeps.
+    held_converter = (
+        "import sys, time\n"
+        "import hybrid_indexpool.conversion as conversion\n"
+        "from hybrid_indexpool.scripts import convert_qwen3_next\n"
+        "write = conversion.save_file\n"
+        "def write_then_hold(*args, **kwargs):\n"
+        "    write(*args, **kwargs)\n"
+        "    print('shard written', flush=True)\n"
+        "    time.sleep(120)\n"
+        "conversion.save_file = write_then_hold\n"
+        "convert_qwen3_next.main(sys.argv[1:])\n"
+    )
+    command = [sys.executable, "-c", held_converter, "--source", str(source), "--output", str(tmp_path / "ours"),
+               "--no_progress"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not any(name.startswith(".ours.converting-") for name in os.listdir(tmp_path)):
-        assert process.poll() is None and time.time() < deadline, "the conversion never started writing"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
+    try:
+        assert process.stdout.readline() == "shard written\n", process.stderr.read()[-2000:]
+        assert [name for name in os.listdir(tmp_path) if name.startswith(".ours.converting-")]
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
     assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert "partial output was removed" in stderr
     assert sorted(os.listdir(tmp_path)) == ["source"]
