@@ -21,7 +21,7 @@ bytes of a real one and a decode step does exactly the work it does after a real
 on the values). Those rows say `synthetic` in the prefill column.
 
     python -m hybrid_indexpool.scripts.bench_decode --quick
-    python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,131072 --settings pooled_r4,unpooled_r1,dense \
+    python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,131072 --settings pooled_r4,unpooled_r1,dense \\
         --compile --threads 1
     python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,16384,32768,65536 --json docs/bench.json \\
         --plot docs/bench_decode.png
@@ -49,6 +49,12 @@ PRESETS = {
                        index_heads=4, index_head_dim=128, topk=2048, linear_key_heads=16, linear_value_heads=32,
                        linear_head_dim=128, vocab_size=16384),
 }
+
+
+# torch.compile options for inference on CPU: inductor folds the weights into the graph (and prepacks them for the
+# CPU's matrix libraries), and dynamo checks no guards on the model's modules at each call (their attributes and
+# weights must then not change after compiling).
+FROZEN_OPTIONS = {"freezing": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
 def model_config(setting: str, args):
@@ -197,7 +203,8 @@ def measure(setting: str, context: int, args) -> dict:
     prompt = torch.randint(1, args.vocab_size, (1, prompt_length), generator=torch.Generator().manual_seed(args.seed))
     # Tokens decoded after the prompt: the timed eager steps and one profiled, then the same compiled after two
     # warm-up steps (the first one compiles).
-    decoded = (args.new_tokens + 1) * (2 if compile_step else 1) + (2 if compile_step else 0)
+    compilations = (1 + args.compile_frozen) if compile_step else 0
+    decoded = (args.new_tokens + 1) * (1 + compilations) + 2 * compilations
     result = {"setting": setting, "context": context}
     with torch.no_grad():
         cache = HybridIndexPoolCache(model.config, max_cache_len=context + decoded) if ours else None
@@ -230,6 +237,14 @@ def measure(setting: str, context: int, args) -> dict:
             decode(compiled)
             result["compiled_decode_ms"] = timed_steps(compiled)
             result["compiled_aten_calls"] = aten_calls(lambda: decode(compiled))
+            if args.compile_frozen:
+                torch._dynamo.reset()
+                frozen = torch.compile(model, fullgraph=True, backend=args.compile_backend, options=FROZEN_OPTIONS)
+                start = time.perf_counter()
+                decode(frozen)
+                result["frozen_compile_s"] = time.perf_counter() - start
+                decode(frozen)
+                result["frozen_decode_ms"] = timed_steps(frozen)
         if ours:
             result["cache_bytes"] = cache.memory_footprint()
             result.update(indexer_step(model, cache, args))
@@ -254,7 +269,8 @@ def copy_bandwidth(args) -> float:
 
 def print_table(results: list[dict], bandwidth: float) -> None:
     print(f"\nmemory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s")
-    header = ("setting", "context", "prefill s", "eager ms", "compiled ms", "speedup", "roofline ms", "best/roofline",
+    header = ("setting", "context", "prefill s", "eager ms", "compiled ms", "speedup", "frozen ms", "speedup",
+              "roofline ms", "best/roofline",
               "aten calls", "compiled aten", "reserved MiB", "in use MiB", "index keys KiB", "indexer ms",
               "indexer % bw")
     print("".join(f"{h:>15}" for h in header))
@@ -265,10 +281,12 @@ def print_table(results: list[dict], bandwidth: float) -> None:
         prefill = "synthetic" if row["prefill_s"] is None else f"{row['prefill_s']:.2f}"
         compiled = row.get("compiled_decode_ms")
         roofline = row["roofline_bytes"] / bandwidth * 1e3 if "roofline_bytes" in row else None
-        best = min(row["decode_ms"], compiled or float("inf"))
+        frozen = row.get("frozen_decode_ms")
+        best = min(row["decode_ms"], compiled or float("inf"), frozen or float("inf"))
         cells = (row["setting"], f"{row['context']:,}", prefill, f"{row['decode_ms']:.2f}",
                  "-" if compiled is None else f"{compiled:.2f}",
                  "-" if compiled is None else f"{row['decode_ms'] / compiled:.1f}x",
+                 "-" if frozen is None else f"{frozen:.2f}", "-" if frozen is None else f"{row['decode_ms'] / frozen:.1f}x",
                  "-" if roofline is None else f"{roofline:.2f}", "-" if roofline is None else f"{best / roofline:.1f}x",
                  f"{row['aten_calls']:,}",
                  f"{row['compiled_aten_calls']:,}" if "compiled_aten_calls" in row else "-",
@@ -346,6 +364,9 @@ def parse_arguments(argv=None):
                         help="also time the decode step compiled whole (inductor; minutes of compilation per run)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend for --compile (aot_eager checks the capture without code generation)")
+    parser.add_argument("--compile-frozen", action="store_true",
+                        help="with --compile, also time the step compiled for inference: weights frozen into the graph "
+                             "(inductor's freezing) and no guards on the modules (FROZEN_OPTIONS)")
     parser.add_argument("--quick", action="store_true", help="two short contexts (about 2-3 minutes on 2 cores)")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--plot", help="draw latency and memory against context to this image file")

@@ -29,19 +29,24 @@ def greedy_decode(forward, model, input_ids, mask, steps):
     return torch.cat(all_logits, dim=1), torch.cat(tokens, dim=1)
 
 
-def check_compiled_decode(backend: str, steps: int = 50):
+def check_compiled_decode(backend: str, steps: int = 50, options=None):
     torch._dynamo.reset()
     model = tiny_model(index_topk=8, index_head_weights=True)
     input_ids = torch.randint(1, 97, (2, 30))
     mask = torch.ones(2, 30, dtype=torch.long)
     mask[1, :6] = 0  # left padding: row 1 has 24 real tokens
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    if options is None:
+        compiled = torch.compile(model, fullgraph=True, backend=counter)
+    else:  # inductor with options: count the compiled frames from dynamo's statistics instead
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend=backend, options=options)
     eager_logits, eager_tokens = greedy_decode(model, model, input_ids, mask, steps)
     compiled_logits, compiled_tokens = greedy_decode(compiled, model, input_ids, mask, steps)
     torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=0)
     assert torch.equal(compiled_tokens, eager_tokens)
-    assert counter.frame_count == 1  # one graph served all 50 steps: nothing recompiled as the context grew
+    frames = counter.frame_count if options is None else torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert frames == 1  # one graph served all 50 steps: nothing recompiled as the context grew
 
 
 def test_the_decode_step_compiles_whole_and_one_graph_serves_every_step():
@@ -52,6 +57,13 @@ def test_the_decode_step_compiles_whole_and_one_graph_serves_every_step():
 @pytest.mark.slow
 def test_the_decode_step_compiled_by_inductor_matches_eager():
     check_compiled_decode("inductor")
+
+
+@pytest.mark.slow
+def test_the_decode_step_compiled_for_cpu_inference_matches_eager():
+    from hybrid_indexpool.scripts.bench_decode import FROZEN_OPTIONS
+
+    check_compiled_decode("inductor", options=FROZEN_OPTIONS)
 
 
 def test_generate_compiles_its_decode_steps_and_gives_the_eager_tokens():

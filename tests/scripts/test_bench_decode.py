@@ -46,9 +46,11 @@ def test_synthetic_cache_has_the_bytes_of_a_real_prefill():
 
 def test_compiled_decode_is_timed_and_counted_beside_eager():
     args = bench_decode.parse_arguments(["--quick", "--topk", "32", "--hidden-size", "64", "--intermediate-size", "64",
-                                         "--new-tokens", "2", "--compile", "--compile-backend", "aot_eager"])
+                                         "--new-tokens", "2", "--compile", "--compile-backend", "aot_eager",
+                                         "--compile-frozen"])
     row = bench_decode.measure("pooled_r4", 300, args)
     assert row["compiled_decode_ms"] > 0 and row["compile_s"] > 0
+    assert row["frozen_decode_ms"] > 0 and row["frozen_compile_s"] > 0
     assert row["aten_calls"] > 100 and row["compiled_aten_calls"] > 0
     # Reserved once for the prompt and every decoded token: within a chunk of what is in use.
     assert row["cache_bytes"]["reserved"] <= 1.10 * row["cache_bytes"]["total"]
