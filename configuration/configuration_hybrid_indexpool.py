@@ -60,6 +60,10 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             `"mean"`.
         index_head_weights (`bool`): Weight the indexer heads by learned, input-dependent weights (DeepSeek style)
             instead of summing them.
+        index_sink_windows (`int`): The first windows of every row, always selected once visible (attention sinks),
+            counted inside the budget. `0` (the default) leaves every choice to the indexer, as Qwen4-Exp does.
+        index_local_windows (`int`): Each query's most recent complete windows, always selected, counted inside the
+            budget. `0` by default. `index_sink_windows + index_local_windows` must not exceed the budget's windows.
         indexer_loss_weight (`float`): Weight of the indexer's KL loss in `loss` when a forward asks for it
             (`indexer_loss="dense"` or `"sparse"`).
         linear_num_key_heads (`int`): Query/key heads of Gated DeltaNet.
@@ -170,6 +174,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     index_pool_size: int = 4
     index_pool_weighting: str = "learned"
     index_head_weights: bool = False
+    index_sink_windows: int = 0
+    index_local_windows: int = 0
     indexer_loss_weight: float = 1.0
     # Gated DeltaNet
     linear_num_key_heads: int = 8
@@ -262,6 +268,15 @@ class HybridIndexPoolConfig(PreTrainedConfig):
                 f"`index_topk` ({self.index_topk}) is not a multiple of `index_pool_size` ({self.index_pool_size}); "
                 f"the budget is spent in whole windows, so use e.g. "
                 f"{max(self.index_pool_size, self.index_topk // self.index_pool_size * self.index_pool_size)}."
+            )
+        for name in ("index_sink_windows", "index_local_windows"):
+            if getattr(self, name) < 0:
+                fail(f"`{name}` is {getattr(self, name)}; it must be >= 0 (0 turns it off).")
+        if self.index_sink_windows + self.index_local_windows > self.index_topk // self.index_pool_size:
+            fail(
+                f"`index_sink_windows` ({self.index_sink_windows}) + `index_local_windows` "
+                f"({self.index_local_windows}) exceed the budget of {self.index_topk // self.index_pool_size} windows "
+                f"(`index_topk // index_pool_size`); they are counted inside it, so lower them or raise `index_topk`."
             )
         if self.index_pool_weighting not in POOL_WEIGHTINGS:
             fail(

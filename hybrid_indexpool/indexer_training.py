@@ -272,7 +272,8 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
         if not pruned.any():
             per_layer.append(1.0)
             continue
-        selected = pooled_index_topk(index_queries, pooled_keys, num_visible, layer.topk_windows, head_weights)
+        selected = pooled_index_topk(index_queries, pooled_keys, num_visible, layer.topk_windows, head_weights,
+                                     sink_windows=layer.sink_windows, local_windows=layer.local_windows)
         num_windows = pooled_keys.shape[1]
         chosen = torch.zeros(*selected.shape[:2], num_windows + 1, dtype=torch.bool, device=selected.device)
         chosen.scatter_(-1, selected.masked_fill(selected < 0, num_windows), True)

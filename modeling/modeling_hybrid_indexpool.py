@@ -383,6 +383,8 @@ class HybridIndexPoolAttention(nn.Module):
         self.output_gate = config.attention_output_gate
         self.pool_size = config.index_pool_size
         self.topk_windows = config.index_topk_windows
+        self.sink_windows = config.index_sink_windows
+        self.local_windows = config.index_local_windows
         query_width = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
         self.q_proj = nn.Linear(config.hidden_size, query_width, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
@@ -457,9 +459,11 @@ class HybridIndexPoolAttention(nn.Module):
             # the budget, so this is the dense result too.
             # The budget, or every window the storage can hold when that is less: the shapes follow the capacity.
             topk = min(self.topk_windows, pooled_index_keys.shape[1])
+            # Forced windows matter only when the budget is smaller than the storage (otherwise all are selected).
+            forced = (self.sink_windows, self.local_windows) if topk == self.topk_windows else (0, 0)
             selected = pooled_index_topk(
                 index_queries.detach(), pooled_index_keys.detach(), num_visible, topk,
-                None if head_weights is None else head_weights.detach(),
+                None if head_weights is None else head_weights.detach(), None, *forced,
             )
             output, weights = sparse_attention(
                 query, key, value, selected, positions, self.pool_size, self.scaling, self.attention_dropout,
@@ -476,6 +480,7 @@ class HybridIndexPoolAttention(nn.Module):
                 selected = pooled_index_topk(
                     index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows,
                     None if head_weights is None else head_weights.detach(), window_limit=max_visible,
+                    sink_windows=self.sink_windows, local_windows=self.local_windows,
                 )
                 output, weights = sparse_attention(
                     query, key, value, selected, positions, self.pool_size, self.scaling, self.attention_dropout,

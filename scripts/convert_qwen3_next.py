@@ -54,6 +54,8 @@ class IndexerSettings:
     pool_size: int = 4
     pool_weighting: str = "learned"
     head_weights: bool = False
+    sink_windows: int = 0
+    local_windows: int = 0
 
 
 def build_config(source: SourceCheckpoint, indexer: IndexerSettings) -> HybridIndexPoolConfig:
@@ -91,6 +93,8 @@ def build_config(source: SourceCheckpoint, indexer: IndexerSettings) -> HybridIn
             index_pool_size=indexer.pool_size,
             index_pool_weighting=indexer.pool_weighting,
             index_head_weights=indexer.head_weights,
+            index_sink_windows=indexer.sink_windows,
+            index_local_windows=indexer.local_windows,
             **moe,
         )
     except ValueError as error:
@@ -206,11 +210,16 @@ def main(argv=None) -> ConversionReport:
                         help="pooling of the indexer keys (default learned, starting at the mean)")
     parser.add_argument("--index_head_weights", action="store_true",
                         help="learned per-head indexer weights (DeepSeek style) instead of a plain sum")
+    parser.add_argument("--index_sink_windows", type=int, default=defaults.sink_windows,
+                        help="first windows always selected, inside the budget (default 0)")
+    parser.add_argument("--index_local_windows", type=int, default=defaults.local_windows,
+                        help="most recent windows always selected, inside the budget (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the new indexer's initialisation (default 0)")
     args = parser.parse_args(argv)
     indexer = IndexerSettings(
         n_heads=args.index_n_heads, head_dim=args.index_head_dim, topk=args.index_topk,
         pool_size=args.index_pool_size, pool_weighting=args.index_pool_weighting, head_weights=args.index_head_weights,
+        sink_windows=args.index_sink_windows, local_windows=args.index_local_windows,
     )
     return run_conversion_command(parser, lambda: convert(
         args.source, args.output, indexer, seed=args.seed, overwrite=args.overwrite,

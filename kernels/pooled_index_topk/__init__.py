@@ -10,14 +10,15 @@ except ImportError:  # no Triton: the PyTorch path serves every device
 
 
 def pooled_index_topk(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights=None,
-                      window_limit=None):
+                      window_limit=None, sink_windows=0, local_windows=0):
     """Select each query's `topk` best visible windows (Triton on CUDA, PyTorch elsewhere); see
-    `pooled_index_topk_torch` for shapes and `window_limit`."""
+    `pooled_index_topk_torch` for shapes, `window_limit` and the always-selected sink and local windows."""
     if pooled_index_topk_triton is not None and use_fast_path(index_queries, pooled_index_keys):
         return pooled_index_topk_triton(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights,
-                                        window_limit=window_limit)
+                                        window_limit=window_limit, sink_windows=sink_windows,
+                                        local_windows=local_windows)
     return pooled_index_topk_torch(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights,
-                                   window_limit)
+                                   window_limit, sink_windows, local_windows)
 
 
 __all__ = ["pooled_index_topk", "pooled_index_topk_torch", "pooled_index_topk_triton", "pooled_index_scores_torch"]

@@ -17,6 +17,9 @@ Two ways to the same selection:
   chunk can see, and a repair of the rows whose k-th best score is tied across the cut (zeros from the ReLU), found
   by reading a count from the device. Several times cheaper per score on a CPU than building the keys.
 
+Optionally the first `sink_windows` windows and each query's `local_windows` most recent visible windows are always
+selected, inside the `topk` (their scores are raised to +inf before the selection, so the indexer picks the rest).
+
 Queries and windows go in chunks, so memory stays bounded by the chunk sizes, never `[T, N / r]`, and a decode step
 allocates nothing proportional to the context beyond one window chunk. The per-head products are computed a
 cache-sized block at a time and summed straight into the score buffer.
@@ -76,15 +79,28 @@ def _write_scores(out: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, 
             target.addcmul_(per_head[:, :, head], weights[:, :, head, None])
 
 
+def force_windows(scores: torch.Tensor, window_ids: torch.Tensor, num_visible: torch.Tensor, sink_windows: int,
+                  local_windows: int) -> None:
+    """Raise to +inf, in place, the scores `[..., n]` of windows `window_ids` `[n]` that are always selected: the
+    first `sink_windows` ones and the `local_windows` before `num_visible` (broadcast against `scores`). Windows at
+    or beyond `num_visible` are left for the caller to mask."""
+    if sink_windows > 0:
+        scores.masked_fill_(window_ids < sink_windows, float("inf"))
+    if local_windows > 0:
+        scores.masked_fill_(window_ids >= num_visible - local_windows, float("inf"))
+
+
 def selection_keys(scores: torch.Tensor, first_id: int, num_visible: torch.Tensor,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, sink_windows: int = 0, local_windows: int = 0) -> torch.Tensor:
     """int64 keys `[..., n]` ordering float32 `scores` `[..., n]` of windows `first_id ..` by (score, -window id);
-    windows at or beyond `num_visible` (broadcast against `scores`) get a score of -inf, below every visible one.
+    windows at or beyond `num_visible` (broadcast against `scores`) get a score of -inf, below every visible one;
+    forced windows (`force_windows`) get +inf, above every other.
 
     `scores` is overwritten (its memory holds the ordered bits); the keys go into `out` when given. Every step is
     one in-place pass, since on a CPU these passes cost as much as computing the scores.
     """
     window_ids = torch.arange(first_id, first_id + scores.shape[-1], device=scores.device)
+    force_windows(scores, window_ids, num_visible, sink_windows, local_windows)
     scores.masked_fill_(window_ids >= num_visible, float("-inf"))
     bits = scores.view(torch.int32)
     sign = bits >> 31  # -1 for negative floats, 0 otherwise
@@ -154,6 +170,8 @@ def pooled_index_topk_torch(
     topk: int,
     head_weights: torch.Tensor | None = None,
     window_limit: int | None = None,
+    sink_windows: int = 0,
+    local_windows: int = 0,
 ) -> torch.Tensor:
     """Select the `topk` best-scoring visible windows of every query.
 
@@ -166,6 +184,9 @@ def pooled_index_topk_torch(
         window_limit: no query sees a window at or beyond this (a host-side bound, for a prefill): selects with
             float top-k, reading bounds and ties from the device. None (decode, compiled code): every window of
             `pooled_index_keys` is scored, with fixed shapes and nothing read from the device.
+        sink_windows: the first windows, always selected when visible (attention sinks), inside `topk`.
+        local_windows: each query's most recent visible windows, always selected, inside `topk`.
+            `sink_windows + local_windows` must not exceed `topk`.
 
     Returns:
         `[batch, queries, topk]` int64 window ids in ascending order, `-1` after the last one where fewer than
@@ -177,12 +198,16 @@ def pooled_index_topk_torch(
         num_windows = min(num_windows, window_limit)
     if num_windows == 0 or num_queries == 0 or topk == 0:
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
+    if sink_windows < 0 or local_windows < 0 or sink_windows + local_windows > topk:
+        raise ValueError(f"sink_windows ({sink_windows}) and local_windows ({local_windows}) must be >= 0 and fit in "
+                         f"topk ({topk}) together.")
     select = _select_with_keys if window_limit is None else _select_with_host_bounds
     return select(index_queries, pooled_index_keys[:, :num_windows], num_visible_windows, topk,
-                  _scaled_head_weights(index_queries, head_weights))
+                  _scaled_head_weights(index_queries, head_weights), sink_windows, local_windows)
 
 
-def _select_with_keys(index_queries, pooled_index_keys, num_visible_windows, topk, weights):
+def _select_with_keys(index_queries, pooled_index_keys, num_visible_windows, topk, weights, sink_windows,
+                      local_windows):
     """Fixed shapes, no host reads: a running top-k of int64 selection keys over window chunks."""
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
     num_windows = pooled_index_keys.shape[1]
@@ -202,7 +227,8 @@ def _select_with_keys(index_queries, pooled_index_keys, num_visible_windows, top
             count = min(window_chunk, num_windows - window_start)
             _write_scores(scores[..., :count], queries, pooled_index_keys[:, window_start:window_start + count],
                           weights[:, query_start:query_end])
-            selection_keys(scores[..., :count], window_start, visible, out=keys[..., kept:kept + count])
+            selection_keys(scores[..., :count], window_start, visible, out=keys[..., kept:kept + count],
+                           sink_windows=sink_windows, local_windows=local_windows)
             kept += count
             if kept > topk:
                 keys[..., :topk] = keys[..., :kept].topk(topk, dim=-1, sorted=False).values
@@ -211,7 +237,8 @@ def _select_with_keys(index_queries, pooled_index_keys, num_visible_windows, top
     return selections[0] if len(selections) == 1 else torch.cat(selections, dim=1)
 
 
-def _select_with_host_bounds(index_queries, pooled_index_keys, num_visible_windows, topk, weights):
+def _select_with_host_bounds(index_queries, pooled_index_keys, num_visible_windows, topk, weights, sink_windows,
+                             local_windows):
     """A running float top-k over window chunks, each query chunk bounded by its own causal limit, with the tie
     repair of `_top_positions`."""
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
@@ -234,6 +261,9 @@ def _select_with_host_bounds(index_queries, pooled_index_keys, num_visible_windo
             scores = score_buffer[:, :rows, : kept + window_end - window_start]
             _write_scores(scores[..., kept:], queries, pooled_index_keys[:, window_start:window_end],
                           weights[:, query_start:query_end])
+            if sink_windows > 0 or local_windows > 0:
+                force_windows(scores[..., kept:], torch.arange(window_start, window_end, device=device), visible,
+                              sink_windows, local_windows)
             if window_end > min_visible:  # some query of the chunk cannot see all of these windows
                 first = max(min_visible, window_start)
                 ids = torch.arange(first, window_end, device=device)

@@ -132,13 +132,16 @@ def pooled_index_topk_triton(
     head_weights: torch.Tensor | None = None,
     num_splits: int | None = None,
     window_limit: int | None = None,
+    sink_windows: int = 0,
+    local_windows: int = 0,
 ) -> torch.Tensor:
     """Triton version of `pooled_index_topk_torch`: same arguments, same result (ids ascending, `-1` padded).
 
     `num_splits`: programs sharing one query tile's windows (default: enough to fill the GPU). `window_limit`
     (prefill): no query sees a window at or beyond it; the chunks' own causal bounds are then read from the device
     once, so a chunk scores and selects only the windows its queries can see. Without it (decode) nothing is read
-    back to the host and every shape is fixed.
+    back to the host and every shape is fixed. `sink_windows` / `local_windows`: windows always selected, as in
+    the reference.
     """
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
     num_windows = pooled_index_keys.shape[1] if window_limit is None else min(pooled_index_keys.shape[1],
@@ -166,7 +169,7 @@ def pooled_index_topk_triton(
         scores = torch.empty(batch_size, end - start, limit, dtype=torch.float32, device=device)
         weights = None if head_weights is None else head_weights[:, start:end]
         plan_scores(index_queries[:, start:end], pooled_index_keys, visible, weights, scores, num_splits).run()
-        keys = selection_keys(scores, 0, visible[..., None])
+        keys = selection_keys(scores, 0, visible[..., None], sink_windows=sink_windows, local_windows=local_windows)
         best = keys if limit <= topk else keys.topk(topk, dim=-1, sorted=False).values
         selections.append(window_ids_of(best, topk))
     return selections[0] if len(selections) == 1 else torch.cat(selections, dim=1)

@@ -36,6 +36,10 @@ def test_save_and_load_round_trip(tmp_path):
         (dict(num_experts=4, num_experts_per_tok=5), "`num_experts_per_tok` (5) must lie between 1"),
         (dict(attention_dropout=1.5), "`attention_dropout` is 1.5"),
         (dict(partial_rotary_factor=0.0), "`partial_rotary_factor` is 0.0"),
+        (dict(index_sink_windows=-1), "`index_sink_windows` is -1"),
+        (dict(index_local_windows=-2), "`index_local_windows` is -2"),
+        (dict(index_topk=16, index_pool_size=4, index_sink_windows=3, index_local_windows=2),
+         "exceed the budget of 4 windows"),
     ],
 )
 def test_invalid_settings_raise_value_error_naming_field(settings, message):

@@ -90,3 +90,44 @@ def test_a_row_of_nan_never_changes_another_rows_selection(host_bounds):
     broken = pooled_keys.clone()
     broken[0] = float("nan")
     assert torch.equal(select(index_queries, broken, num_visible, 6, host_bounds=host_bounds)[1], clean[1])
+
+
+def slow_topk_with_forced(index_queries, pooled_keys, num_visible, topk, sink_windows, local_windows):
+    """The forced windows (first `sink_windows`, last `local_windows` visible) plus the best of the others."""
+    batch, queries, heads, dim = index_queries.shape
+    result = torch.full((batch, queries, topk), -1, dtype=torch.long)
+    for b in range(batch):
+        for t in range(queries):
+            visible = int(num_visible[b, t])
+            forced = {c for c in range(visible) if c < sink_windows or c >= visible - local_windows}
+            scored = sorted((-sum(max(0.0, float(index_queries[b, t, h] @ pooled_keys[b, c])) for h in range(heads)),
+                             c) for c in range(visible) if c not in forced)
+            chosen = sorted(forced | {c for _, c in scored[: topk - len(forced)]})
+            result[b, t, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
+    return result
+
+
+@PATHS
+@pytest.mark.parametrize("sink_windows, local_windows", [(1, 0), (0, 2), (2, 3), (3, 3)])
+def test_sink_and_local_windows_are_always_selected_inside_the_budget(sink_windows, local_windows, host_bounds,
+                                                                        monkeypatch):
+    generator = torch.Generator().manual_seed(sink_windows * 10 + local_windows)
+    batch, queries, heads, dim, windows, topk = 2, 11, 2, 8, 40, 6
+    index_queries = torch.randn(batch, queries, heads, dim, generator=generator, dtype=torch.float64)
+    pooled_keys = torch.randn(batch, windows, dim, generator=generator, dtype=torch.float64)
+    num_visible = torch.randint(0, windows + 1, (batch, queries), generator=generator)
+    expected = slow_topk_with_forced(index_queries, pooled_keys, num_visible, topk, sink_windows, local_windows)
+    limit = windows if host_bounds else None
+    ours = pooled_index_topk(index_queries, pooled_keys, num_visible, topk, window_limit=limit,
+                             sink_windows=sink_windows, local_windows=local_windows)
+    assert torch.equal(ours, expected)
+    monkeypatch.setattr(reference, "_chunk_sizes", lambda *args: (4, 7))  # forced windows across window chunks
+    chunked = pooled_index_topk(index_queries, pooled_keys, num_visible, topk, window_limit=limit,
+                                sink_windows=sink_windows, local_windows=local_windows)
+    assert torch.equal(chunked, expected)
+
+
+def test_forced_windows_beyond_the_budget_are_refused():
+    index_queries, pooled_keys = torch.randn(1, 1, 1, 4), torch.randn(1, 10, 4)
+    with pytest.raises(ValueError, match="must be >= 0 and fit in topk"):
+        pooled_index_topk(index_queries, pooled_keys, torch.tensor([[10]]), 3, sink_windows=2, local_windows=2)

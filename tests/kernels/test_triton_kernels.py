@@ -64,6 +64,18 @@ def test_pooled_index_topk_selects_the_same_windows(batch, queries, heads, head_
     assert torch.equal(pooled_index_topk_triton(*args[:3], topk, args[3], window_limit=limit).cpu(), expected)
 
 
+def test_pooled_index_topk_keeps_the_sink_and_local_windows_as_the_reference_does():
+    generator, positions, real, _ = layout(2, 9, 4, 120, seed=5)
+    index_queries = torch.randn(2, 9, 2, 16, generator=generator)
+    pooled_keys = torch.randn(2, 30, 16, generator=generator)
+    num_visible = torch.where(real, (positions + 1) // 4, 0)
+    expected = pooled_index_topk_torch(index_queries, pooled_keys, num_visible, 6, sink_windows=2, local_windows=1)
+    args = to_device(index_queries, pooled_keys, num_visible)
+    for limit in (None, int(num_visible.max())):
+        ours = pooled_index_topk_triton(*args, 6, window_limit=limit, sink_windows=2, local_windows=1)
+        assert torch.equal(ours.cpu(), expected)
+
+
 def test_pooled_index_topk_ties_go_to_the_lower_window():
     index_queries = -torch.ones(1, 2, 1, 16)
     pooled_keys = torch.ones(1, 40, 16)

@@ -148,3 +148,37 @@ def test_the_sparse_path_is_taken_beyond_the_budget_and_changes_the_result():
     # Identical where the budget covers everything, different once windows are pruned.
     torch.testing.assert_close(sparse_out[:, :7], dense_out[:, :7], atol=1e-5, rtol=0)
     assert (sparse_out[:, 12:] - dense_out[:, 12:]).abs().max() > 1e-3
+
+
+def test_sink_and_local_windows_are_selected_by_the_layer_and_decode_equals_one_pass(monkeypatch):
+    """`index_sink_windows` / `index_local_windows`: every query past the budget selects the first window and its own
+    latest complete window (inside the budget), in the prefill and in each decode step alike."""
+    from hybrid_indexpool import HybridIndexPoolCache
+    from model_factory import tiny_model
+
+    recorded = []
+
+    def recording_topk(*args, **kwargs):
+        recorded.append((args[2], modeling_topk(*args, **kwargs)))  # (visible windows, selection)
+        return recorded[-1][1]
+
+    model = tiny_model(index_topk=16, index_sink_windows=1, index_local_windows=1)
+    input_ids = torch.randint(1, 97, (2, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = tiny_model(index_topk=16)(input_ids).logits
+    modeling_topk = modeling.pooled_index_topk
+    monkeypatch.setattr(modeling, "pooled_index_topk", recording_topk)
+    with torch.no_grad():
+        whole = model(input_ids).logits
+        assert not torch.allclose(whole, plain, atol=1e-4)  # forcing changed the selections
+        cache = HybridIndexPoolCache(model.config, max_cache_len=50)
+        steps = [model(input_ids[:, :30], cache=cache).logits]
+        steps += [model(input_ids[:, t:t + 1], cache=cache).logits for t in range(30, 50)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-4, rtol=0)
+    checked = 0
+    for visible, selection in recorded:
+        for ids, count in zip(selection.flatten(0, 1).tolist(), visible.flatten().tolist()):
+            if count > 4:  # past the budget of 4 windows
+                assert 0 in ids and count - 1 in ids and -1 not in ids
+                checked += 1
+    assert checked > 40
