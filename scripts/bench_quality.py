@@ -30,21 +30,20 @@ import json
 import os
 import platform
 import random
-import sysconfig
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from hybrid_indexpool.retrieval_task import PASSKEY_DIGITS, passkey_sample, stdlib_texts, text_window
+
 SETTINGS = ("learned_r4", "mean_r4", "unpooled_r1", "dense")
 LABELS = {"learned_r4": "learned pooling r=4", "mean_r4": "mean pooling r=4", "unpooled_r1": "unpooled r=1",
           "dense": "dense"}
 POOLING = {"learned_r4": (4, "learned"), "mean_r4": (4, "mean"), "unpooled_r1": (1, "mean"), "dense": (4, "learned")}
-PASSKEY_DIGITS = 5
 # Sizes of the full run and of `--quick` (any of them can be set on the command line).
 PRESETS = {
     "full": dict(context=512, budget=64, hidden_size=128, layers=4, batch_size=8, train_steps=600, warmup_steps=100,
@@ -52,35 +51,6 @@ PRESETS = {
     "quick": dict(context=256, budget=32, hidden_size=64, layers=4, batch_size=8, train_steps=150, warmup_steps=30,
                   sparse_steps=20, eval_blocks=16, passkey_samples=32),
 }
-
-
-def stdlib_texts() -> tuple[str, str, int, int]:
-    """Training text, held-out text and their file counts from the standard library's `*.py` files (ASCII)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(path for path in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(path.parts))
-    if not files:
-        raise RuntimeError(f"No *.py files under the standard library folder {root}; this benchmark needs its source.")
-    train, held_out = [], []
-    for path in files:
-        text = path.read_text(encoding="utf-8", errors="replace").encode("ascii", "replace").decode("ascii")
-        (held_out if zlib.crc32(str(path.relative_to(root)).encode()) % 10 == 0 else train).append(text)
-    return "\n".join(train), "\n".join(held_out), len(train), len(held_out)
-
-
-def text_window(text: str, length: int, rng: random.Random) -> str:
-    start = rng.randrange(len(text) - length)
-    return text[start:start + length]
-
-
-def passkey_sample(text: str, context: int, rng: random.Random) -> tuple[str, float]:
-    """`context` characters of code with `# passkey: NNNNN` on a line at a random depth and again as the last line
-    (whose digits are the answer). Returns the sample and the needle's relative depth."""
-    key = f"{rng.randrange(10 ** PASSKEY_DIGITS):0{PASSKEY_DIGITS}d}"
-    needle, question = f"# passkey: {key}\n", f"\n# passkey: {key}"
-    filler = text_window(text, context - len(needle) - len(question), rng)
-    depth = rng.random()
-    cut = filler.find("\n", int(depth * len(filler))) + 1 or int(depth * len(filler))  # at a line start if any
-    return filler[:cut] + needle + filler[cut:] + question, cut / len(filler)
 
 
 def training_samples(text: str, count: int, context: int, passkey_fraction: float, seed: int) -> list[str]:

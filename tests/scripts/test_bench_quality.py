@@ -43,15 +43,6 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
             assert 0.0 < row["attention_mass"] < 1.0 and math.isfinite(row["sparse_kl_last"])
 
 
-def test_passkey_samples_have_the_context_length_and_end_with_the_key():
-    import random
-
-    text = "line of code\n" * 100
-    sample, depth = bench_quality.passkey_sample(text, 200, random.Random(0))
-    key = sample[-bench_quality.PASSKEY_DIGITS:]
-    assert len(sample) == 200 and key.isdigit() and sample.count(f"# passkey: {key}") == 2 and 0 <= depth <= 1
-
-
 @pytest.mark.parametrize("extra, message", [
     (["--budget", "18"], "multiple of 4"),
     (["--context", "24"], "at least twice --budget"),
