@@ -7,7 +7,8 @@ is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
 1. Train a small hybrid model (Gated DeltaNet and IndexPool layers alternating) with dense attention (budget >= the
    context) on random windows of the training files, a fraction of them turned into passkey samples: the line
    `# passkey: 12345` inserted at a random depth and repeated as the sample's last line, so retrieval is learnable.
-2. From those weights, build each indexer (learned r = 4, mean r = 4, mean r = 1) with the sparse budget and run the
+2. From those weights, build each indexer (learned r = 4, mean r = 4, mean r = 1) with the sparse budget, measure it
+   untrained (as a conversion leaves it: does the model collapse past the budget?), and run the
    same number of dense warm-up steps on each (DeepSeek-V3.2 stage 1: only the indexer trains, KL to the dense
    attention) through `hybrid_indexpool.indexer_training`.
 3. On held-out text at the full context measure (a) the fraction of the dense attention mass that the selection
@@ -83,6 +84,8 @@ def model_config(setting: str, args, tokenizer):
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
         index_pool_size=pool_size, index_pool_weighting=weighting,
         index_topk=-(-args.context // 4) * 4 if setting == "dense" else args.budget,
+        index_sink_windows=0 if setting == "dense" else args.sink_windows,
+        index_local_windows=0 if setting == "dense" else args.local_windows,
     )
 
 
@@ -173,7 +176,7 @@ def run(args) -> dict:
                                   for _ in range(args.passkey_samples)))
     passkeys = torch.tensor(tokenizer(list(passkey_texts), add_special_tokens=False)["input_ids"])
 
-    results, warmup_curves, sparse_results, sparse_curves = {}, {}, {}, {}
+    results, warmup_curves, sparse_results, sparse_curves, fresh_results = {}, {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         print(f"1/3 training the dense base model: {args.train_steps} steps of {args.batch_size} x {args.context} "
               "tokens", flush=True)
@@ -197,6 +200,8 @@ def run(args) -> dict:
                 missing, unexpected = model.load_state_dict(base_state, strict=False)
                 if missing or any("pool_" not in name for name in unexpected):
                     raise RuntimeError(f"{setting}: the base weights do not fit ({missing}, {unexpected}).")
+                # The untrained indexer, as a conversion leaves it: does the model collapse past the budget?
+                fresh_results[setting] = evaluated_row(setting, model, blocks, passkeys, args)
                 warmup = train_indexer_stage(
                     model, "warmup", warmup_data,
                     trainer_arguments(scratch, args.warmup_steps, args.warmup_learning_rate, args), collator,
@@ -223,7 +228,8 @@ def run(args) -> dict:
                 sparse_results[setting]["sparse_kl_first"], sparse_results[setting]["sparse_kl_last"] = \
                     kl_summary(sparse.state.log_history)
 
-    for rows in (results, sparse_results):
+    fresh_results["dense"] = results["dense"]
+    for rows in (fresh_results, results, sparse_results):
         for row in rows.values():
             row["ppl_vs_dense"] = row["ppl"] / rows["dense"]["ppl"] - 1
             row["ppl_beyond_budget_vs_dense"] = row["ppl_beyond_budget"] / rows["dense"]["ppl_beyond_budget"] - 1
@@ -233,6 +239,7 @@ def run(args) -> dict:
                      "train_chars": len(train_text), "held_out_chars": len(held_out_text),
                      "passkey_depths": [round(depth, 3) for depth in depths]},
         "base_training": {"losses": base_losses, "seconds": round(base_seconds, 1)},
+        "results_fresh": [fresh_results[setting] for setting in SETTINGS if setting != "dense"],
         "results": [results[setting] for setting in SETTINGS],
         "warmup_kl": warmup_curves,
         "results_after_sparse": [sparse_results[setting] for setting in SETTINGS if setting in sparse_results],
@@ -264,6 +271,7 @@ def format_table(report: dict) -> str:
         f"base {settings['train_steps']} steps x {settings['batch_size']} (final loss "
         f"{report['base_training']['losses'][-1]:.3f}, {report['base_training']['seconds']:.0f} s); "
         f"warm-up {settings['warmup_steps']} steps per indexer; "
+        f"always-kept windows: {settings.get('sink_windows', 0)} sink, {settings.get('local_windows', 0)} local; "
         + (f"sparse stage {sparse_steps} steps per setting (lr {settings['sparse_learning_rate']:g}; dense: "
            "language-model steps); " if sparse_steps else "") +
         f"{settings['eval_blocks']} held-out blocks, {settings['passkey_samples']} passkey samples; "
@@ -275,7 +283,8 @@ def format_table(report: dict) -> str:
     ]
     # What each row comes after: the indexer's warm-up (for dense: the base model), then the sparse stage (for dense:
     # as many language-model steps).
-    stages = [("warm-up", "base", "warmup", report["results"]),
+    stages = [("untrained indexer", "base", "fresh", report.get("results_fresh", [])),
+              ("warm-up", "base", "warmup", report["results"]),
               (f"+ stage 2 ({sparse_steps} steps)", f"+ {sparse_steps} LM steps", "sparse",
                report.get("results_after_sparse", []))]
     for after, dense_after, stage, rows in stages:
@@ -343,6 +352,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                             ("eval-blocks", "Held-out sequences for perplexity and attention mass."),
                             ("passkey-samples", "Held-out passkey samples.")):
         parser.add_argument(f"--{name}", type=int, default=None, help=f"{help_text} Default: full / --quick preset.")
+    parser.add_argument("--sink-windows", type=int, default=0,
+                        help="index_sink_windows of the sparse settings: first windows always selected (default 0)")
+    parser.add_argument("--local-windows", type=int, default=0,
+                        help="index_local_windows of the sparse settings: latest windows always selected (default 0)")
     parser.add_argument("--eval-batch-size", type=int, default=4)
     parser.add_argument("--passkey-fraction", type=float, default=0.5,
                         help="Fraction of training sequences that are passkey samples.")
@@ -374,6 +387,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                  "passkey_samples", "eval_batch_size"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive.")
+    if args.sink_windows < 0 or args.local_windows < 0 or args.sink_windows + args.local_windows > args.budget // 4:
+        parser.error(f"--sink-windows and --local-windows must be >= 0 and fit in the r=4 budget of "
+                     f"{args.budget // 4} windows together.")
     if args.sparse_steps < 0:
         parser.error(f"--sparse-steps {args.sparse_steps} must not be negative (0 skips the sparse stage).")
     return args

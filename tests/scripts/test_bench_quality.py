@@ -29,6 +29,11 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
         assert 0.0 < row["attention_mass"] < 1.0 and row["ppl"] > 1.0 and 0.0 <= row["passkey_accuracy"] <= 1.0
         assert len(written["warmup_kl"][setting]) == 3 and row["warmup_kl_first"] > 0
     assert (tmp_path / "q.png").stat().st_size > 0
+    # Each untrained indexer is measured before its warm-up, against the same dense base.
+    assert "| learned pooling r=4 | untrained indexer |" in printed
+    fresh = {row["setting"]: row for row in written["results_fresh"]}
+    assert list(fresh) == ["learned_r4", "mean_r4", "unpooled_r1"]
+    assert all(math.isfinite(row["ppl_beyond_budget_vs_dense"]) for row in fresh.values())
     # After the sparse stage (dense: as many language-model steps) every setting is measured again.
     assert "| learned pooling r=4 | + stage 2 (2 steps) |" in printed
     after = {row["setting"]: row for row in written["results_after_sparse"]}
@@ -47,8 +52,19 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
     (["--budget", "18"], "multiple of 4"),
     (["--context", "24"], "at least twice --budget"),
     (["--passkey-fraction", "1.5"], "between 0 and 1"),
+    (["--sink-windows", "3", "--local-windows", "2"], "fit in the r=4 budget of 4 windows"),
 ])
 def test_bad_sizes_are_refused(extra, message, capsys):
     with pytest.raises(SystemExit):
         bench_quality.parse_arguments(TINY + extra)
     assert message in capsys.readouterr().err
+
+
+def test_sink_and_local_windows_reach_the_sparse_settings_only():
+    args = bench_quality.parse_arguments(TINY + ["--sink-windows", "1", "--local-windows", "2"])
+    from hybrid_indexpool.tokenization import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    sparse, dense = (bench_quality.model_config(setting, args, tokenizer) for setting in ("mean_r4", "dense"))
+    assert (sparse.index_sink_windows, sparse.index_local_windows) == (1, 2)
+    assert (dense.index_sink_windows, dense.index_local_windows) == (0, 0)
