@@ -13,6 +13,9 @@ def pooled_index_topk(index_queries, pooled_index_keys, num_visible_windows, top
                       window_limit=None, sink_windows=0, local_windows=0):
     """Select each query's `topk` best visible windows (Triton on CUDA, PyTorch elsewhere); see
     `pooled_index_topk_torch` for shapes, `window_limit` and the always-selected sink and local windows."""
+    if sink_windows < 0 or local_windows < 0 or sink_windows + local_windows > topk:
+        raise ValueError(f"sink_windows ({sink_windows}) and local_windows ({local_windows}) must be >= 0 and fit in "
+                         f"topk ({topk}) together.")
     if pooled_index_topk_triton is not None and use_fast_path(index_queries, pooled_index_keys):
         return pooled_index_topk_triton(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights,
                                         window_limit=window_limit, sink_windows=sink_windows,

@@ -198,9 +198,6 @@ def pooled_index_topk_torch(
         num_windows = min(num_windows, window_limit)
     if num_windows == 0 or num_queries == 0 or topk == 0:
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
-    if sink_windows < 0 or local_windows < 0 or sink_windows + local_windows > topk:
-        raise ValueError(f"sink_windows ({sink_windows}) and local_windows ({local_windows}) must be >= 0 and fit in "
-                         f"topk ({topk}) together.")
     select = _select_with_keys if window_limit is None else _select_with_host_bounds
     return select(index_queries, pooled_index_keys[:, :num_windows], num_visible_windows, topk,
                   _scaled_head_weights(index_queries, head_weights), sink_windows, local_windows)
