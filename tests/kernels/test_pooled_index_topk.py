@@ -4,19 +4,23 @@ import torch
 from hybrid_indexpool.kernels.pooled_index_topk import pooled_index_topk, reference
 
 
-def slow_topk(index_queries, pooled_keys, num_visible, topk, head_weights):
-    """One query at a time: score every visible window, best first, ties to the lower id."""
+def slow_topk(index_queries, pooled_keys, num_visible, topk, head_weights, sink_windows=0, local_windows=0):
+    """One query at a time: the forced windows (first `sink_windows`, last `local_windows` visible), then every other
+    visible window scored, best first, ties to the lower id."""
     batch, queries, heads, dim = index_queries.shape
     result = torch.full((batch, queries, topk), -1, dtype=torch.long)
     for b in range(batch):
         for t in range(queries):
             visible = int(num_visible[b, t])
+            forced = {c for c in range(visible) if c < sink_windows or c >= visible - local_windows}
             scored = []
             for c in range(visible):
+                if c in forced:
+                    continue
                 per_head = [max(0.0, float(index_queries[b, t, h] @ pooled_keys[b, c])) for h in range(heads)]
                 weights = [1.0] * heads if head_weights is None else head_weights[b, t].tolist()
                 scored.append((-sum(w * s for w, s in zip(weights, per_head)) / dim**0.5, c))
-            chosen = sorted(c for _, c in sorted(scored)[:topk])
+            chosen = sorted(forced | {c for _, c in sorted(scored)[: topk - len(forced)]})
             result[b, t, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
     return result
 
@@ -92,21 +96,6 @@ def test_a_row_of_nan_never_changes_another_rows_selection(host_bounds):
     assert torch.equal(select(index_queries, broken, num_visible, 6, host_bounds=host_bounds)[1], clean[1])
 
 
-def slow_topk_with_forced(index_queries, pooled_keys, num_visible, topk, sink_windows, local_windows):
-    """The forced windows (first `sink_windows`, last `local_windows` visible) plus the best of the others."""
-    batch, queries, heads, dim = index_queries.shape
-    result = torch.full((batch, queries, topk), -1, dtype=torch.long)
-    for b in range(batch):
-        for t in range(queries):
-            visible = int(num_visible[b, t])
-            forced = {c for c in range(visible) if c < sink_windows or c >= visible - local_windows}
-            scored = sorted((-sum(max(0.0, float(index_queries[b, t, h] @ pooled_keys[b, c])) for h in range(heads)),
-                             c) for c in range(visible) if c not in forced)
-            chosen = sorted(forced | {c for _, c in scored[: topk - len(forced)]})
-            result[b, t, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
-    return result
-
-
 @PATHS
 @pytest.mark.parametrize("sink_windows, local_windows", [(1, 0), (0, 2), (2, 3), (3, 3)])
 def test_sink_and_local_windows_are_always_selected_inside_the_budget(sink_windows, local_windows, host_bounds,
@@ -116,7 +105,7 @@ def test_sink_and_local_windows_are_always_selected_inside_the_budget(sink_windo
     index_queries = torch.randn(batch, queries, heads, dim, generator=generator, dtype=torch.float64)
     pooled_keys = torch.randn(batch, windows, dim, generator=generator, dtype=torch.float64)
     num_visible = torch.randint(0, windows + 1, (batch, queries), generator=generator)
-    expected = slow_topk_with_forced(index_queries, pooled_keys, num_visible, topk, sink_windows, local_windows)
+    expected = slow_topk(index_queries, pooled_keys, num_visible, topk, None, sink_windows, local_windows)
     limit = windows if host_bounds else None
     ours = pooled_index_topk(index_queries, pooled_keys, num_visible, topk, window_limit=limit,
                              sink_windows=sink_windows, local_windows=local_windows)
