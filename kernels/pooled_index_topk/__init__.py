@@ -1,6 +1,8 @@
-"""Pooled index score + top-k window selection behind one entry point."""
+"""Pooled index score + top-k window selection behind one entry point: Triton on CUDA, the compiled CPU kernel
+for decode-sized selections on CPU, the PyTorch reference otherwise."""
 
 from ..dispatch import use_fast_path
+from .cpu_impl import fused_topk_applies, pooled_index_topk_cpu
 from .reference import pooled_index_scores_torch, pooled_index_topk_torch
 
 try:
@@ -11,7 +13,8 @@ except ImportError:  # no Triton: the PyTorch path serves every device
 
 def pooled_index_topk(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights=None,
                       window_limit=None, sink_windows=0, local_windows=0):
-    """Select each query's `topk` best visible windows (Triton on CUDA, PyTorch elsewhere); see
+    """Select each query's `topk` best visible windows (Triton on CUDA; on CPU the compiled kernel for a few
+    queries without `window_limit`, PyTorch otherwise); see
     `pooled_index_topk_torch` for shapes, `window_limit` and the always-selected sink and local windows."""
     if sink_windows < 0 or local_windows < 0 or sink_windows + local_windows > topk:
         raise ValueError(f"sink_windows ({sink_windows}) and local_windows ({local_windows}) must be >= 0 and fit in "
@@ -20,8 +23,11 @@ def pooled_index_topk(index_queries, pooled_index_keys, num_visible_windows, top
         return pooled_index_topk_triton(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights,
                                         window_limit=window_limit, sink_windows=sink_windows,
                                         local_windows=local_windows)
+    if window_limit is None and fused_topk_applies(index_queries.shape[1] * index_queries.shape[2], pooled_index_keys):
+        return pooled_index_topk_cpu(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights,
+                                     sink_windows, local_windows)
     return pooled_index_topk_torch(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights,
                                    window_limit, sink_windows, local_windows)
 
 
-__all__ = ["pooled_index_topk", "pooled_index_topk_torch", "pooled_index_topk_triton", "pooled_index_scores_torch"]
+__all__ = ["pooled_index_topk", "pooled_index_topk_cpu", "pooled_index_topk_torch", "pooled_index_topk_triton", "pooled_index_scores_torch"]

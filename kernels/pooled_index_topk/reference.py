@@ -124,7 +124,7 @@ def window_ids_of(keys: torch.Tensor, topk: int) -> torch.Tensor:
     return ids
 
 
-def _scaled_head_weights(index_queries, head_weights):
+def scaled_head_weights(index_queries, head_weights):
     """`[batch, queries, heads]` float32 head weights times `1 / sqrt(d)` (all heads weigh 1 when None)."""
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
     scale = head_dim**-0.5
@@ -139,7 +139,7 @@ def pooled_index_scores_torch(
     """Scores of every query against every given window, `[batch, queries, windows]` in float32 (no masking).
     Differentiable (the indexer's KL loss trains through it); the selection computes the same scores in blocks."""
     per_head = torch.einsum("bthd,bcd->bthc", index_queries.float(), pooled_index_keys.float()).relu()
-    return torch.einsum("bthc,bth->btc", per_head, _scaled_head_weights(index_queries, head_weights))
+    return torch.einsum("bthc,bth->btc", per_head, scaled_head_weights(index_queries, head_weights))
 
 
 def _top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -200,7 +200,7 @@ def pooled_index_topk_torch(
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
     select = _select_with_keys if window_limit is None else _select_with_host_bounds
     return select(index_queries, pooled_index_keys[:, :num_windows], num_visible_windows, topk,
-                  _scaled_head_weights(index_queries, head_weights), sink_windows, local_windows)
+                  scaled_head_weights(index_queries, head_weights), sink_windows, local_windows)
 
 
 def _select_with_keys(index_queries, pooled_index_keys, num_visible_windows, topk, weights, sink_windows,

@@ -1,0 +1,365 @@
+"""CPU kernel of the decode-time pooled index scores: one streaming pass over the pooled keys that writes the
+selection keys directly.
+
+For a few (query, head) rows (decode: one query of 4 heads per row of the batch) the score is a read of every pooled
+key once: `s[c] = sum_h a[h] * relu(q[h] . k[c])`. The reference computes it as a batched matrix product of the keys
+by the queries, then one pass per head to sum, then the passes of `selection_keys` (forced windows, invisible
+windows, the ordered float bits, the window id): on a CPU the product of that skinny shape runs well below the memory
+bandwidth and each pass adds a read and a write of the scores. Here a small C function does all of it per window,
+with the key row in L1 while every head reads it, threads splitting the windows into contiguous ranges (so each
+streams its part of the keys in order), float32 or bfloat16 keys (bfloat16 widened to float32 in registers), and the
+same int64 keys `selection_keys` writes. It is compiled on first use with the system C compiler (`cc`, OpenMP,
+`-march=native`) into a per-user cache folder and registered as a custom op, so compiled decode steps keep one graph.
+
+The sum over the head dimension may run in another order than the reference's product (vector lanes), so scores can
+differ in the last bits; the selection is the same except where two windows' scores lie within that rounding.
+Without a C compiler (or with `HYBRID_INDEXPOOL_BACKEND=torch`) the reference path runs.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from ..dispatch import kernel_backend
+from .reference import scaled_head_weights, window_ids_of
+
+# Rows (queries x heads) up to which the fused pass beats the matrix product (the product wins as a real GEMM).
+MAX_FUSED_ROWS = 16
+# Longest head dimension the kernel's per-thread key buffer holds.
+MAX_HEAD_DIM = 1024
+# Windows per range below which one range (one thread) does all the work: starting threads costs more than it saves.
+WINDOWS_PER_THREAD = 4096
+# Ranges of windows with a running top-k each, shared out among the threads in contiguous runs. A constant rather
+# than the thread count, so that the candidates' shape is fixed when the step is compiled.
+MAX_SEGMENTS = 16
+CACHE_VARIABLE = "HYBRID_INDEXPOOL_CACHE"
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+#define ID_BASE 2147483647LL
+#define MAX_HEAD_DIM 1024
+#define MAX_ROWS 16
+
+/* Eight float32 lanes (GCC/Clang vector extension: AVX registers where the CPU has them). */
+typedef float lanes __attribute__((vector_size(32)));
+
+static inline lanes load_lanes(const float *p) {
+    lanes v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+typedef int32_t lane_ids __attribute__((vector_size(32)));
+
+/* The lane sums of 8 vectors, in lane order: lane j = sum of vector j. */
+static inline lanes lane_sums_8(lanes a0, lanes a1, lanes a2, lanes a3, lanes a4, lanes a5, lanes a6, lanes a7) {
+    const lane_ids low = {0, 8, 1, 9, 2, 10, 3, 11}, high = {4, 12, 5, 13, 6, 14, 7, 15};
+    const lane_ids pair_low = {0, 1, 8, 9, 2, 3, 10, 11}, pair_high = {4, 5, 12, 13, 6, 7, 14, 15};
+    const lane_ids half_low = {0, 1, 2, 3, 8, 9, 10, 11}, half_high = {4, 5, 6, 7, 12, 13, 14, 15};
+    lanes u01 = __builtin_shuffle(a0, a1, low) + __builtin_shuffle(a0, a1, high);
+    lanes u23 = __builtin_shuffle(a2, a3, low) + __builtin_shuffle(a2, a3, high);
+    lanes u45 = __builtin_shuffle(a4, a5, low) + __builtin_shuffle(a4, a5, high);
+    lanes u67 = __builtin_shuffle(a6, a7, low) + __builtin_shuffle(a6, a7, high);
+    lanes v0 = __builtin_shuffle(u01, u23, pair_low) + __builtin_shuffle(u01, u23, pair_high);
+    lanes v1 = __builtin_shuffle(u45, u67, pair_low) + __builtin_shuffle(u45, u67, pair_high);
+    return __builtin_shuffle(v0, v1, half_low) + __builtin_shuffle(v0, v1, half_high);
+}
+
+/* The int64 key of `selection_keys`: ordered float bits (negative floats reversed, -0.0 tied with 0.0) in the
+   high word, ID_BASE - id in the low word. */
+static inline int64_t selection_key(float score, int64_t window) {
+    int32_t bits;
+    memcpy(&bits, &score, sizeof bits);
+    int32_t sign = bits >> 31;
+    bits ^= sign & 0x7FFFFFFF;
+    bits -= sign;
+    return (int64_t)((uint64_t)(int64_t)bits << 32) | (ID_BASE - window);
+}
+
+/* products[w * 4 + j] = query row j . key w for 4 query rows (row stride dim) and 2 keys: 8 independent
+   accumulators, every key vector loaded once for the 4 rows and every query vector once for the 2 keys, and one
+   reduction of the 8 into a vector. */
+static inline void products_4x2(const float *query, const float *key0, const float *key1, int64_t dim,
+                                float *products) {
+    lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    const float *q0 = query, *q1 = query + dim, *q2 = query + 2 * dim, *q3 = query + 3 * dim;
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+        lanes x = load_lanes(key0 + d), y = load_lanes(key1 + d), q;
+        q = load_lanes(q0 + d); a0 += q * x; b0 += q * y;
+        q = load_lanes(q1 + d); a1 += q * x; b1 += q * y;
+        q = load_lanes(q2 + d); a2 += q * x; b2 += q * y;
+        q = load_lanes(q3 + d); a3 += q * x; b3 += q * y;
+    }
+    lanes sums = lane_sums_8(a0, a1, a2, a3, b0, b1, b2, b3);
+    float p[8];
+    memcpy(p, &sums, sizeof p);
+    for (; d < dim; ++d)
+        for (int j = 0; j < 4; ++j) {
+            p[j] += query[j * dim + d] * key0[d];
+            p[4 + j] += query[j * dim + d] * key1[d];
+        }
+    memcpy(products, p, sizeof p);
+}
+
+typedef uint16_t halves __attribute__((vector_size(16)));
+typedef uint32_t words __attribute__((vector_size(32)));
+
+/* The key row at `offset` as float32: in place for float32 keys, widened into `widened` for bfloat16 ones (the
+   bfloat16 bits are the high half of the float32 bits). */
+static inline const float *key_row(const void *keys, int keys_bf16, int64_t offset, int64_t dim, float *widened) {
+    if (!keys_bf16) return (const float *)keys + offset;
+    const uint16_t *row = (const uint16_t *)keys + offset;
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+        halves half;
+        memcpy(&half, row + d, sizeof half);
+        words word = __builtin_convertvector(half, words) << 16;
+        memcpy(widened + d, &word, sizeof word);
+    }
+    for (; d < dim; ++d) {
+        uint32_t bits = (uint32_t)row[d] << 16;
+        memcpy(&widened[d], &bits, sizeof bits);
+    }
+    return widened;
+}
+
+/* Ask for the key row `ahead` rows on while this one is scored: the hardware prefetcher alone leaves the loads
+   waiting (measured 7.5 against 10.5 GB/s on one AVX2 EPYC core at 8 rows ahead). */
+#define PREFETCH_ROWS 8
+
+static inline void prefetch_row(const void *keys, int keys_bf16, int64_t offset, int64_t dim) {
+    const char *row = (const char *)keys + offset * (keys_bf16 ? 2 : 4);
+    for (int64_t byte = 0; byte < dim * (keys_bf16 ? 2 : 4); byte += 64) __builtin_prefetch(row + byte);
+}
+
+/* A min-heap of int64 keys in heap[0 .. size): keep the `capacity` largest keys pushed. */
+static inline void heap_push(int64_t *heap, int64_t *size, int64_t capacity, int64_t key) {
+    int64_t i;
+    if (*size < capacity) {
+        i = (*size)++;
+        while (i > 0 && heap[(i - 1) / 2] > key) {
+            heap[i] = heap[(i - 1) / 2];
+            i = (i - 1) / 2;
+        }
+        heap[i] = key;
+        return;
+    }
+    if (key <= heap[0]) return;
+    i = 0;
+    for (;;) {
+        int64_t child = 2 * i + 1;
+        if (child >= capacity) break;
+        if (child + 1 < capacity && heap[child + 1] < heap[child]) ++child;
+        if (heap[child] >= key) break;
+        heap[i] = heap[child];
+        i = child;
+    }
+    heap[i] = key;
+}
+
+/* queries [batch, rows * heads, dim] and weights [batch, rows, heads] contiguous float32 (rows * heads <= MAX_ROWS);
+   keys [batch, windows, dim] with the given strides, float32 or bfloat16 (keys_bf16); visible [batch, rows]
+   contiguous int64. The windows are split into `segments` contiguous ranges, one thread each at a time; out
+   [batch, rows, segments, per_segment] int64 receives each range's `per_segment` best selection keys (unordered),
+   INT64_MIN where a range has fewer windows. */
+void pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int64_t keys_batch_stride,
+                      int64_t keys_row_stride, const float *weights, const int64_t *visible, int64_t *out,
+                      int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t windows, int64_t segments,
+                      int64_t per_segment, int64_t sink_windows, int64_t local_windows, int threads) {
+    int64_t query_rows = rows * heads, groups = (query_rows + 3) / 4;
+    for (int64_t b = 0; b < batch; ++b) {
+        /* The query rows padded with zero rows to whole groups of 4. */
+        float padded[MAX_ROWS * MAX_HEAD_DIM];
+        const float *batch_weights = weights + b * query_rows;
+        const int64_t *batch_visible = visible + b * rows;
+        memset(padded, 0, sizeof(float) * groups * 4 * dim);
+        memcpy(padded, queries + b * query_rows * dim, sizeof(float) * query_rows * dim);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t segment = 0; segment < segments; ++segment) {
+            float widened0[MAX_HEAD_DIM], widened1[MAX_HEAD_DIM], products[2 * MAX_ROWS];
+            int64_t sizes[MAX_ROWS] = {0};
+            int64_t first = windows * segment / segments, last = windows * (segment + 1) / segments;
+            for (int64_t n0 = first; n0 < last; n0 += 2) {
+                /* Two windows at a time; an odd last one is scored twice and kept once. */
+                int64_t n1 = n0 + 1 < last ? n0 + 1 : n0;
+                for (int64_t ahead = n0 + PREFETCH_ROWS; ahead < n0 + PREFETCH_ROWS + 2 && ahead < last; ++ahead)
+                    prefetch_row(keys, keys_bf16, b * keys_batch_stride + ahead * keys_row_stride, dim);
+                const float *key0 = key_row(keys, keys_bf16, b * keys_batch_stride + n0 * keys_row_stride, dim,
+                                            widened0);
+                const float *key1 = key_row(keys, keys_bf16, b * keys_batch_stride + n1 * keys_row_stride, dim,
+                                            widened1);
+                for (int64_t g = 0; g < groups; ++g) {
+                    float group[8];
+                    products_4x2(padded + g * 4 * dim, key0, key1, dim, group);
+                    memcpy(products + g * 4, group, 4 * sizeof(float));
+                    memcpy(products + MAX_ROWS + g * 4, group + 4, 4 * sizeof(float));
+                }
+                for (int64_t n = n0; n <= n1 && n < last; ++n) {
+                    const float *window_products = products + (n - n0) * MAX_ROWS;
+                    for (int64_t r = 0; r < rows; ++r) {
+                        float score = 0.0f;
+                        for (int64_t h = 0; h < heads; ++h) {
+                            float product = window_products[r * heads + h];
+                            product = product < 0.0f ? 0.0f : product; /* ReLU that keeps NaN, as torch's */
+                            float term = product * batch_weights[r * heads + h];
+                            score = h == 0 ? term : score + term;
+                        }
+                        int64_t bound = batch_visible[r];
+                        if (n < sink_windows || n >= bound - local_windows) score = __builtin_inff();
+                        if (n >= bound) score = -__builtin_inff();
+                        int64_t *heap = out + ((b * rows + r) * segments + segment) * per_segment;
+                        heap_push(heap, &sizes[r], per_segment, selection_key(score, n));
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                int64_t *heap = out + ((b * rows + r) * segments + segment) * per_segment;
+                for (int64_t i = sizes[r]; i < per_segment; ++i) heap[i] = INT64_MIN;
+            }
+        }
+    }
+}
+"""
+
+_library = None
+_library_error = None
+_library_lock = threading.Lock()
+
+
+def _cache_folder() -> Path:
+    root = os.environ.get(CACHE_VARIABLE) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hybrid_indexpool")
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_signature() -> str:
+    # `-march=native` code runs only on CPUs with the same instruction sets: the cached library is per CPU model.
+    try:
+        with open("/proc/cpuinfo") as handle:
+            lines = [line for line in handle if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def _compile(source: str, target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        source_file = Path(scratch) / "pooled_topk_keys.c"
+        source_file.write_text(source)
+        built = Path(scratch) / target.name
+        command = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+                   str(source_file), "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent process sees the old file or the whole new one
+
+
+def load_library():
+    """The compiled kernel (compiled once per source, compiler flags and CPU), or None when it cannot be built; the
+    reason is then in `library_error()`."""
+    global _library, _library_error
+    if _library is not None or _library_error is not None:
+        return _library
+    with _library_lock:
+        if _library is None and _library_error is None:
+            digest = hashlib.sha256((C_SOURCE + _cpu_signature()).encode()).hexdigest()[:16]
+            target = _cache_folder() / f"pooled_topk_keys_{digest}.so"
+            try:
+                if not target.exists():
+                    _compile(C_SOURCE, target)
+                library = ctypes.CDLL(str(target))
+                function = library.pooled_topk_keys
+                function.restype = None
+                function.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_int64] * 2
+                                     + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 9 + [ctypes.c_int])
+                _library = library
+            except (OSError, RuntimeError) as error:
+                _library_error = f"{type(error).__name__}: {error}"
+    return _library
+
+
+def library_error() -> str | None:
+    """Why the CPU kernel could not be built (None when it was, or was not tried yet)."""
+    return _library_error
+
+
+def fused_topk_applies(rows_times_heads: int, pooled_index_keys: torch.Tensor) -> bool:
+    """Whether the compiled CPU pass serves this selection: CPU, float32 or bfloat16 keys with a contiguous last
+    dimension, few (query, head) rows, the PyTorch backend not forced, and the kernel built."""
+    return (pooled_index_keys.device.type == "cpu" and kernel_backend() == "auto"
+            and pooled_index_keys.dtype in (torch.float32, torch.bfloat16)
+            and pooled_index_keys.stride(-1) == 1 and pooled_index_keys.shape[-1] <= MAX_HEAD_DIM
+            and rows_times_heads <= MAX_FUSED_ROWS and load_library() is not None)
+
+
+@torch.library.custom_op("hybrid_indexpool::pooled_topk_keys", mutates_args=(), device_types="cpu")
+def pooled_topk_keys(queries: torch.Tensor, pooled_index_keys: torch.Tensor, weights: torch.Tensor,
+                     visible: torch.Tensor, topk: int, segments: int, sink_windows: int,
+                     local_windows: int) -> torch.Tensor:
+    """The best selection keys (those of `selection_keys`) of each of `segments` contiguous ranges of windows:
+    `[batch, rows, segments * per_segment]` int64, `per_segment = min(topk, ceil(windows / segments))`, unordered,
+    `INT64_MIN` padding where a range has fewer windows. `queries` `[batch, rows * heads, dim]` float32,
+    `pooled_index_keys` `[batch, windows, dim]` float32 or bfloat16 (last dimension contiguous), `weights`
+    `[batch, rows, heads]` float32 with the 1/sqrt(d) scale, `visible` `[batch, rows]` integer."""
+    batch_size, rows, heads = weights.shape
+    windows, dim = pooled_index_keys.shape[1], pooled_index_keys.shape[2]
+    if pooled_index_keys.stride(-1) != 1 or pooled_index_keys.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("pooled_topk_keys needs float32 or bfloat16 keys with a contiguous last dimension.")
+    if rows * heads > MAX_FUSED_ROWS or dim > MAX_HEAD_DIM:  # the kernel's fixed buffers
+        raise ValueError(f"pooled_topk_keys takes at most {MAX_FUSED_ROWS} query rows x heads (got {rows * heads}) "
+                         f"and head dimension {MAX_HEAD_DIM} (got {dim}).")
+    per_segment = _per_segment(windows, topk, segments)
+    out = torch.empty(batch_size, rows, segments * per_segment, dtype=torch.int64)
+    queries, weights = queries.float().contiguous(), weights.float().contiguous()
+    visible = visible.to(torch.int64).reshape(batch_size, rows).contiguous()
+    load_library().pooled_topk_keys(
+        queries.data_ptr(), pooled_index_keys.data_ptr(), int(pooled_index_keys.dtype == torch.bfloat16),
+        pooled_index_keys.stride(0), pooled_index_keys.stride(1), weights.data_ptr(), visible.data_ptr(),
+        out.data_ptr(), batch_size, rows, heads, dim, windows, segments, per_segment, sink_windows, local_windows,
+        min(segments, torch.get_num_threads()))
+    return out
+
+
+def _per_segment(windows: int, topk: int, segments: int) -> int:
+    return min(topk, -(-windows // segments))
+
+
+@pooled_topk_keys.register_fake
+def _(queries, pooled_index_keys, weights, visible, topk, segments, sink_windows, local_windows):
+    batch_size, rows, _ = weights.shape
+    per_segment = _per_segment(pooled_index_keys.shape[1], topk, segments)
+    return queries.new_empty(batch_size, rows, segments * per_segment, dtype=torch.int64)
+
+
+def pooled_index_topk_cpu(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights=None,
+                          sink_windows=0, local_windows=0):
+    """`pooled_index_topk_torch` without `window_limit` (decode, compiled code) in one pass of the compiled kernel
+    over the keys (a running top-k per thread), then a `topk` over the threads' candidates; same arguments and
+    result."""
+    batch_size, num_queries, num_heads, head_dim = index_queries.shape
+    num_windows = pooled_index_keys.shape[1]
+    if num_windows == 0 or num_queries == 0 or topk == 0:
+        return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
+    segments = max(1, min(MAX_SEGMENTS, num_windows // WINDOWS_PER_THREAD))
+    queries = index_queries.float().reshape(batch_size, num_queries * num_heads, head_dim)
+    candidates = pooled_topk_keys(queries, pooled_index_keys, scaled_head_weights(index_queries, head_weights),
+                                  num_visible_windows, topk, segments, sink_windows, local_windows)
+    if candidates.shape[-1] > topk:
+        candidates = candidates.topk(topk, dim=-1, sorted=False).values
+    return window_ids_of(candidates, topk)

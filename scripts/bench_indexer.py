@@ -1,0 +1,124 @@
+"""The decode indexer step alone against the memory bandwidth: one query of `--index-heads` heads scored against N
+pooled keys and the top-k windows selected, by the compiled CPU kernel (`pooled_index_topk`'s CPU path) and by the
+PyTorch reference (`pooled_index_topk_torch`), side by side, per thread count.
+
+The bandwidth is a 512 MiB in-memory copy's (bytes read + bytes written per second) measured with the same thread
+count just before; "% of copy bandwidth" is the bytes of pooled keys read per second over it, the measure the decode
+benchmark's indexer column uses. Median of `--repeats` runs.
+
+    python -m hybrid_indexpool.scripts.bench_indexer --windows 262144,1048576 --threads 1,2
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+
+def median_seconds(function, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(elements: int = 1 << 27, repeats: int = 5) -> float:
+    """Bytes read plus written per second by a large `copy_` with the current thread count."""
+    source = torch.ones(elements)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * source.element_size() / median_seconds(lambda: target.copy_(source), repeats)
+
+
+def measure(windows: int, dtype: torch.dtype, args) -> dict:
+    """The kernel's and the reference's step over `windows` pooled keys, with the current thread count."""
+    from hybrid_indexpool.kernels.pooled_index_topk import cpu_impl, pooled_index_topk, pooled_index_topk_torch
+
+    generator = torch.Generator().manual_seed(windows)
+    keys = torch.randn(1, windows, args.index_head_dim, generator=generator).to(dtype)
+    query = torch.randn(1, 1, args.index_heads, args.index_head_dim, generator=generator)
+    head_weights = torch.randn(1, 1, args.index_heads, generator=generator) if args.head_weights else None
+    visible = torch.tensor([[windows]])
+    topk = args.topk_windows
+    if not cpu_impl.fused_topk_applies(args.index_heads, keys):
+        raise RuntimeError(f"The CPU kernel does not serve this step ({cpu_impl.library_error() or 'backend forced'}).")
+    kernel = median_seconds(lambda: pooled_index_topk(query, keys, visible, topk, head_weights), args.repeats)
+    reference = median_seconds(lambda: pooled_index_topk_torch(query, keys, visible, topk, head_weights),
+                               args.repeats)
+    same = torch.equal(pooled_index_topk(query, keys, visible, topk, head_weights),
+                       pooled_index_topk_torch(query, keys, visible, topk, head_weights))
+    key_bytes = keys.numel() * keys.element_size()
+    return {"windows": windows, "dtype": str(dtype).removeprefix("torch."), "key_bytes": key_bytes,
+            "kernel_ms": kernel * 1e3, "reference_ms": reference * 1e3, "same_selection": same}
+
+
+def run(args) -> dict:
+    results = []
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    for threads in (int(value) for value in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        bandwidth = copy_bandwidth()
+        for windows in tqdm([int(value) for value in args.windows.split(",")], desc=f"{threads} threads"):
+            for dtype in dtypes:
+                row = measure(windows, dtype, args)
+                row.update(threads=threads, copy_bytes_per_second=bandwidth)
+                for path in ("kernel", "reference"):
+                    row[f"{path}_bandwidth_fraction"] = row["key_bytes"] / (row[f"{path}_ms"] / 1e3) / bandwidth
+                results.append(row)
+    return {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                        "cpu_count": os.cpu_count(), "torch": torch.__version__},
+            "settings": vars(args), "results": results}
+
+
+def format_table(report: dict) -> str:
+    lines = ["| threads | windows | keys | key MiB | copy GB/s | kernel ms | % of copy bandwidth | reference ms | "
+             "% of copy bandwidth | reference / kernel | same selection |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["results"]:
+        lines.append(
+            f"| {row['threads']} | {row['windows']:,} | {row['dtype']} | {row['key_bytes'] / 2**20:,.0f} | "
+            f"{row['copy_bytes_per_second'] / 1e9:.1f} | {row['kernel_ms']:.2f} | {row['kernel_bandwidth_fraction']:.0%} | "
+            f"{row['reference_ms']:.2f} | {row['reference_bandwidth_fraction']:.0%} | "
+            f"{row['reference_ms'] / row['kernel_ms']:.1f}x | {'yes' if row['same_selection'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", default="262144,1048576",
+                        help="comma-separated pooled key counts (1M tokens at r = 4 is 262,144 windows)")
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--dtypes", default="float32", help="comma-separated key dtypes: float32, bfloat16")
+    parser.add_argument("--index-heads", type=int, default=4)
+    parser.add_argument("--index-head-dim", type=int, default=128)
+    parser.add_argument("--topk-windows", type=int, default=512, help="windows kept (budget 2048 tokens at r = 4)")
+    parser.add_argument("--head-weights", action="store_true", help="per-query head weights instead of all ones")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", help="write the report to this file")
+    args = parser.parse_args(argv)
+    for name in ("windows", "threads"):
+        if any(int(value) <= 0 for value in getattr(args, name).split(",")):
+            parser.error(f"--{name} must be positive integers")
+    unknown = set(args.dtypes.split(",")) - {"float32", "bfloat16"}
+    if unknown:
+        parser.error(f"--dtypes takes float32 and bfloat16, not {sorted(unknown)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_arguments(argv)
+    report = run(args)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
