@@ -61,18 +61,15 @@ static inline lanes load_lanes(const float *p) {
 
 typedef int32_t lane_ids __attribute__((vector_size(32)));
 
-/* The lane sums of 8 vectors, in lane order: lane j = sum of vector j. */
-static inline lanes lane_sums_8(lanes a0, lanes a1, lanes a2, lanes a3, lanes a4, lanes a5, lanes a6, lanes a7) {
+/* The lane sums of 4 vectors, in the first 4 lanes. */
+static inline lanes lane_sums_4(lanes a0, lanes a1, lanes a2, lanes a3) {
     const lane_ids low = {0, 8, 1, 9, 2, 10, 3, 11}, high = {4, 12, 5, 13, 6, 14, 7, 15};
     const lane_ids pair_low = {0, 1, 8, 9, 2, 3, 10, 11}, pair_high = {4, 5, 12, 13, 6, 7, 14, 15};
-    const lane_ids half_low = {0, 1, 2, 3, 8, 9, 10, 11}, half_high = {4, 5, 6, 7, 12, 13, 14, 15};
+    const lane_ids swap_halves = {4, 5, 6, 7, 0, 1, 2, 3};
     lanes u01 = __builtin_shuffle(a0, a1, low) + __builtin_shuffle(a0, a1, high);
     lanes u23 = __builtin_shuffle(a2, a3, low) + __builtin_shuffle(a2, a3, high);
-    lanes u45 = __builtin_shuffle(a4, a5, low) + __builtin_shuffle(a4, a5, high);
-    lanes u67 = __builtin_shuffle(a6, a7, low) + __builtin_shuffle(a6, a7, high);
-    lanes v0 = __builtin_shuffle(u01, u23, pair_low) + __builtin_shuffle(u01, u23, pair_high);
-    lanes v1 = __builtin_shuffle(u45, u67, pair_low) + __builtin_shuffle(u45, u67, pair_high);
-    return __builtin_shuffle(v0, v1, half_low) + __builtin_shuffle(v0, v1, half_high);
+    lanes v = __builtin_shuffle(u01, u23, pair_low) + __builtin_shuffle(u01, u23, pair_high);
+    return v + __builtin_shuffle(v, swap_halves);
 }
 
 /* The int64 key of `selection_keys`: ordered float bits (negative floats reversed, -0.0 tied with 0.0) in the
@@ -86,29 +83,31 @@ static inline int64_t selection_key(float score, int64_t window) {
     return (int64_t)((uint64_t)(int64_t)bits << 32) | (ID_BASE - window);
 }
 
-/* products[w * 4 + j] = query row j . key w for 4 query rows (row stride dim) and 2 keys: 8 independent
-   accumulators, every key vector loaded once for the 4 rows and every query vector once for the 2 keys, and one
-   reduction of the 8 into a vector. */
-static inline void products_4x2(const float *query, const float *key0, const float *key1, int64_t dim,
-                                float *products) {
+/* products[j] = query row j . key for 4 query rows (row stride dim): 8 independent accumulators (two per row, over
+   alternate blocks of 8 lanes), every key vector loaded once for the 4 rows. One accumulator per row leaves the loop
+   waiting on the add latency; two keys at a time measured slower (more query loads per product). */
+static inline void products_4(const float *query, const float *key, int64_t dim, float *products) {
     lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     const float *q0 = query, *q1 = query + dim, *q2 = query + 2 * dim, *q3 = query + 3 * dim;
     int64_t d = 0;
-    for (; d + 8 <= dim; d += 8) {
-        lanes x = load_lanes(key0 + d), y = load_lanes(key1 + d), q;
-        q = load_lanes(q0 + d); a0 += q * x; b0 += q * y;
-        q = load_lanes(q1 + d); a1 += q * x; b1 += q * y;
-        q = load_lanes(q2 + d); a2 += q * x; b2 += q * y;
-        q = load_lanes(q3 + d); a3 += q * x; b3 += q * y;
+    for (; d + 16 <= dim; d += 16) {
+        lanes x = load_lanes(key + d), y = load_lanes(key + d + 8);
+        a0 += load_lanes(q0 + d) * x; b0 += load_lanes(q0 + d + 8) * y;
+        a1 += load_lanes(q1 + d) * x; b1 += load_lanes(q1 + d + 8) * y;
+        a2 += load_lanes(q2 + d) * x; b2 += load_lanes(q2 + d + 8) * y;
+        a3 += load_lanes(q3 + d) * x; b3 += load_lanes(q3 + d + 8) * y;
     }
-    lanes sums = lane_sums_8(a0, a1, a2, a3, b0, b1, b2, b3);
-    float p[8];
-    memcpy(p, &sums, sizeof p);
+    for (; d + 8 <= dim; d += 8) {
+        lanes x = load_lanes(key + d);
+        a0 += load_lanes(q0 + d) * x;
+        a1 += load_lanes(q1 + d) * x;
+        a2 += load_lanes(q2 + d) * x;
+        a3 += load_lanes(q3 + d) * x;
+    }
+    lanes sums = lane_sums_4(a0 + b0, a1 + b1, a2 + b2, a3 + b3);
+    float p[4] = {sums[0], sums[1], sums[2], sums[3]};
     for (; d < dim; ++d)
-        for (int j = 0; j < 4; ++j) {
-            p[j] += query[j * dim + d] * key0[d];
-            p[4 + j] += query[j * dim + d] * key1[d];
-        }
+        for (int j = 0; j < 4; ++j) p[j] += query[j * dim + d] * key[d];
     memcpy(products, p, sizeof p);
 }
 
@@ -187,40 +186,28 @@ void pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int
         memcpy(padded, queries + b * query_rows * dim, sizeof(float) * query_rows * dim);
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t segment = 0; segment < segments; ++segment) {
-            float widened0[MAX_HEAD_DIM], widened1[MAX_HEAD_DIM], products[2 * MAX_ROWS];
+            float widened[MAX_HEAD_DIM], products[MAX_ROWS];
             int64_t sizes[MAX_ROWS] = {0};
             int64_t first = windows * segment / segments, last = windows * (segment + 1) / segments;
-            for (int64_t n0 = first; n0 < last; n0 += 2) {
-                /* Two windows at a time; an odd last one is scored twice and kept once. */
-                int64_t n1 = n0 + 1 < last ? n0 + 1 : n0;
-                for (int64_t ahead = n0 + PREFETCH_ROWS; ahead < n0 + PREFETCH_ROWS + 2 && ahead < last; ++ahead)
-                    prefetch_row(keys, keys_bf16, b * keys_batch_stride + ahead * keys_row_stride, dim);
-                const float *key0 = key_row(keys, keys_bf16, b * keys_batch_stride + n0 * keys_row_stride, dim,
-                                            widened0);
-                const float *key1 = key_row(keys, keys_bf16, b * keys_batch_stride + n1 * keys_row_stride, dim,
-                                            widened1);
-                for (int64_t g = 0; g < groups; ++g) {
-                    float group[8];
-                    products_4x2(padded + g * 4 * dim, key0, key1, dim, group);
-                    memcpy(products + g * 4, group, 4 * sizeof(float));
-                    memcpy(products + MAX_ROWS + g * 4, group + 4, 4 * sizeof(float));
-                }
-                for (int64_t n = n0; n <= n1 && n < last; ++n) {
-                    const float *window_products = products + (n - n0) * MAX_ROWS;
-                    for (int64_t r = 0; r < rows; ++r) {
-                        float score = 0.0f;
-                        for (int64_t h = 0; h < heads; ++h) {
-                            float product = window_products[r * heads + h];
-                            product = product < 0.0f ? 0.0f : product; /* ReLU that keeps NaN, as torch's */
-                            float term = product * batch_weights[r * heads + h];
-                            score = h == 0 ? term : score + term;
-                        }
-                        int64_t bound = batch_visible[r];
-                        if (n < sink_windows || n >= bound - local_windows) score = __builtin_inff();
-                        if (n >= bound) score = -__builtin_inff();
-                        int64_t *heap = out + ((b * rows + r) * segments + segment) * per_segment;
-                        heap_push(heap, &sizes[r], per_segment, selection_key(score, n));
+            for (int64_t n = first; n < last; ++n) {
+                if (n + PREFETCH_ROWS < last)
+                    prefetch_row(keys, keys_bf16, b * keys_batch_stride + (n + PREFETCH_ROWS) * keys_row_stride, dim);
+                const float *key = key_row(keys, keys_bf16, b * keys_batch_stride + n * keys_row_stride, dim,
+                                           widened);
+                for (int64_t g = 0; g < groups; ++g) products_4(padded + g * 4 * dim, key, dim, products + g * 4);
+                for (int64_t r = 0; r < rows; ++r) {
+                    float score = 0.0f;
+                    for (int64_t h = 0; h < heads; ++h) {
+                        float product = products[r * heads + h];
+                        product = product < 0.0f ? 0.0f : product; /* ReLU that keeps NaN, as torch's */
+                        float term = product * batch_weights[r * heads + h];
+                        score = h == 0 ? term : score + term;
                     }
+                    int64_t bound = batch_visible[r];
+                    if (n < sink_windows || n >= bound - local_windows) score = __builtin_inff();
+                    if (n >= bound) score = -__builtin_inff();
+                    int64_t *heap = out + ((b * rows + r) * segments + segment) * per_segment;
+                    heap_push(heap, &sizes[r], per_segment, selection_key(score, n));
                 }
             }
             for (int64_t r = 0; r < rows; ++r) {
