@@ -44,6 +44,7 @@ CACHE_VARIABLE = "HYBRID_INDEXPOOL_CACHE"
 
 C_SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ID_BASE 2147483647LL
@@ -142,41 +143,58 @@ static inline void prefetch_row(const void *keys, int keys_bf16, int64_t offset,
     for (int64_t byte = 0; byte < dim * (keys_bf16 ? 2 : 4); byte += 64) __builtin_prefetch(row + byte);
 }
 
-/* A min-heap of int64 keys in heap[0 .. size): keep the `capacity` largest keys pushed. */
-static inline void heap_push(int64_t *heap, int64_t *size, int64_t capacity, int64_t key) {
-    int64_t i;
-    if (*size < capacity) {
-        i = (*size)++;
-        while (i > 0 && heap[(i - 1) / 2] > key) {
-            heap[i] = heap[(i - 1) / 2];
-            i = (i - 1) / 2;
+/* Reorder a[0 .. n) so that a[0 .. k) holds its k largest entries (distinct keys; Hoare partition, quickselect). */
+static void keep_largest(int64_t *a, int64_t n, int64_t k) {
+    int64_t low = 0, high = n - 1;
+    while (low < high) {
+        int64_t x = a[low], y = a[low + (high - low) / 2], z = a[high];
+        int64_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int64_t i = low, j = high;
+        while (i <= j) {
+            while (a[i] > pivot) ++i;
+            while (a[j] < pivot) --j;
+            if (i <= j) {
+                int64_t swap = a[i];
+                a[i++] = a[j];
+                a[j--] = swap;
+            }
         }
-        heap[i] = key;
-        return;
+        if (k - 1 <= j) high = j;
+        else if (k - 1 >= i) low = i;
+        else break;
     }
-    if (key <= heap[0]) return;
-    i = 0;
-    for (;;) {
-        int64_t child = 2 * i + 1;
-        if (child >= capacity) break;
-        if (child + 1 < capacity && heap[child + 1] < heap[child]) ++child;
-        if (heap[child] >= key) break;
-        heap[i] = heap[child];
-        i = child;
+}
+
+/* The `capacity` largest keys offered so far, in a buffer of 2 * capacity: keys at or below the threshold (the
+   k-th largest at the last compaction) are dropped at once; a full buffer is cut back to its `capacity` largest.
+   Each key costs one comparison, most of them rejected, instead of a heap's log(capacity) moves. */
+typedef struct {
+    int64_t *keys, size, capacity, threshold;
+} running_topk;
+
+static inline void offer(running_topk *best, int64_t key) {
+    if (key <= best->threshold) return;
+    best->keys[best->size++] = key;
+    if (best->size == 2 * best->capacity) {
+        keep_largest(best->keys, best->size, best->capacity);
+        best->size = best->capacity;
+        int64_t least = best->keys[0];
+        for (int64_t i = 1; i < best->capacity; ++i) least = best->keys[i] < least ? best->keys[i] : least;
+        best->threshold = least;
     }
-    heap[i] = key;
 }
 
 /* queries [batch, rows * heads, dim] and weights [batch, rows, heads] contiguous float32 (rows * heads <= MAX_ROWS);
    keys [batch, windows, dim] with the given strides, float32 or bfloat16 (keys_bf16); visible [batch, rows]
    contiguous int64. The windows are split into `segments` contiguous ranges, one thread each at a time; out
    [batch, rows, segments, per_segment] int64 receives each range's `per_segment` best selection keys (unordered),
-   INT64_MIN where a range has fewer windows. */
-void pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int64_t keys_batch_stride,
-                      int64_t keys_row_stride, const float *weights, const int64_t *visible, int64_t *out,
-                      int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t windows, int64_t segments,
-                      int64_t per_segment, int64_t sink_windows, int64_t local_windows, int threads) {
+   INT64_MIN where a range has fewer windows. Returns 0, or 1 when a buffer could not be allocated. */
+int pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int64_t keys_batch_stride,
+                     int64_t keys_row_stride, const float *weights, const int64_t *visible, int64_t *out,
+                     int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t windows, int64_t segments,
+                     int64_t per_segment, int64_t sink_windows, int64_t local_windows, int threads) {
     int64_t query_rows = rows * heads, groups = (query_rows + 3) / 4;
+    int failed = 0;
     for (int64_t b = 0; b < batch; ++b) {
         /* The query rows padded with zero rows to whole groups of 4. */
         float padded[MAX_ROWS * MAX_HEAD_DIM];
@@ -187,7 +205,15 @@ void pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t segment = 0; segment < segments; ++segment) {
             float widened[MAX_HEAD_DIM], products[MAX_ROWS];
-            int64_t sizes[MAX_ROWS] = {0};
+            running_topk best[MAX_ROWS];
+            int64_t *buffers = malloc(sizeof(int64_t) * 2 * per_segment * rows);
+            if (buffers == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            for (int64_t r = 0; r < rows; ++r)
+                best[r] = (running_topk){buffers + 2 * per_segment * r, 0, per_segment, INT64_MIN};
             int64_t first = windows * segment / segments, last = windows * (segment + 1) / segments;
             for (int64_t n = first; n < last; ++n) {
                 if (n + PREFETCH_ROWS < last)
@@ -206,16 +232,20 @@ void pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int
                     int64_t bound = batch_visible[r];
                     if (n < sink_windows || n >= bound - local_windows) score = __builtin_inff();
                     if (n >= bound) score = -__builtin_inff();
-                    int64_t *heap = out + ((b * rows + r) * segments + segment) * per_segment;
-                    heap_push(heap, &sizes[r], per_segment, selection_key(score, n));
+                    offer(&best[r], selection_key(score, n));
                 }
             }
             for (int64_t r = 0; r < rows; ++r) {
-                int64_t *heap = out + ((b * rows + r) * segments + segment) * per_segment;
-                for (int64_t i = sizes[r]; i < per_segment; ++i) heap[i] = INT64_MIN;
+                int64_t *target = out + ((b * rows + r) * segments + segment) * per_segment;
+                int64_t kept = best[r].size < per_segment ? best[r].size : per_segment;
+                if (best[r].size > per_segment) keep_largest(best[r].keys, best[r].size, per_segment);
+                memcpy(target, best[r].keys, sizeof(int64_t) * kept);
+                for (int64_t i = kept; i < per_segment; ++i) target[i] = INT64_MIN;
             }
+            free(buffers);
         }
     }
+    return failed;
 }
 """
 
@@ -272,7 +302,7 @@ def load_library():
                     _compile(C_SOURCE, target)
                 library = ctypes.CDLL(str(target))
                 function = library.pooled_topk_keys
-                function.restype = None
+                function.restype = ctypes.c_int
                 function.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_int64] * 2
                                      + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 9 + [ctypes.c_int])
                 _library = library
@@ -315,11 +345,13 @@ def pooled_topk_keys(queries: torch.Tensor, pooled_index_keys: torch.Tensor, wei
     out = torch.empty(batch_size, rows, segments * per_segment, dtype=torch.int64)
     queries, weights = queries.float().contiguous(), weights.float().contiguous()
     visible = visible.to(torch.int64).reshape(batch_size, rows).contiguous()
-    load_library().pooled_topk_keys(
+    failed = load_library().pooled_topk_keys(
         queries.data_ptr(), pooled_index_keys.data_ptr(), int(pooled_index_keys.dtype == torch.bfloat16),
         pooled_index_keys.stride(0), pooled_index_keys.stride(1), weights.data_ptr(), visible.data_ptr(),
         out.data_ptr(), batch_size, rows, heads, dim, windows, segments, per_segment, sink_windows, local_windows,
         min(segments, torch.get_num_threads()))
+    if failed:
+        raise MemoryError(f"pooled_topk_keys could not allocate its {2 * per_segment * rows} candidate keys per range.")
     return out
 
 
@@ -337,7 +369,7 @@ def _(queries, pooled_index_keys, weights, visible, topk, segments, sink_windows
 def pooled_index_topk_cpu(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights=None,
                           sink_windows=0, local_windows=0):
     """`pooled_index_topk_torch` without `window_limit` (decode, compiled code) in one pass of the compiled kernel
-    over the keys (a running top-k per thread), then a `topk` over the threads' candidates; same arguments and
+    over the keys (a running top-k per range of windows), then a `topk` over the ranges' candidates; same arguments and
     result."""
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
     num_windows = pooled_index_keys.shape[1]

@@ -57,6 +57,20 @@ def test_ties_go_to_the_lower_window_across_threads(two_threads, topk):
 
 
 @requires_kernel
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_scores_rising_or_falling_along_the_windows(two_threads, order):
+    # Rising scores replace the running best at every window (a compaction every topk windows); falling ones never.
+    windows = 2 * cpu_impl.WINDOWS_PER_THREAD + 77
+    ramp = torch.linspace(0.1, 1.0, windows) if order == "ascending" else torch.linspace(1.0, 0.1, windows)
+    pooled_keys = ramp[None, :, None] * torch.ones(1, windows, 8)
+    index_queries = torch.ones(1, 1, 2, 8)
+    fused, reference = selections(index_queries, pooled_keys, torch.tensor([[windows]]), 100)
+    assert torch.equal(fused, reference)
+    expected = torch.arange(windows - 100, windows) if order == "ascending" else torch.arange(100)
+    assert torch.equal(fused[0, 0], expected)
+
+
+@requires_kernel
 @pytest.mark.parametrize("sink_windows, local_windows", [(1, 0), (0, 2), (2, 3)])
 def test_sink_and_local_windows(sink_windows, local_windows):
     generator = torch.Generator().manual_seed(sink_windows + 10 * local_windows)

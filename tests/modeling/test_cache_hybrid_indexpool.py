@@ -39,6 +39,19 @@ def test_prefill_then_decode_equals_one_full_forward(pool_size, chunk_sizes):
     assert layer.num_open.tolist() == [input_ids.shape[1] % pool_size] * 2
 
 
+@pytest.mark.parametrize("weighting", ["learned_scalar", "prenorm_mean"])
+def test_every_pooling_weighting_decodes_as_one_full_forward(weighting):
+    model = tiny_model(index_pool_size=4, index_topk=8, index_pool_weighting=weighting)
+    input_ids = torch.randint(1, 97, (2, 38))
+    with torch.no_grad():
+        full = model(input_ids).logits
+    incremental, cache = incremental_logits(model, input_ids, [6, 3, 1, 1, 9] + [1] * 18)
+    torch.testing.assert_close(incremental, full, atol=1e-4, rtol=0)
+    layer = next(layer for layer in cache.layers if isinstance(layer, IndexPoolLayerCache))
+    gate_width = None if layer.open_gate_logits is None else layer.open_gate_logits.shape[-1]
+    assert gate_width == (1 if weighting == "learned_scalar" else None)
+
+
 def test_prefill_then_decode_with_left_padding_equals_full_forward():
     model = tiny_model()
     input_ids = torch.randint(1, 97, (3, 40))

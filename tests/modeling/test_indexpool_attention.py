@@ -78,12 +78,13 @@ def slow_selection_and_output(layer, rotary, hidden):
             pooled = []
             for c in range(seq // r):
                 window = raw_keys[b, c * r:(c + 1) * r].float()
-                if indexer.learned_pooling:
+                if indexer.learned_pooling:  # [r, d] logits per channel or [r, 1] per token
                     logits = indexer.pool_gate_proj(hidden[b, c * r:(c + 1) * r]).float() + indexer.pool_slot_bias
-                    key_c = (logits.softmax(dim=0) * window).sum(dim=0)
+                    key_c = indexer.k_norm(((logits.softmax(dim=0) * window).sum(dim=0)).to(raw_keys.dtype))
+                elif indexer.norm_before_pooling:
+                    key_c = torch.stack([indexer.k_norm(window[j]) for j in range(r)]).mean(dim=0)
                 else:
-                    key_c = window.mean(dim=0)
-                key_c = indexer.k_norm(key_c.to(raw_keys.dtype))
+                    key_c = indexer.k_norm(window.mean(dim=0).to(raw_keys.dtype))
                 window_cos, window_sin = rotary(key_c, torch.tensor([[c * r]]))
                 pooled.append(apply_rotary(key_c, window_cos[0, 0], window_sin[0, 0]))
             for t in range(seq):
@@ -108,7 +109,7 @@ def slow_selection_and_output(layer, rotary, hidden):
 
 
 @pytest.mark.parametrize("pool_size", [1, 2, 4])
-@pytest.mark.parametrize("weighting", ["learned", "mean"])
+@pytest.mark.parametrize("weighting", ["learned", "learned_scalar", "mean", "prenorm_mean"])
 @pytest.mark.parametrize("head_weights", [False, True])
 def test_beyond_budget_selection_and_output_match_slow_reference(pool_size, weighting, head_weights, monkeypatch):
     config, layer, rotary = build_layer(index_pool_size=pool_size, index_topk=2 * pool_size,
