@@ -7,7 +7,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig
 
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
-POOL_WEIGHTINGS = ("learned", "mean")
+POOL_WEIGHTINGS = ("learned", "learned_scalar", "mean", "prenorm_mean")
 
 
 def register_layer_type() -> None:
@@ -56,8 +56,9 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         index_topk (`int`): Token budget B: each query attends to `index_topk // index_pool_size` selected windows
             plus the open tail of its own window. Must be a multiple of `index_pool_size`.
         index_pool_size (`int`): Tokens per pooled indexer key (r). `1` means no pooling (plain DSA).
-        index_pool_weighting (`str`): `"learned"` (softmax-gated weighted pooling, initialised to the mean) or
-            `"mean"`.
+        index_pool_weighting (`str`): `"learned"` (a softmax gate per channel over each window's tokens,
+            initialised to the mean), `"learned_scalar"` (one gate logit per token, shared by the channels), `"mean"`
+            (Qwen4-Exp's pooling) or `"prenorm_mean"` (each token's key normed, then averaged, no norm after).
         index_head_weights (`bool`): Weight the indexer heads by learned, input-dependent weights (DeepSeek style)
             instead of summing them.
         index_sink_windows (`int`): The first windows of every row, always selected once visible (attention sinks),

@@ -1,9 +1,12 @@
 """The passkey retrieval task: samples, and an `lm-eval` task definition over locally generated data.
 
-A sample is `context` characters of filler text with the line `# passkey: NNNNN` inserted at a relative depth and
-repeated at the end as the question: the model must continue `# passkey: ` with the five digits it saw. The same
-format trains and evaluates retrieval in `scripts/bench_quality.py`; `write_lm_eval_task` writes it as an `lm-eval`
-task folder, one task per context length in the group `hybrid_indexpool_passkey`, so that
+A sample is `context` characters of filler text with labelled needle lines `# passkey LL: DDDDD` (a two-digit label,
+five digits) inserted at line starts and asked again at the end: the model must continue `# passkey LL: ` with the
+five digits it saw after that label. An evaluation sample has one needle at a chosen relative depth; a training
+sample may have several, all asked at the end (more answers per sequence to learn from, and the label to match, not
+just the position). The same format trains and evaluates retrieval in `scripts/bench_quality.py`;
+`write_lm_eval_task` writes it as an `lm-eval` task folder, one task per context length in the group
+`hybrid_indexpool_passkey`, so that
 
     lm_eval --model hf --model_args pretrained=CHECKPOINT,trust_remote_code=True \\
         --include_path TASK_FOLDER --tasks hybrid_indexpool_passkey
@@ -19,7 +22,8 @@ import zlib
 from pathlib import Path
 
 PASSKEY_DIGITS = 5
-NEEDLE = "# passkey: "
+NEEDLE = "# passkey "
+LABEL_DIGITS = 2
 TASK_GROUP = "hybrid_indexpool_passkey"
 
 
@@ -44,21 +48,47 @@ def text_window(text: str, length: int, rng: random.Random) -> str:
     return text[start:start + length]
 
 
-def passkey_sample(text: str, context: int, rng: random.Random, depth: float | None = None) -> tuple[str, float]:
-    """`context` characters of `text` with `# passkey: NNNNN` on a line at relative `depth` (random when None) and
-    again as the last line, whose digits are the answer. Returns the sample and the needle's actual relative depth
-    (the line is inserted at the next line start)."""
-    key = f"{rng.randrange(10 ** PASSKEY_DIGITS):0{PASSKEY_DIGITS}d}"
-    needle, question = f"{NEEDLE}{key}\n", f"\n{NEEDLE}{key}"
-    filler = text_window(text, context - len(needle) - len(question), rng)
-    depth = rng.random() if depth is None else depth
-    cut = filler.find("\n", int(depth * len(filler))) + 1 or int(depth * len(filler))  # at a line start if any
-    return filler[:cut] + needle + filler[cut:] + question, cut / len(filler)
+def needle_line(label: int, key: str) -> str:
+    """`# passkey LL: DDDDD` (no newline)."""
+    return f"{NEEDLE}{label:0{LABEL_DIGITS}d}: {key}"
+
+
+def passkey_sample(text: str, context: int, rng: random.Random, depth: float | None = None,
+                   needles: int = 1) -> tuple[str, float]:
+    """`context` characters of `text` with `needles` labelled needle lines at line starts and, at the end, one
+    question line per needle (in random order) repeating it; the last question's digits are the sample's last
+    characters. The last-asked needle goes at relative `depth` (random when None), the others anywhere. Returns the
+    sample and that needle's actual relative depth (it is inserted at the next line start)."""
+    if not 1 <= needles <= 10**LABEL_DIGITS:
+        raise ValueError(f"needles must be between 1 and {10**LABEL_DIGITS}, not {needles}.")
+    labels = rng.sample(range(10**LABEL_DIGITS), needles)
+    lines = [needle_line(label, f"{rng.randrange(10 ** PASSKEY_DIGITS):0{PASSKEY_DIGITS}d}") for label in labels]
+    asked = list(range(needles))
+    rng.shuffle(asked)
+    questions = "".join("\n" + lines[index] for index in asked)
+    filler_length = context - sum(len(line) + 1 for line in lines) - len(questions)
+    if filler_length < 1:
+        raise ValueError(f"{needles} needles and their questions take {context - filler_length} characters; a sample "
+                         f"of {context} cannot hold them. Use fewer needles or a longer context.")
+    filler = text_window(text, filler_length, rng)
+    depths = [rng.random() for _ in lines]
+    if depth is not None:
+        depths[asked[-1]] = depth
+    cuts = []
+    for fraction in depths:
+        cut = int(fraction * len(filler))
+        cuts.append(filler.find("\n", cut) + 1 or cut)  # at a line start if any
+    order = sorted(range(needles), key=lambda index: (cuts[index], index))
+    pieces, previous = [], 0
+    for index in order:
+        pieces += [filler[previous:cuts[index]], lines[index] + "\n"]
+        previous = cuts[index]
+    return "".join(pieces) + filler[previous:] + questions, cuts[asked[-1]] / len(filler)
 
 
 def passkey_documents(text: str, contexts: list[int], samples: int, seed: int) -> list[dict]:
     """`samples` documents per context, needle depths spread evenly over [0, 1): each has `prompt` (the sample up to
-    and including the question's `# passkey: `), `passkey`, `context` and `depth`."""
+    and including the question's `# passkey LL: `), `passkey`, `context` and `depth`."""
     rng = random.Random(seed)
     documents = []
     for context in contexts:
@@ -97,7 +127,7 @@ def write_lm_eval_task(output_dir, text: str, contexts: list[int], samples: int,
         raise FileExistsError(f"{output_dir} already exists; choose a new folder for the task (nothing was written).")
     if not contexts or samples < 1:
         raise ValueError("Give at least one context length and one sample per context.")
-    shortest = 2 * (len(NEEDLE) + PASSKEY_DIGITS + 1) + 1
+    shortest = 2 * (len(needle_line(0, "0" * PASSKEY_DIGITS)) + 1) + 1
     if min(contexts) < shortest:
         raise ValueError(f"Context lengths must be at least {shortest} characters (the needle and the question).")
     documents = passkey_documents(text, contexts, samples, seed)

@@ -166,7 +166,8 @@ class IndexPoolLayerCache(_LayerCache):
             for `c < lengths[b] // r`.
         open_index_keys: `[batch, r - 1, index_head_dim]` raw indexer keys of the open window, the first
             `lengths[b] % r` valid.
-        open_gate_logits: the same for the pooling-gate logits (float32), or None with mean pooling.
+        open_gate_logits: the same for the pooling-gate logits (float32; width 1 for `learned_scalar`), or None
+            without a learned gate.
         open_window_position: `[batch, streams]` rotary position of the open window's first token (its pooled key
             is rotated there when the window completes).
         lengths: `[batch]` int64, real tokens per row.
@@ -281,7 +282,7 @@ class IndexPoolLayerCache(_LayerCache):
             self.open_window_position = torch.zeros(batch_size, num_streams, dtype=torch.long,
                                                     device=key_states.device)
             if gate_logits is not None:
-                self.open_gate_logits = gate_logits.new_zeros(batch_size, r - 1, index_head_dim)
+                self.open_gate_logits = gate_logits.new_zeros(batch_size, r - 1, gate_logits.shape[-1])
         else:
             kept = self.capacity
             key_storage[:, :kept] = self.key_storage
@@ -308,7 +309,8 @@ class IndexPoolLayerCache(_LayerCache):
         Args:
             key_states, value_states: `[batch, kv_heads, new, head_dim]`.
             raw_index_keys: `[batch, new, index_head_dim]` indexer keys before norm and RoPE.
-            gate_logits: `[batch, new, index_head_dim]` float32 pooling-gate logits (without the slot bias) or None.
+            gate_logits: `[batch, new, index_head_dim]` (`[batch, new, 1]` for one weight per token) float32
+                pooling-gate logits (without the slot bias) or None.
             token_is_real: `[batch, new]` bool; padding is not stored.
             rope_positions: `[streams, batch, new]` rotary positions of the new tokens; a pooled window is rotated at
                 its first token's.
@@ -343,7 +345,7 @@ class IndexPoolLayerCache(_LayerCache):
 
         def with_new(open_part, new_part):
             window = torch.cat([open_part, new_part.to(open_part.dtype)], dim=1)  # room for r tokens
-            return window.scatter(1, slot, new_part.to(open_part.dtype))
+            return window.scatter(1, slot[..., : open_part.shape[-1]], new_part.to(open_part.dtype))
 
         window_keys = with_new(self.open_index_keys, raw_index_keys)
         window_logits = None if gate_logits is None else with_new(self.open_gate_logits, gate_logits)
@@ -399,7 +401,7 @@ class IndexPoolLayerCache(_LayerCache):
             window_keys = key_buffer.view(batch_size, num_windows, r, index_head_dim)
             window_logits = None
             if logit_buffer is not None:
-                window_logits = logit_buffer.view(batch_size, num_windows, r, index_head_dim)
+                window_logits = logit_buffer.view(batch_size, num_windows, r, logit_buffer.shape[-1])
             first_positions = position_buffer[:, ::r].permute(2, 0, 1)  # [streams, batch, windows]
             pooled = pool_windows(window_keys, window_logits, first_positions)
             self.pooled_storage[complete_rows, window_ids[complete_rows, complete_windows]] = (
@@ -412,7 +414,7 @@ class IndexPoolLayerCache(_LayerCache):
             open_index = open_index[..., None].expand(-1, -1, index_head_dim)
             self.open_index_keys.copy_(key_buffer.gather(1, open_index))
             if logit_buffer is not None:
-                self.open_gate_logits.copy_(logit_buffer.gather(1, open_index))
+                self.open_gate_logits.copy_(logit_buffer.gather(1, open_index[..., :logit_buffer.shape[-1]]))
 
     @staticmethod
     def _scatter_rows(new, open_part, rows, columns, relative, width):

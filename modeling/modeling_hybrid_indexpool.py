@@ -293,8 +293,14 @@ class HybridIndexPoolIndexer(nn.Module):
     """The IndexPool indexer: per-token queries, one shared raw key per token, weighted pooling of windows.
 
     Queries: `RoPE(norm(W_q x))`, `[index_n_heads, index_head_dim]` per token. Keys: `W_k x` per token, pooled per
-    window of `r` tokens with weights `softmax_j(G x_j + b_{p_j mod r})` (learned; `G` and `b` start at zero, i.e. at
-    the mean) or `1 / r` (mean), then normed and rotated at the window's first position.
+    window of `r` tokens, then rotated at the window's first position. `index_pool_weighting`:
+
+    - `learned`: weights `softmax_j(G x_j + b_{p_j mod r})` per channel (`G` and `b` start at zero, i.e. at the
+      mean), normed after pooling;
+    - `learned_scalar`: the same with one logit per token shared by all channels (`G` has one output);
+    - `mean`: `1 / r`, normed after pooling (Qwen4-Exp's pooling);
+    - `prenorm_mean`: every token's key normed first, then the mean and no norm after (a window of keys that
+      disagree gets a shorter key, so its scores shrink).
     """
 
     def __init__(self, config: HybridIndexPoolConfig):
@@ -306,10 +312,12 @@ class HybridIndexPoolIndexer(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.q_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.learned_pooling = config.index_pool_weighting == "learned"
+        self.learned_pooling = config.index_pool_weighting in ("learned", "learned_scalar")
+        self.norm_before_pooling = config.index_pool_weighting == "prenorm_mean"
         if self.learned_pooling:
-            self.pool_gate_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
-            self.pool_slot_bias = nn.Parameter(torch.zeros(self.pool_size, self.head_dim))
+            gate_width = self.head_dim if config.index_pool_weighting == "learned" else 1
+            self.pool_gate_proj = nn.Linear(config.hidden_size, gate_width, bias=False)
+            self.pool_slot_bias = nn.Parameter(torch.zeros(self.pool_size, gate_width))
         self.head_weights_proj = None
         if config.index_head_weights:
             self.head_weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
@@ -319,7 +327,8 @@ class HybridIndexPoolIndexer(nn.Module):
 
         Returns:
             index_queries `[batch, seq, heads, head_dim]`, raw_keys `[batch, seq, head_dim]`, gate_logits
-            `[batch, seq, head_dim]` float32 (None with mean pooling), head_weights `[batch, seq, heads]` or None.
+            `[batch, seq, head_dim]` (`[batch, seq, 1]` for `learned_scalar`) float32 (None with mean pooling),
+            head_weights `[batch, seq, heads]` or None.
         """
         batch_size, seq_len, _ = hidden_states.shape
         queries = self.q_proj(hidden_states).view(batch_size, seq_len, self.num_heads, self.head_dim)
@@ -343,8 +352,10 @@ class HybridIndexPoolIndexer(nn.Module):
         `c * r`)."""
         if window_gate_logits is not None:
             window_gate_logits = window_gate_logits + self.pool_slot_bias.float()
-        pooled = weighted_pool(window_keys, window_gate_logits).to(window_keys.dtype)
-        pooled = self.k_norm(pooled)
+        if self.norm_before_pooling:
+            pooled = weighted_pool(self.k_norm(window_keys), None).to(window_keys.dtype)
+        else:
+            pooled = self.k_norm(weighted_pool(window_keys, window_gate_logits).to(window_keys.dtype))
         cos, sin = rotary_emb(pooled, first_positions[0] if len(first_positions) == 1 else first_positions)
         return apply_rotary(pooled, cos, sin)
 

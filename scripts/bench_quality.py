@@ -1,12 +1,14 @@
-"""Quality benchmark of the indexers on real text: learned pooling r = 4, mean pooling r = 4, unpooled r = 1, dense.
+"""Quality benchmark of the indexers on real text: pooling r = 4 with each weighting (learned per channel, learned
+per token, normed-then-mean, mean), unpooled r = 1, and dense.
 
 The text is the Python standard library's source on this machine (`sysconfig.get_paths()["stdlib"]`, every `*.py`
 file, non-ASCII characters replaced by `?`), split by file: a file is held out when the CRC-32 of its relative path
 is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
 
 1. Train a small hybrid model (Gated DeltaNet and IndexPool layers alternating) with dense attention (budget >= the
-   context) on random windows of the training files, a fraction of them turned into passkey samples: the line
-   `# passkey: 12345` inserted at a random depth and repeated as the sample's last line, so retrieval is learnable.
+   context) on random windows of the training files, a fraction of them turned into passkey samples: 1 to
+   `--max-needles` labelled lines `# passkey 37: 12345` inserted at random depths and all asked again at the end
+   (`hybrid_indexpool.retrieval_task`), so that retrieval has enough answers to be learned.
 2. From those weights, build each indexer (learned r = 4, mean r = 4, mean r = 1) with the sparse budget, measure it
    untrained (as a conversion leaves it: does the model collapse past the budget?), and run the
    same number of dense warm-up steps on each (DeepSeek-V3.2 stage 1: only the indexer trains, KL to the dense
@@ -15,7 +17,8 @@ is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
    (selected windows + tail) captures, averaged over heads, layers and the queries that see more windows than the
    budget keeps; (b) perplexity with the sparse attention, over all tokens and over the tokens beyond the budget,
    relative to dense; (c) passkey accuracy (all five digits right, teacher-forced, i.e. what greedy decoding gives)
-   with the key at a random depth, and the fraction of single digits right (chance: 10%).
+   of samples with one needle, at depths spread evenly over the context (also reported per depth quarter), and the
+   fraction of single digits right (chance: 10%).
 4. Unless `--sparse-steps 0`: continue each indexer's model with the sparse stage (DeepSeek-V3.2 stage 2: every
    parameter trains, sparse attention, language-model loss plus `indexer_loss_weight` times the KL over the selected
    windows), and the dense model with the same number of plain language-model steps on the same data, so that every
@@ -39,12 +42,18 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from hybrid_indexpool.retrieval_task import PASSKEY_DIGITS, passkey_sample, stdlib_texts, text_window
+from hybrid_indexpool.retrieval_task import PASSKEY_DIGITS, needle_line, passkey_sample, stdlib_texts, text_window
 
-SETTINGS = ("learned_r4", "mean_r4", "unpooled_r1", "dense")
-LABELS = {"learned_r4": "learned pooling r=4", "mean_r4": "mean pooling r=4", "unpooled_r1": "unpooled r=1",
+SETTINGS = ("learned_r4", "learned_scalar_r4", "prenorm_mean_r4", "mean_r4", "unpooled_r1", "dense")
+LABELS = {"learned_r4": "learned pooling r=4", "learned_scalar_r4": "learned scalar pooling r=4",
+          "prenorm_mean_r4": "prenorm mean pooling r=4", "mean_r4": "mean pooling r=4", "unpooled_r1": "unpooled r=1",
           "dense": "dense"}
-POOLING = {"learned_r4": (4, "learned"), "mean_r4": (4, "mean"), "unpooled_r1": (1, "mean"), "dense": (4, "learned")}
+# (pool size, index_pool_weighting) of each setting.
+POOLING = {"learned_r4": (4, "learned"), "learned_scalar_r4": (4, "learned_scalar"),
+           "prenorm_mean_r4": (4, "prenorm_mean"), "mean_r4": (4, "mean"), "unpooled_r1": (1, "mean"),
+           "dense": (4, "learned")}
+# Needle depth quarters that passkey accuracy is reported for.
+DEPTH_BINS = 4
 # Sizes of the full run and of `--quick` (any of them can be set on the command line).
 PRESETS = {
     "full": dict(context=512, budget=64, hidden_size=128, layers=4, batch_size=8, train_steps=600, warmup_steps=100,
@@ -54,10 +63,12 @@ PRESETS = {
 }
 
 
-def training_samples(text: str, count: int, context: int, passkey_fraction: float, seed: int) -> list[str]:
+def training_samples(text: str, count: int, context: int, passkey_fraction: float, max_needles: int,
+                     seed: int) -> list[str]:
+    """Windows of `text`, a `passkey_fraction` of them passkey samples with 1 to `max_needles` needles."""
     rng = random.Random(seed)
-    return [passkey_sample(text, context, rng)[0] if rng.random() < passkey_fraction
-            else text_window(text, context, rng) for _ in range(count)]
+    return [passkey_sample(text, context, rng, needles=rng.randint(1, max_needles))[0]
+            if rng.random() < passkey_fraction else text_window(text, context, rng) for _ in range(count)]
 
 
 def token_dataset(samples: list[str], tokenizer, context: int):
@@ -118,20 +129,21 @@ def evaluate(model, blocks: torch.Tensor, passkeys: torch.Tensor, args) -> dict:
         mass = selection_attention_mass(model, batch)
         masses.append(mass["mass"])
         kls.append(mass["dense_kl"])
-    correct = digits_correct = 0
+    rights = []
     for batch in passkeys.split(args.eval_batch_size):
         logits = model(batch, use_cache=False).logits
-        right = logits[:, -PASSKEY_DIGITS - 1:-1].argmax(-1) == batch[:, -PASSKEY_DIGITS:]
-        correct += right.all(dim=-1).sum().item()
-        digits_correct += right.sum().item()
+        rights.append(logits[:, -PASSKEY_DIGITS - 1:-1].argmax(-1) == batch[:, -PASSKEY_DIGITS:])
+    right = torch.cat(rights)  # [samples, digits]; the samples' needle depths rise evenly over [0, 1)
+    correct = right.all(dim=-1).float()
     tokens = blocks.shape[0] * (args.context - 1)
     return {
         "ppl": float(torch.tensor(nll_sum / tokens).exp()),
         "ppl_beyond_budget": float(torch.tensor(nll_beyond / (blocks.shape[0] * int(beyond.sum()))).exp()),
         "attention_mass": sum(masses) / len(masses),
         "dense_kl": sum(kls) / len(kls),
-        "passkey_accuracy": correct / passkeys.shape[0],
-        "passkey_digit_accuracy": digits_correct / (passkeys.shape[0] * PASSKEY_DIGITS),
+        "passkey_accuracy": float(correct.mean()),
+        "passkey_digit_accuracy": float(right.float().mean()),
+        "passkey_accuracy_by_depth": [float(part.mean()) for part in correct.tensor_split(DEPTH_BINS)],
     }
 
 
@@ -161,19 +173,20 @@ def run(args) -> dict:
     train_text, held_out_text, train_files, held_out_files = stdlib_texts()
     base_data = token_dataset(
         training_samples(train_text, args.train_steps * args.batch_size, args.context, args.passkey_fraction,
-                         args.seed), tokenizer, args.context)
+                         args.max_needles, args.seed), tokenizer, args.context)
     warmup_data = token_dataset(
         training_samples(train_text, args.warmup_steps * args.batch_size, args.context, args.passkey_fraction,
-                         args.seed + 1), tokenizer, args.context)
+                         args.max_needles, args.seed + 1), tokenizer, args.context)
     # The extra training after the warm-up: the same sequences, in the same order, for every setting.
     sparse_data = token_dataset(
         training_samples(train_text, args.sparse_steps * args.batch_size, args.context, args.passkey_fraction,
-                         args.seed + 3), tokenizer, args.context) if args.sparse_steps else None
+                         args.max_needles, args.seed + 3), tokenizer, args.context) if args.sparse_steps else None
     rng = random.Random(args.seed + 2)
     blocks = torch.tensor(tokenizer([text_window(held_out_text, args.context, rng) for _ in range(args.eval_blocks)],
                                     add_special_tokens=False)["input_ids"])
-    passkey_texts, depths = zip(*(passkey_sample(held_out_text, args.context, rng)
-                                  for _ in range(args.passkey_samples)))
+    # One needle each, at depths spread evenly over the context (reported by quarter).
+    passkey_texts, depths = zip(*(passkey_sample(held_out_text, args.context, rng, depth=index / args.passkey_samples)
+                                  for index in range(args.passkey_samples)))
     passkeys = torch.tensor(tokenizer(list(passkey_texts), add_special_tokens=False)["input_ids"])
 
     results, warmup_curves, sparse_results, sparse_curves, fresh_results = {}, {}, {}, {}, {}
@@ -192,13 +205,15 @@ def run(args) -> dict:
         print("2/3 dense warm-up of each indexer, 3/3 evaluation on held-out text"
               + (f", then {args.sparse_steps} sparse-stage steps and evaluation again" if args.sparse_steps else ""),
               flush=True)
-        for setting in tqdm(SETTINGS, desc="indexers"):
+        for setting in tqdm(args.settings, desc="indexers"):
             if setting == "dense":
                 model = base
             else:
                 model = HybridIndexPoolForCausalLM(model_config(setting, args, tokenizer))
-                missing, unexpected = model.load_state_dict(base_state, strict=False)
-                if missing or any("pool_" not in name for name in unexpected):
+                # The pooling gates stay as built (zero: the mean); the dense base never trained its own.
+                missing, unexpected = model.load_state_dict(
+                    {name: value for name, value in base_state.items() if "pool_" not in name}, strict=False)
+                if any("pool_" not in name for name in missing) or unexpected:
                     raise RuntimeError(f"{setting}: the base weights do not fit ({missing}, {unexpected}).")
                 # The untrained indexer, as a conversion leaves it: does the model collapse past the budget?
                 fresh_results[setting] = evaluated_row(setting, model, blocks, passkeys, args)
@@ -239,10 +254,10 @@ def run(args) -> dict:
                      "train_chars": len(train_text), "held_out_chars": len(held_out_text),
                      "passkey_depths": [round(depth, 3) for depth in depths]},
         "base_training": {"losses": base_losses, "seconds": round(base_seconds, 1)},
-        "results_fresh": [fresh_results[setting] for setting in SETTINGS if setting != "dense"],
-        "results": [results[setting] for setting in SETTINGS],
+        "results_fresh": [fresh_results[setting] for setting in args.settings if setting != "dense"],
+        "results": [results[setting] for setting in args.settings],
         "warmup_kl": warmup_curves,
-        "results_after_sparse": [sparse_results[setting] for setting in SETTINGS if setting in sparse_results],
+        "results_after_sparse": [sparse_results[setting] for setting in args.settings if setting in sparse_results],
         "sparse_curves": sparse_curves,
         "seconds": round(time.time() - started, 1),
     }
@@ -278,8 +293,8 @@ def format_table(report: dict) -> str:
         f"{report['seconds']:.0f} s in all",
         "",
         "| indexer | after | attention mass captured | training KL first -> last | held-out KL | ppl | ppl vs dense | "
-        "ppl beyond budget | vs dense | passkey accuracy | passkey digits right |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "ppl beyond budget | vs dense | passkey accuracy | by needle depth quarter | passkey digits right |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     # What each row comes after: the indexer's warm-up (for dense: the base model), then the sparse stage (for dense:
     # as many language-model steps).
@@ -298,6 +313,7 @@ def format_table(report: dict) -> str:
                 f"{row['attention_mass']:.3f} | {kl} | {held_out_kl} | "
                 f"{row['ppl']:.3f} | {row['ppl_vs_dense']:+.2%} | {row['ppl_beyond_budget']:.3f} | "
                 f"{row['ppl_beyond_budget_vs_dense']:+.2%} | {row['passkey_accuracy']:.1%} | "
+                f"{' / '.join(f'{value:.0%}' for value in row.get('passkey_accuracy_by_depth', [])) or '-'} | "
                 f"{row['passkey_digit_accuracy']:.1%} |"
             )
     return "\n".join(lines)
@@ -357,8 +373,13 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--local-windows", type=int, default=0,
                         help="index_local_windows of the sparse settings: latest windows always selected (default 0)")
     parser.add_argument("--eval-batch-size", type=int, default=4)
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"Comma-separated indexers to compare, dense included (default all: {', '.join(SETTINGS)}).")
     parser.add_argument("--passkey-fraction", type=float, default=0.5,
                         help="Fraction of training sequences that are passkey samples.")
+    parser.add_argument("--max-needles", type=int, default=None,
+                        help="A training passkey sample has 1 to this many labelled needles, all asked at its end "
+                             "(evaluation samples have one). Default: 6, or as many as fit in half the context.")
     parser.add_argument("--learning-rate", type=float, default=2e-3, help="Of the base model.")
     parser.add_argument("--warmup-learning-rate", type=float, default=2e-3, help="Of the indexer warm-up.")
     parser.add_argument("--sparse-learning-rate", type=float, default=5e-4,
@@ -390,6 +411,20 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     if args.sink_windows < 0 or args.local_windows < 0 or args.sink_windows + args.local_windows > args.budget // 4:
         parser.error(f"--sink-windows and --local-windows must be >= 0 and fit in the r=4 budget of "
                      f"{args.budget // 4} windows together.")
+    args.settings = args.settings.split(",")
+    unknown = set(args.settings) - set(SETTINGS)
+    if unknown or "dense" not in args.settings:
+        parser.error(f"--settings takes {', '.join(SETTINGS)} (dense always; the others are compared with it), "
+                     f"not {sorted(unknown) or args.settings}.")
+    needle_characters = 2 * (len(needle_line(0, "0" * PASSKEY_DIGITS)) + 1)  # the line and its question
+    if args.max_needles is None:
+        args.max_needles = max(1, min(6, args.context // 2 // needle_characters))
+    if not 1 <= args.max_needles <= 100:
+        parser.error(f"--max-needles {args.max_needles} must lie between 1 and 100 (two-digit labels).")
+    if args.max_needles * needle_characters > args.context // 2:
+        parser.error(f"--max-needles {args.max_needles} needles take {args.max_needles * needle_characters} "
+                     f"characters, more than half of --context {args.context}; use at most "
+                     f"{max(1, args.context // 2 // needle_characters)}.")
     if args.sparse_steps < 0:
         parser.error(f"--sparse-steps {args.sparse_steps} must not be negative (0 skips the sparse stage).")
     return args

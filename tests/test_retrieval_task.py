@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import random
 import subprocess
 import sys
@@ -19,8 +20,23 @@ FILLER = "".join(f"value_{index} = compute({index}, other)\n" for index in range
 
 def test_passkey_samples_have_the_context_length_and_end_with_the_key():
     sample, depth = passkey_sample(FILLER, 200, random.Random(0))
-    key = sample[-PASSKEY_DIGITS:]
-    assert len(sample) == 200 and key.isdigit() and sample.count(f"# passkey: {key}") == 2 and 0 <= depth <= 1
+    question = sample.rsplit("\n", 1)[1]
+    assert len(sample) == 200 and re.fullmatch(r"# passkey \d\d: \d{5}", question)
+    assert sample.count(question) == 2 and 0 <= depth <= 1
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 0.99])
+def test_training_samples_ask_every_needle_and_the_last_one_sits_at_the_depth(depth):
+    sample, actual = passkey_sample(FILLER, 400, random.Random(3), depth=depth, needles=6)
+    lines = sample.split("\n")
+    questions = lines[-6:]
+    assert len(sample) == 400 and len({line[:len("# passkey 00")] for line in questions}) == 6
+    body = "\n".join(lines[:-6])
+    for question in questions:  # each needle once in the text before the questions
+        assert re.fullmatch(r"# passkey \d\d: \d{5}", question) and body.count(question) == 1
+    assert abs(body.index(questions[-1]) / len(body) - depth) < 0.15 and abs(actual - depth) < 0.15
+    with pytest.raises(ValueError, match="needles must be between 1 and 100"):
+        passkey_sample(FILLER, 400, random.Random(3), needles=0)
 
 
 def test_documents_spread_the_needle_over_the_context_and_hold_the_answer():
@@ -28,8 +44,9 @@ def test_documents_spread_the_needle_over_the_context_and_hold_the_answer():
     assert [document["context"] for document in documents] == [300] * 5 + [600] * 5
     for document in documents:
         assert len(document["prompt"]) + PASSKEY_DIGITS == document["context"]
-        assert document["prompt"].endswith("\n# passkey: ") and document["passkey"].isdigit()
-        assert f"# passkey: {document['passkey']}\n" in document["prompt"]
+        question = document["prompt"].rsplit("\n", 1)[1]
+        assert re.fullmatch(r"# passkey \d\d: ", question) and document["passkey"].isdigit()
+        assert f"{question}{document['passkey']}\n" in document["prompt"]
     depths = [document["depth"] for document in documents[:5]]
     assert depths == sorted(depths) and depths[0] < 0.2 and depths[-1] > 0.7
 

@@ -23,6 +23,9 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
     assert list(rows) == list(bench_quality.SETTINGS)
     assert (rows["learned_r4"]["pool_size"], rows["mean_r4"]["weighting"], rows["unpooled_r1"]["pool_size"]) == \
         (4, "mean", 1)
+    assert (rows["learned_scalar_r4"]["weighting"], rows["prenorm_mean_r4"]["weighting"]) == \
+        ("learned_scalar", "prenorm_mean")
+    assert all(len(row["passkey_accuracy_by_depth"]) == bench_quality.DEPTH_BINS for row in rows.values())
     assert rows["dense"]["attention_mass"] == 1.0 and rows["dense"]["ppl_vs_dense"] == 0.0
     for setting in ("learned_r4", "mean_r4", "unpooled_r1"):
         row = rows[setting]
@@ -32,7 +35,7 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
     # Each untrained indexer is measured before its warm-up, against the same dense base.
     assert "| learned pooling r=4 | untrained indexer |" in printed
     fresh = {row["setting"]: row for row in written["results_fresh"]}
-    assert list(fresh) == ["learned_r4", "mean_r4", "unpooled_r1"]
+    assert list(fresh) == [setting for setting in bench_quality.SETTINGS if setting != "dense"]
     assert all(math.isfinite(row["ppl_beyond_budget_vs_dense"]) for row in fresh.values())
     # After the sparse stage (dense: as many language-model steps) every setting is measured again.
     assert "| learned pooling r=4 | + stage 2 (2 steps) |" in printed
@@ -53,6 +56,10 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
     (["--context", "24"], "at least twice --budget"),
     (["--passkey-fraction", "1.5"], "between 0 and 1"),
     (["--sink-windows", "3", "--local-windows", "2"], "fit in the r=4 budget of 4 windows"),
+    (["--settings", "mean_r4"], "dense always"),
+    (["--settings", "median_r4,dense"], "not ['median_r4']"),
+    (["--max-needles", "0"], "between 1 and 100"),
+    (["--max-needles", "2"], "more than half of --context 128"),
 ])
 def test_bad_sizes_are_refused(extra, message, capsys):
     with pytest.raises(SystemExit):
@@ -68,3 +75,8 @@ def test_sink_and_local_windows_reach_the_sparse_settings_only():
     sparse, dense = (bench_quality.model_config(setting, args, tokenizer) for setting in ("mean_r4", "dense"))
     assert (sparse.index_sink_windows, sparse.index_local_windows) == (1, 2)
     assert (dense.index_sink_windows, dense.index_local_windows) == (0, 0)
+
+
+def test_a_subset_of_the_settings_can_be_chosen():
+    args = bench_quality.parse_arguments(TINY + ["--settings", "prenorm_mean_r4,dense"])
+    assert args.settings == ["prenorm_mean_r4", "dense"] and args.max_needles == 1  # what fits in 64 characters
