@@ -64,17 +64,25 @@ PRESETS = {
 
 
 def training_samples(text: str, count: int, context: int, passkey_fraction: float, max_needles: int,
-                     seed: int) -> list[str]:
-    """Windows of `text`, a `passkey_fraction` of them passkey samples with 1 to `max_needles` needles."""
+                     list_fraction: float, seed: int) -> list[str]:
+    """Windows of `text`, a `passkey_fraction` of them passkey samples with 1 to `max_needles` needles, or, for a
+    `list_fraction` of those, as many needles as the context holds (a list of keys to recall, little filler)."""
     rng = random.Random(seed)
-    return [passkey_sample(text, context, rng, needles=rng.randint(1, max_needles))[0]
-            if rng.random() < passkey_fraction else text_window(text, context, rng) for _ in range(count)]
+    most = (context - 1) // (2 * (len(needle_line(0, "0" * PASSKEY_DIGITS)) + 1))
+    samples = []
+    for _ in range(count):
+        if rng.random() >= passkey_fraction:
+            samples.append(text_window(text, context, rng))
+            continue
+        needles = most if rng.random() < list_fraction else rng.randint(1, max_needles)
+        samples.append(passkey_sample(text, context, rng, needles=needles)[0])
+    return samples
 
 
 def token_dataset(samples: list[str], tokenizer, context: int):
     from datasets import Dataset
 
-    ids = tokenizer(samples, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(samples, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     if any(len(row) != context for row in ids):
         raise RuntimeError("A sample does not tokenize to exactly one token per character; the benchmark needs the "
                            "byte-level tokenizer and ASCII text.")
@@ -173,21 +181,24 @@ def run(args) -> dict:
     train_text, held_out_text, train_files, held_out_files = stdlib_texts()
     base_data = token_dataset(
         training_samples(train_text, args.train_steps * args.batch_size, args.context, args.passkey_fraction,
-                         args.max_needles, args.seed), tokenizer, args.context)
+                         args.max_needles, args.list_fraction, args.seed), tokenizer, args.context)
     warmup_data = token_dataset(
         training_samples(train_text, args.warmup_steps * args.batch_size, args.context, args.passkey_fraction,
-                         args.max_needles, args.seed + 1), tokenizer, args.context)
+                         args.max_needles, args.list_fraction, args.seed + 1), tokenizer, args.context)
     # The extra training after the warm-up: the same sequences, in the same order, for every setting.
     sparse_data = token_dataset(
         training_samples(train_text, args.sparse_steps * args.batch_size, args.context, args.passkey_fraction,
-                         args.max_needles, args.seed + 3), tokenizer, args.context) if args.sparse_steps else None
+                         args.max_needles, args.list_fraction, args.seed + 3),
+        tokenizer, args.context) if args.sparse_steps else None
     rng = random.Random(args.seed + 2)
+    # `split_special_tokens`: the source holds strings such as "<s>", which are text here, not special tokens.
     blocks = torch.tensor(tokenizer([text_window(held_out_text, args.context, rng) for _ in range(args.eval_blocks)],
-                                    add_special_tokens=False)["input_ids"])
+                                    add_special_tokens=False, split_special_tokens=True)["input_ids"])
     # One needle each, at depths spread evenly over the context (reported by quarter).
     passkey_texts, depths = zip(*(passkey_sample(held_out_text, args.context, rng, depth=index / args.passkey_samples)
                                   for index in range(args.passkey_samples)))
-    passkeys = torch.tensor(tokenizer(list(passkey_texts), add_special_tokens=False)["input_ids"])
+    passkeys = torch.tensor(tokenizer(list(passkey_texts), add_special_tokens=False,
+                                      split_special_tokens=True)["input_ids"])
 
     results, warmup_curves, sparse_results, sparse_curves, fresh_results = {}, {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -373,6 +384,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--local-windows", type=int, default=0,
                         help="index_local_windows of the sparse settings: latest windows always selected (default 0)")
     parser.add_argument("--eval-batch-size", type=int, default=4)
+    parser.add_argument("--list-fraction", type=float, default=0.0,
+                        help="Fraction of the training passkey samples that are lists: as many needles as the context "
+                             "holds, all asked at the end (many answers per sequence: retrieval is learned sooner).")
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help=f"Comma-separated indexers to compare, dense included (default all: {', '.join(SETTINGS)}).")
     parser.add_argument("--passkey-fraction", type=float, default=0.5,
@@ -402,6 +416,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error(f"--context {args.context} is too short for a passkey sample; use at least 64.")
     if args.layers < 2:
         parser.error("--layers must be at least 2 (one Gated DeltaNet and one IndexPool layer).")
+    if not 0.0 <= args.list_fraction <= 1.0:
+        parser.error(f"--list-fraction {args.list_fraction} must lie between 0 and 1.")
     if not 0.0 <= args.passkey_fraction <= 1.0:
         parser.error(f"--passkey-fraction {args.passkey_fraction} must lie between 0 and 1.")
     for name in ("threads", "hidden_size", "batch_size", "train_steps", "warmup_steps", "eval_blocks",

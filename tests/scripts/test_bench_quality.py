@@ -60,6 +60,7 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
     (["--settings", "median_r4,dense"], "not ['median_r4']"),
     (["--max-needles", "0"], "between 1 and 100"),
     (["--max-needles", "2"], "more than half of --context 128"),
+    (["--list-fraction", "-0.1"], "between 0 and 1"),
 ])
 def test_bad_sizes_are_refused(extra, message, capsys):
     with pytest.raises(SystemExit):
@@ -80,3 +81,12 @@ def test_sink_and_local_windows_reach_the_sparse_settings_only():
 def test_a_subset_of_the_settings_can_be_chosen():
     args = bench_quality.parse_arguments(TINY + ["--settings", "prenorm_mean_r4,dense"])
     assert args.settings == ["prenorm_mean_r4", "dense"] and args.max_needles == 1  # what fits in 64 characters
+
+
+def test_list_samples_hold_as_many_needles_as_fit_and_every_sample_the_context():
+    text = "".join(f"value_{index} = compute({index}, other)\n" for index in range(3000))
+    samples = bench_quality.training_samples(text, 40, 512, passkey_fraction=1.0, max_needles=3, list_fraction=0.5,
+                                             seed=0)
+    needles = [sample.count("# passkey ") // 2 for sample in samples]
+    assert {len(sample) for sample in samples} == {512}
+    assert set(needles) <= {1, 2, 3, 12} and 12 in needles and min(needles) <= 3
