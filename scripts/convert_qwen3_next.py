@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 from hybrid_indexpool import HybridIndexPoolConfig
+from hybrid_indexpool.configuration.configuration_hybrid_indexpool import POOL_WEIGHTINGS
 from hybrid_indexpool.conversion import (
     ConversionError,
     ConversionPlan,
@@ -206,8 +207,9 @@ def main(argv=None) -> ConversionReport:
                         help=f"token budget per query (default {defaults.topk}); within it, outputs equal the source's")
     parser.add_argument("--index_pool_size", type=int, default=defaults.pool_size,
                         help=f"tokens per pooled indexer key (default {defaults.pool_size})")
-    parser.add_argument("--index_pool_weighting", choices=("learned", "mean"), default=defaults.pool_weighting,
-                        help="pooling of the indexer keys (default learned, starting at the mean)")
+    parser.add_argument("--index_pool_weighting", choices=POOL_WEIGHTINGS, default=defaults.pool_weighting,
+                        help="pooling of the indexer keys (default learned, starting at the mean; see "
+                             "HybridIndexPoolConfig.index_pool_weighting)")
     parser.add_argument("--index_head_weights", action="store_true",
                         help="learned per-head indexer weights (DeepSeek style) instead of a plain sum")
     parser.add_argument("--index_sink_windows", type=int, default=defaults.sink_windows,
