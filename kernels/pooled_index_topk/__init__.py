@@ -30,4 +30,5 @@ def pooled_index_topk(index_queries, pooled_index_keys, num_visible_windows, top
                                    window_limit, sink_windows, local_windows)
 
 
-__all__ = ["pooled_index_topk", "pooled_index_topk_cpu", "pooled_index_topk_torch", "pooled_index_topk_triton", "pooled_index_scores_torch"]
+__all__ = ["pooled_index_topk", "pooled_index_topk_cpu", "pooled_index_topk_torch", "pooled_index_topk_triton",
+           "pooled_index_scores_torch"]

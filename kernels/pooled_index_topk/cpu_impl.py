@@ -1,15 +1,16 @@
-"""CPU kernel of the decode-time pooled index scores: one streaming pass over the pooled keys that writes the
-selection keys directly.
+"""CPU kernel of the decode-time selection: one streaming pass over the pooled keys that keeps the best windows as
+it goes, so no score is written to memory.
 
 For a few (query, head) rows (decode: one query of 4 heads per row of the batch) the score is a read of every pooled
 key once: `s[c] = sum_h a[h] * relu(q[h] . k[c])`. The reference computes it as a batched matrix product of the keys
 by the queries, then one pass per head to sum, then the passes of `selection_keys` (forced windows, invisible
-windows, the ordered float bits, the window id): on a CPU the product of that skinny shape runs well below the memory
-bandwidth and each pass adds a read and a write of the scores. Here a small C function does all of it per window,
-with the key row in L1 while every head reads it, threads splitting the windows into contiguous ranges (so each
-streams its part of the keys in order), float32 or bfloat16 keys (bfloat16 widened to float32 in registers), and the
-same int64 keys `selection_keys` writes. It is compiled on first use with the system C compiler (`cc`, OpenMP,
-`-march=native`) into a per-user cache folder and registered as a custom op, so compiled decode steps keep one graph.
+windows, the ordered float bits, the window id) and a `topk`: on a CPU the product of that skinny shape runs well
+below the memory bandwidth and each pass adds a read and a write of the scores. Here a small C function does all of it
+per window, with the key row in L1 while every head reads it, and offers the reference's int64 selection key to a
+running top-k of its range of windows; the threads take contiguous runs of ranges (so each streams its part of the
+keys in order); float32 or bfloat16 keys (bfloat16 widened to float32 in registers). A `torch.topk` over the ranges'
+candidates finishes. It is compiled on first use with the system C compiler (`cc`, OpenMP, `-march=native`) into a
+per-user cache folder and registered as a custom op, so compiled decode steps keep one graph.
 
 The sum over the head dimension may run in another order than the reference's product (vector lanes), so scores can
 differ in the last bits; the selection is the same except where two windows' scores lie within that rounding.
@@ -48,8 +49,8 @@ C_SOURCE = r"""
 #include <string.h>
 
 #define ID_BASE 2147483647LL
-#define MAX_HEAD_DIM 1024
-#define MAX_ROWS 16
+#define MAX_HEAD_DIM @MAX_HEAD_DIM@
+#define MAX_ROWS @MAX_FUSED_ROWS@
 
 /* Eight float32 lanes (GCC/Clang vector extension: AVX registers where the CPU has them). */
 typedef float lanes __attribute__((vector_size(32)));
@@ -247,7 +248,7 @@ int pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int6
     }
     return failed;
 }
-"""
+""".replace("@MAX_HEAD_DIM@", str(MAX_HEAD_DIM)).replace("@MAX_FUSED_ROWS@", str(MAX_FUSED_ROWS))
 
 _library = None
 _library_error = None
