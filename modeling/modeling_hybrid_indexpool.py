@@ -30,6 +30,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
+from ..kernels.decode_linear import decode_linear
 from ..kernels.gated_delta_rule import gated_delta_rule
 from ..kernels.pooled_index_topk import pooled_index_scores_torch, pooled_index_topk
 from ..kernels.sparse_attention import masked_softmax, sparse_attention
@@ -52,6 +53,15 @@ class HybridIndexPoolCausalLMOutput(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` plus `indexer_loss` (already included, weighted, in `loss`)."""
 
     indexer_loss: torch.FloatTensor | None = None
+
+
+class HybridIndexPoolLinear(nn.Linear):
+    """`nn.Linear` whose inference products of a few tokens on CPU (the decode step) run the streaming
+    matrix-vector kernel of `kernels.decode_linear`; everything else (training, prefill, CUDA) is `F.linear`.
+    Same parameters and state dict as `nn.Linear`."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return decode_linear(hidden_states, self.weight, self.bias)
 
 
 class HybridIndexPoolRMSNorm(nn.Module):
@@ -205,10 +215,10 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.act_fn = ACT2FN[config.hidden_act]
 
-        self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(config.hidden_size, self.num_value_heads, bias=False)
-        self.in_proj_a = nn.Linear(config.hidden_size, self.num_value_heads, bias=False)
+        self.in_proj_qkv = HybridIndexPoolLinear(config.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = HybridIndexPoolLinear(config.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = HybridIndexPoolLinear(config.hidden_size, self.num_value_heads, bias=False)
+        self.in_proj_a = HybridIndexPoolLinear(config.hidden_size, self.num_value_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False,
             padding=self.conv_kernel_size - 1,
@@ -218,7 +228,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         self.norm = HybridIndexPoolRMSNormGated(
             self.value_head_dim, eps=config.rms_norm_eps, activation=config.linear_output_gate_act
         )
-        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.out_proj = HybridIndexPoolLinear(self.value_dim, config.hidden_size, bias=False)
         self._rank_channels = None  # under tensor parallelism, this rank's channels of the fused q/k/v projection
 
     def forward(
@@ -308,19 +318,19 @@ class HybridIndexPoolIndexer(nn.Module):
         self.num_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.pool_size = config.index_pool_size
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.q_proj = HybridIndexPoolLinear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = HybridIndexPoolLinear(config.hidden_size, self.head_dim, bias=False)
         self.q_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.learned_pooling = config.index_pool_weighting in ("learned", "learned_scalar")
         self.norm_before_pooling = config.index_pool_weighting == "prenorm_mean"
         if self.learned_pooling:
             gate_width = self.head_dim if config.index_pool_weighting == "learned" else 1
-            self.pool_gate_proj = nn.Linear(config.hidden_size, gate_width, bias=False)
+            self.pool_gate_proj = HybridIndexPoolLinear(config.hidden_size, gate_width, bias=False)
             self.pool_slot_bias = nn.Parameter(torch.zeros(self.pool_size, gate_width))
         self.head_weights_proj = None
         if config.index_head_weights:
-            self.head_weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+            self.head_weights_proj = HybridIndexPoolLinear(config.hidden_size, self.num_heads, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Project new tokens.
@@ -397,10 +407,10 @@ class HybridIndexPoolAttention(nn.Module):
         self.sink_windows = config.index_sink_windows
         self.local_windows = config.index_local_windows
         query_width = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
-        self.q_proj = nn.Linear(config.hidden_size, query_width, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = HybridIndexPoolLinear(config.hidden_size, query_width, bias=config.attention_bias)
+        self.k_proj = HybridIndexPoolLinear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = HybridIndexPoolLinear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = HybridIndexPoolLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
         self.q_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.indexer = HybridIndexPoolIndexer(config)
@@ -565,9 +575,9 @@ class HybridIndexPoolMLP(nn.Module):
 
     def __init__(self, config: HybridIndexPoolConfig, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = HybridIndexPoolLinear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = HybridIndexPoolLinear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = HybridIndexPoolLinear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -597,8 +607,8 @@ class HybridIndexPoolExperts(nn.Module):
         output = torch.zeros_like(hidden_states)
         for expert in top_k_index.unique().tolist():
             token_index, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
-            gate, up = F.linear(hidden_states[token_index], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            gate, up = decode_linear(hidden_states[token_index], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            expert_out = decode_linear(self.act_fn(gate) * up, self.down_proj[expert])
             weighted = expert_out * top_k_weights[token_index, slot, None].to(expert_out.dtype)
             output.index_add_(0, token_index, weighted.to(output.dtype))
         return output
@@ -612,12 +622,12 @@ class HybridIndexPoolSparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate = HybridIndexPoolLinear(config.hidden_size, config.num_experts, bias=False)
         self.experts = HybridIndexPoolExperts(config)
         self.shared_expert = None
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = HybridIndexPoolMLP(config, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate = HybridIndexPoolLinear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -646,9 +656,9 @@ class HybridIndexPoolHyperConnection(nn.Module):
         self.hidden_size = config.hidden_size
         streams_width = self.hc_count * self.hidden_size
         self.hc_norm = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
-        self.input_mix_weight_down = nn.Linear(streams_width, config.hc_lowrank, bias=False)
-        self.input_mix_weight_up = nn.Linear(config.hc_lowrank, streams_width, bias=False)
-        self.block_inject_weight = nn.Linear(streams_width, self.hc_count, bias=False) if inject else None
+        self.input_mix_weight_down = HybridIndexPoolLinear(streams_width, config.hc_lowrank, bias=False)
+        self.input_mix_weight_up = HybridIndexPoolLinear(config.hc_lowrank, streams_width, bias=False)
+        self.block_inject_weight = HybridIndexPoolLinear(streams_width, self.hc_count, bias=False) if inject else None
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`streams [batch, seq, hc_count * hidden]` -> block input `[batch, seq, hidden]` and the write gates
@@ -728,8 +738,8 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
         self.hc_count = config.hc_count
         streams_width = self.hc_count * self.hidden_size
         self.ple_embedding = HybridIndexPoolNGramEmbedding(config, ple_index)
-        self.key_proj = nn.Linear(config.ple_embed_dim, streams_width, bias=False)
-        self.value_proj = nn.Linear(config.ple_embed_dim, self.hidden_size, bias=False)
+        self.key_proj = HybridIndexPoolLinear(config.ple_embed_dim, streams_width, bias=False)
+        self.value_proj = HybridIndexPoolLinear(config.ple_embed_dim, self.hidden_size, bias=False)
         self.norm_key = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
         self.norm_query = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
         self.norm_conv = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
@@ -1296,7 +1306,7 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
         super().__init__(config)
         self.model = HybridIndexPoolModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = HybridIndexPoolLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -1337,7 +1347,7 @@ class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = HybridIndexPoolModel(config)
-        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.score = HybridIndexPoolLinear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")

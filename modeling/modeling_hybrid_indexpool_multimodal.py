@@ -22,6 +22,7 @@ from .modeling_hybrid_indexpool import (
     HybridIndexPoolCausalLMOutput,
     HybridIndexPoolGenerationMixin,
     HybridIndexPoolModel,
+    HybridIndexPoolLinear,
     HybridIndexPoolPreTrainedModel,
 )
 
@@ -215,7 +216,7 @@ class HybridIndexPoolForConditionalGeneration(HybridIndexPoolMultimodalPreTraine
         super().__init__(config)
         self.model = HybridIndexPoolMultimodalModel(config)
         self.vocab_size = config.text_config.vocab_size
-        self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        self.lm_head = HybridIndexPoolLinear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

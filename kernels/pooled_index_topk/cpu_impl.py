@@ -18,17 +18,10 @@ Without a C compiler (or with `HYBRID_INDEXPOOL_BACKEND=torch`) the reference pa
 """
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
+from ..cpu_build import C_PRELUDE, CompiledLibrary
 from ..dispatch import kernel_backend
 from .reference import scaled_head_weights, window_ids_of
 
@@ -41,25 +34,10 @@ WINDOWS_PER_THREAD = 4096
 # Ranges of windows with a running top-k each, shared out among the threads in contiguous runs. A constant rather
 # than the thread count, so that the candidates' shape is fixed when the step is compiled.
 MAX_SEGMENTS = 16
-CACHE_VARIABLE = "HYBRID_INDEXPOOL_CACHE"
-
-C_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
+C_SOURCE = C_PRELUDE + r"""
 #define ID_BASE 2147483647LL
 #define MAX_HEAD_DIM @MAX_HEAD_DIM@
 #define MAX_ROWS @MAX_FUSED_ROWS@
-
-/* Eight float32 lanes (GCC/Clang vector extension: AVX registers where the CPU has them). */
-typedef float lanes __attribute__((vector_size(32)));
-
-static inline lanes load_lanes(const float *p) {
-    lanes v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 typedef int32_t lane_ids __attribute__((vector_size(32)));
 
@@ -113,25 +91,16 @@ static inline void products_4(const float *query, const float *key, int64_t dim,
     memcpy(products, p, sizeof p);
 }
 
-typedef uint16_t halves __attribute__((vector_size(16)));
-typedef uint32_t words __attribute__((vector_size(32)));
-
-/* The key row at `offset` as float32: in place for float32 keys, widened into `widened` for bfloat16 ones (the
-   bfloat16 bits are the high half of the float32 bits). */
+/* The key row at `offset` as float32: in place for float32 keys, widened into `widened` for bfloat16 ones. */
 static inline const float *key_row(const void *keys, int keys_bf16, int64_t offset, int64_t dim, float *widened) {
     if (!keys_bf16) return (const float *)keys + offset;
     const uint16_t *row = (const uint16_t *)keys + offset;
     int64_t d = 0;
     for (; d + 8 <= dim; d += 8) {
-        halves half;
-        memcpy(&half, row + d, sizeof half);
-        words word = __builtin_convertvector(half, words) << 16;
-        memcpy(widened + d, &word, sizeof word);
+        lanes widened_lanes = load_bf16_lanes(row + d);
+        memcpy(widened + d, &widened_lanes, sizeof widened_lanes);
     }
-    for (; d < dim; ++d) {
-        uint32_t bits = (uint32_t)row[d] << 16;
-        memcpy(&widened[d], &bits, sizeof bits);
-    }
+    for (; d < dim; ++d) widened[d] = bf16_to_float(row[d]);
     return widened;
 }
 
@@ -250,71 +219,23 @@ int pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int6
 }
 """.replace("@MAX_HEAD_DIM@", str(MAX_HEAD_DIM)).replace("@MAX_FUSED_ROWS@", str(MAX_FUSED_ROWS))
 
-_library = None
-_library_error = None
-_library_lock = threading.Lock()
+def _declare(library) -> None:
+    library.pooled_topk_keys.restype = ctypes.c_int
+    library.pooled_topk_keys.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_int64] * 2
+                                         + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 9 + [ctypes.c_int])
 
 
-def _cache_folder() -> Path:
-    root = os.environ.get(CACHE_VARIABLE) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hybrid_indexpool")
-    return Path(root) / "cpu_kernels"
-
-
-def _cpu_signature() -> str:
-    # `-march=native` code runs only on CPUs with the same instruction sets: the cached library is per CPU model.
-    try:
-        with open("/proc/cpuinfo") as handle:
-            lines = [line for line in handle if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
-
-
-def _compile(source: str, target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        source_file = Path(scratch) / "pooled_topk_keys.c"
-        source_file.write_text(source)
-        built = Path(scratch) / target.name
-        command = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-                   str(source_file), "-o", str(built)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
-        os.replace(built, target)  # atomic: a concurrent process sees the old file or the whole new one
+LIBRARY = CompiledLibrary("pooled_topk_keys", C_SOURCE, _declare)
 
 
 def load_library():
-    """The compiled kernel (compiled once per source, compiler flags and CPU), or None when it cannot be built; the
-    reason is then in `library_error()`."""
-    global _library, _library_error
-    if _library is not None or _library_error is not None:
-        return _library
-    with _library_lock:
-        if _library is None and _library_error is None:
-            digest = hashlib.sha256((C_SOURCE + _cpu_signature()).encode()).hexdigest()[:16]
-            target = _cache_folder() / f"pooled_topk_keys_{digest}.so"
-            try:
-                if not target.exists():
-                    _compile(C_SOURCE, target)
-                library = ctypes.CDLL(str(target))
-                function = library.pooled_topk_keys
-                function.restype = ctypes.c_int
-                function.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_int64] * 2
-                                     + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 9 + [ctypes.c_int])
-                _library = library
-            except (OSError, RuntimeError) as error:
-                _library_error = f"{type(error).__name__}: {error}"
-    return _library
+    """The compiled kernel, or None when it cannot be built (the reason is then in `library_error()`)."""
+    return LIBRARY.load()
 
 
 def library_error() -> str | None:
     """Why the CPU kernel could not be built (None when it was, or was not tried yet)."""
-    return _library_error
+    return LIBRARY.error
 
 
 def fused_topk_applies(rows_times_heads: int, pooled_index_keys: torch.Tensor) -> bool:

@@ -1,0 +1,113 @@
+"""The compiled CPU matrix-vector product of the decode step's linear layers against `F.linear`."""
+
+import pytest
+import torch
+import torch._dynamo.testing
+import torch.nn.functional as F
+
+from hybrid_indexpool.kernels.cpu_build import CACHE_VARIABLE, CompiledLibrary
+from hybrid_indexpool.kernels.decode_linear import cpu_impl, decode_linear, decode_linear_cpu, decode_linear_torch
+
+requires_kernel = pytest.mark.skipif(cpu_impl.load_library() is None,
+                                     reason=f"the CPU kernel could not be built: {cpu_impl.library_error()}")
+
+
+@requires_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (7, 13), (64, 40), (130, 257)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_products_match_f_linear(rows, out_features, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    hidden_states = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    result = decode_linear_cpu(hidden_states, weight, bias)
+    assert result.shape == (rows, out_features) and result.dtype == torch.float32
+    torch.testing.assert_close(result, F.linear(hidden_states, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@requires_kernel
+def test_exact_on_integer_data():
+    # Products and sums of small integers are exact in float32 whatever the order: the kernel must agree to the bit.
+    generator = torch.Generator().manual_seed(0)
+    hidden_states = torch.randint(-4, 5, (3, 1, 203), generator=generator).float()
+    weight = torch.randint(-4, 5, (37, 203), generator=generator).float()
+    bias = torch.randint(-4, 5, (37,), generator=generator).float()
+    assert torch.equal(decode_linear_cpu(hidden_states, weight, bias), F.linear(hidden_states, weight, bias))
+
+
+@requires_kernel
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_bfloat16_weights_round_once_like_f_linear(rows):
+    generator = torch.Generator().manual_seed(rows)
+    hidden_states = torch.randn(1, rows, 300, generator=generator).bfloat16()
+    weight = (torch.randn(90, 300, generator=generator) / 17).bfloat16()
+    bias = torch.randn(90, generator=generator).bfloat16()
+    result = decode_linear_cpu(hidden_states, weight, bias)
+    exact = F.linear(hidden_states.double(), weight.double(), bias.double())
+    assert result.dtype == torch.bfloat16 and result.shape == (1, rows, 90)
+    # One rounding of the float32 sum to bfloat16: within half a bfloat16 unit of the exact result (plus the
+    # float32 sum's own error), as F.linear's.
+    unit = torch.finfo(torch.bfloat16).eps * exact.abs()
+    assert ((result.double() - exact).abs() <= 0.5 * unit + 1e-4).all()
+    torch.testing.assert_close(result, F.linear(hidden_states, weight, bias), rtol=1.6e-2, atol=1e-2)
+
+
+@requires_kernel
+def test_weight_rows_with_a_larger_stride():
+    storage = torch.randn(20, 64)
+    weight = storage[:, :50]  # rows 64 apart
+    hidden_states = torch.randn(1, 50)
+    torch.testing.assert_close(decode_linear_cpu(hidden_states, weight), F.linear(hidden_states, weight))
+
+
+@requires_kernel
+def test_dispatch_only_for_inference_products_of_a_few_rows(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_impl, "linear_rows", lambda *args: calls.append(1) or torch.zeros(1, 8))
+    weight = torch.randn(8, 16)
+    decode_linear(torch.randn(1, 1, 16), weight)  # a decode step: the kernel
+    assert len(calls) == 1
+    decode_linear(torch.randn(5, 16), weight)  # five rows: a GEMM for the BLAS
+    decode_linear(torch.randn(1, 16).double(), weight.double())  # float64
+    decode_linear(torch.randn(1, 16), weight.requires_grad_())  # training: autograd needs F.linear
+    with torch.no_grad():
+        decode_linear(torch.randn(1, 16), weight)  # ... but not under no_grad
+    assert len(calls) == 2
+    monkeypatch.setenv("HYBRID_INDEXPOOL_BACKEND", "torch")
+    decode_linear(torch.randn(1, 16), weight.detach())
+    assert len(calls) == 2
+
+
+@requires_kernel
+def test_gradients_flow_through_the_entry_point():
+    weight = torch.randn(6, 10, requires_grad=True)
+    hidden_states = torch.randn(1, 10, requires_grad=True)
+    decode_linear(hidden_states, weight).sum().backward()
+    torch.testing.assert_close(weight.grad, hidden_states.detach().expand(6, 10))
+
+
+@requires_kernel
+def test_one_graph_under_torch_compile():
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    step = torch.compile(decode_linear, backend=counter, fullgraph=True)
+    hidden_states, weight, bias = torch.randn(1, 1, 48), torch.randn(24, 48), torch.randn(24)
+    torch.testing.assert_close(step(hidden_states, weight, bias), F.linear(hidden_states, weight, bias))
+    assert counter.frame_count == 1
+
+
+@requires_kernel
+def test_refuses_mismatched_widths():
+    with pytest.raises(ValueError, match="input has 5 features, the weight takes 6"):
+        cpu_impl.linear_rows(torch.randn(1, 5), torch.randn(3, 6), None)
+
+
+def test_without_a_compiler_f_linear_runs(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_impl, "LIBRARY", CompiledLibrary("linear_rows", cpu_impl.C_SOURCE, cpu_impl._declare))
+    assert cpu_impl.load_library() is None
+    assert "no-such-compiler" in cpu_impl.library_error()
+    hidden_states, weight = torch.randn(1, 32), torch.randn(8, 32)
+    assert torch.equal(decode_linear(hidden_states, weight), decode_linear_torch(hidden_states, weight))
