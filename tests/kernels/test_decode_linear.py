@@ -64,7 +64,7 @@ def test_weight_rows_with_a_larger_stride():
 @requires_kernel
 def test_dispatch_only_for_inference_products_of_a_few_rows(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_impl, "linear_rows", lambda *args: calls.append(1) or torch.zeros(1, 8))
+    monkeypatch.setattr(cpu_impl, "run_linear_rows", lambda *args: calls.append(1) or torch.zeros(1, 8))
     weight = torch.randn(8, 16)
     decode_linear(torch.randn(1, 1, 16), weight)  # a decode step: the kernel
     assert len(calls) == 1
@@ -90,17 +90,24 @@ def test_gradients_flow_through_the_entry_point():
 @requires_kernel
 def test_one_graph_under_torch_compile():
     torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounter()
-    step = torch.compile(decode_linear, backend=counter, fullgraph=True)
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    step = torch.compile(decode_linear, backend=backend, fullgraph=True)
     hidden_states, weight, bias = torch.randn(1, 1, 48), torch.randn(24, 48), torch.randn(24)
     torch.testing.assert_close(step(hidden_states, weight, bias), F.linear(hidden_states, weight, bias))
-    assert counter.frame_count == 1
+    assert len(graphs) == 1
+    targets = [node.target for node in graphs[0].graph.nodes]
+    assert torch.ops.hybrid_indexpool.linear_rows.default in targets  # the kernel, not F.linear, in the graph
 
 
 @requires_kernel
 def test_refuses_mismatched_widths():
     with pytest.raises(ValueError, match="input has 5 features, the weight takes 6"):
-        cpu_impl.linear_rows(torch.randn(1, 5), torch.randn(3, 6), None)
+        cpu_impl.run_linear_rows(torch.randn(1, 5), torch.randn(3, 6), None)
 
 
 def test_without_a_compiler_f_linear_runs(monkeypatch, tmp_path):
