@@ -288,7 +288,7 @@ def read_bandwidth(args) -> float:
 def print_table(results: list[dict], bandwidth: float) -> None:
     print(f"\nmemory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s")
     header = ("setting", "context", "prefill s", "eager ms", "compiled ms", "speedup", "frozen ms", "speedup",
-              "roofline ms", "best/roofline", "best/read roofline",
+              "roofline ms", "best/roofline", "best/read roof",
               "aten calls", "compiled aten", "reserved MiB", "in use MiB", "index keys KiB", "indexer ms",
               "indexer % bw")
     print("".join(f"{h:>15}" for h in header))

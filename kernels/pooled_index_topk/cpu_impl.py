@@ -8,9 +8,9 @@ windows, the ordered float bits, the window id) and a `topk`: on a CPU the produ
 below the memory bandwidth and each pass adds a read and a write of the scores. Here a small C function does all of it
 per window, with the key row in L1 while every head reads it, and offers the reference's int64 selection key to a
 running top-k of its range of windows; the threads take contiguous runs of ranges (so each streams its part of the
-keys in order); float32 or bfloat16 keys (bfloat16 widened to float32 in registers). A `torch.topk` over the ranges'
-candidates finishes. It is compiled on first use with the system C compiler (`cc`, OpenMP, `-march=native`) into a
-per-user cache folder and registered as a custom op, so compiled decode steps keep one graph.
+keys in order); float32 or bfloat16 keys (bfloat16 widened to float32 in registers). A quickselect over the ranges'
+candidates and a sort of the kept ids finish, in C too. It is compiled on first use with the system C compiler (see
+`cpu_build`) and registered as a custom op, so compiled decode steps keep one graph.
 
 The sum over the head dimension may run in another order than the reference's product (vector lanes), so scores can
 differ in the last bits; the selection is the same except where two windows' scores lie within that rounding.
@@ -23,7 +23,7 @@ import torch
 
 from ..cpu_build import C_PRELUDE, CompiledLibrary
 from ..dispatch import kernel_backend
-from .reference import scaled_head_weights, window_ids_of
+from .reference import ID_BASE, INVISIBLE_HIGH, scaled_head_weights
 
 # Rows (queries x heads) up to which the fused pass beats the matrix product (the product wins as a real GEMM).
 MAX_FUSED_ROWS = 16
@@ -35,7 +35,8 @@ WINDOWS_PER_THREAD = 4096
 # than the thread count, so that the candidates' shape is fixed when the step is compiled.
 MAX_SEGMENTS = 16
 C_SOURCE = C_PRELUDE + r"""
-#define ID_BASE 2147483647LL
+#define ID_BASE (@ID_BASE@LL)
+#define INVISIBLE_HIGH (@INVISIBLE_HIGH@LL)
 #define MAX_HEAD_DIM @MAX_HEAD_DIM@
 #define MAX_ROWS @MAX_FUSED_ROWS@
 
@@ -154,15 +155,36 @@ static inline void offer(running_topk *best, int64_t key) {
     }
 }
 
+static int ascending(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The window ids of the `topk` best of `count` selection keys (reordered in place), ascending, -1 for invisible
+   windows (score -inf, or a range's INT64_MIN padding) and after the last: `window_ids_of` of the reference. */
+static void window_ids(int64_t *candidates, int64_t count, int64_t topk, int64_t *ids) {
+    int64_t kept = count < topk ? count : topk;
+    if (count > kept) keep_largest(candidates, count, kept);
+    for (int64_t i = 0; i < kept; ++i) {
+        int64_t key = candidates[i];
+        ids[i] = (key >> 32) <= INVISIBLE_HIGH ? ID_BASE : ID_BASE - (key & 0xFFFFFFFFLL);
+    }
+    qsort(ids, kept, sizeof(int64_t), ascending);
+    for (int64_t i = 0; i < topk; ++i)
+        if (i >= kept || ids[i] == ID_BASE) ids[i] = -1;
+}
+
 /* queries [batch, rows * heads, dim] and weights [batch, rows, heads] contiguous float32 (rows * heads <= MAX_ROWS);
    keys [batch, windows, dim] with the given strides, float32 or bfloat16 (keys_bf16); visible [batch, rows]
-   contiguous int64. The windows are split into `segments` contiguous ranges, one thread each at a time; out
-   [batch, rows, segments, per_segment] int64 receives each range's `per_segment` best selection keys (unordered),
-   INT64_MIN where a range has fewer windows. Returns 0, or 1 when a buffer could not be allocated. */
-int pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int64_t keys_batch_stride,
-                     int64_t keys_row_stride, const float *weights, const int64_t *visible, int64_t *out,
-                     int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t windows, int64_t segments,
-                     int64_t per_segment, int64_t sink_windows, int64_t local_windows, int threads) {
+   contiguous int64. The windows are split into `segments` contiguous ranges, one thread each at a time; each range's
+   `per_segment` best selection keys go to candidates [batch, rows, segments, per_segment] (INT64_MIN where a range
+   has fewer windows), and the best `topk` of those to out [batch, rows, topk] as window ids. Returns 0, or 1 when a
+   buffer could not be allocated. */
+int pooled_topk_windows(const float *queries, const void *keys, int keys_bf16, int64_t keys_batch_stride,
+                        int64_t keys_row_stride, const float *weights, const int64_t *visible, int64_t *candidates,
+                        int64_t *out, int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t windows,
+                        int64_t segments, int64_t per_segment, int64_t topk, int64_t sink_windows,
+                        int64_t local_windows, int threads) {
     int64_t query_rows = rows * heads, groups = (query_rows + 3) / 4;
     int failed = 0;
     for (int64_t b = 0; b < batch; ++b) {
@@ -206,7 +228,7 @@ int pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int6
                 }
             }
             for (int64_t r = 0; r < rows; ++r) {
-                int64_t *target = out + ((b * rows + r) * segments + segment) * per_segment;
+                int64_t *target = candidates + ((b * rows + r) * segments + segment) * per_segment;
                 int64_t kept = best[r].size < per_segment ? best[r].size : per_segment;
                 if (best[r].size > per_segment) keep_largest(best[r].keys, best[r].size, per_segment);
                 memcpy(target, best[r].keys, sizeof(int64_t) * kept);
@@ -214,18 +236,23 @@ int pooled_topk_keys(const float *queries, const void *keys, int keys_bf16, int6
             }
             free(buffers);
         }
+        if (!failed)
+            for (int64_t r = 0; r < rows; ++r)
+                window_ids(candidates + (b * rows + r) * segments * per_segment, segments * per_segment, topk,
+                           out + (b * rows + r) * topk);
     }
     return failed;
 }
-""".replace("@MAX_HEAD_DIM@", str(MAX_HEAD_DIM)).replace("@MAX_FUSED_ROWS@", str(MAX_FUSED_ROWS))
+""".replace("@MAX_HEAD_DIM@", str(MAX_HEAD_DIM)).replace("@MAX_FUSED_ROWS@", str(MAX_FUSED_ROWS)).replace(
+    "@INVISIBLE_HIGH@", str(INVISIBLE_HIGH)).replace("@ID_BASE@", str(ID_BASE))
 
 def _declare(library) -> None:
-    library.pooled_topk_keys.restype = ctypes.c_int
-    library.pooled_topk_keys.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_int64] * 2
-                                         + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 9 + [ctypes.c_int])
+    library.pooled_topk_windows.restype = ctypes.c_int
+    library.pooled_topk_windows.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_int64] * 2
+                                            + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 10 + [ctypes.c_int])
 
 
-LIBRARY = CompiledLibrary("pooled_topk_keys", C_SOURCE, _declare)
+LIBRARY = CompiledLibrary("pooled_topk_windows", C_SOURCE, _declare)
 
 
 def load_library():
@@ -247,33 +274,34 @@ def fused_topk_applies(rows_times_heads: int, pooled_index_keys: torch.Tensor) -
             and rows_times_heads <= MAX_FUSED_ROWS and load_library() is not None)
 
 
-@torch.library.custom_op("hybrid_indexpool::pooled_topk_keys", mutates_args=(), device_types="cpu")
-def pooled_topk_keys(queries: torch.Tensor, pooled_index_keys: torch.Tensor, weights: torch.Tensor,
-                     visible: torch.Tensor, topk: int, segments: int, sink_windows: int,
-                     local_windows: int) -> torch.Tensor:
-    """The best selection keys (those of `selection_keys`) of each of `segments` contiguous ranges of windows:
-    `[batch, rows, segments * per_segment]` int64, `per_segment = min(topk, ceil(windows / segments))`, unordered,
-    `INT64_MIN` padding where a range has fewer windows. `queries` `[batch, rows * heads, dim]` float32,
+def run_pooled_topk_windows(queries: torch.Tensor, pooled_index_keys: torch.Tensor, weights: torch.Tensor,
+                            visible: torch.Tensor, topk: int, segments: int, sink_windows: int,
+                            local_windows: int) -> torch.Tensor:
+    """The `topk` best visible windows of each row by the compiled pass: `[batch, rows, topk]` int64 window ids,
+    ascending, -1 after the last (as `pooled_index_topk_torch`). The windows are scored in `segments` contiguous
+    ranges with a running top-k each (the threads share the ranges). `queries` `[batch, rows * heads, dim]` float32,
     `pooled_index_keys` `[batch, windows, dim]` float32 or bfloat16 (last dimension contiguous), `weights`
     `[batch, rows, heads]` float32 with the 1/sqrt(d) scale, `visible` `[batch, rows]` integer."""
     batch_size, rows, heads = weights.shape
     windows, dim = pooled_index_keys.shape[1], pooled_index_keys.shape[2]
     if pooled_index_keys.stride(-1) != 1 or pooled_index_keys.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError("pooled_topk_keys needs float32 or bfloat16 keys with a contiguous last dimension.")
+        raise ValueError("pooled_topk_windows needs float32 or bfloat16 keys with a contiguous last dimension.")
     if rows * heads > MAX_FUSED_ROWS or dim > MAX_HEAD_DIM:  # the kernel's fixed buffers
-        raise ValueError(f"pooled_topk_keys takes at most {MAX_FUSED_ROWS} query rows x heads (got {rows * heads}) "
+        raise ValueError(f"pooled_topk_windows takes at most {MAX_FUSED_ROWS} query rows x heads (got {rows * heads}) "
                          f"and head dimension {MAX_HEAD_DIM} (got {dim}).")
     per_segment = _per_segment(windows, topk, segments)
-    out = torch.empty(batch_size, rows, segments * per_segment, dtype=torch.int64)
+    candidates = torch.empty(batch_size, rows, segments * per_segment, dtype=torch.int64)
+    out = torch.empty(batch_size, rows, topk, dtype=torch.int64)
     queries, weights = queries.float().contiguous(), weights.float().contiguous()
     visible = visible.to(torch.int64).reshape(batch_size, rows).contiguous()
-    failed = load_library().pooled_topk_keys(
+    failed = load_library().pooled_topk_windows(
         queries.data_ptr(), pooled_index_keys.data_ptr(), int(pooled_index_keys.dtype == torch.bfloat16),
         pooled_index_keys.stride(0), pooled_index_keys.stride(1), weights.data_ptr(), visible.data_ptr(),
-        out.data_ptr(), batch_size, rows, heads, dim, windows, segments, per_segment, sink_windows, local_windows,
-        min(segments, torch.get_num_threads()))
+        candidates.data_ptr(), out.data_ptr(), batch_size, rows, heads, dim, windows, segments, per_segment, topk,
+        sink_windows, local_windows, min(segments, torch.get_num_threads()))
     if failed:
-        raise MemoryError(f"pooled_topk_keys could not allocate its {2 * per_segment * rows} candidate keys per range.")
+        raise MemoryError(f"pooled_topk_windows could not allocate its {2 * per_segment * rows} candidate keys per "
+                          "range.")
     return out
 
 
@@ -281,26 +309,32 @@ def _per_segment(windows: int, topk: int, segments: int) -> int:
     return min(topk, -(-windows // segments))
 
 
-@pooled_topk_keys.register_fake
+@torch.library.custom_op("hybrid_indexpool::pooled_topk_windows", mutates_args=(), device_types="cpu")
+def pooled_topk_windows(queries: torch.Tensor, pooled_index_keys: torch.Tensor, weights: torch.Tensor,
+                        visible: torch.Tensor, topk: int, segments: int, sink_windows: int,
+                        local_windows: int) -> torch.Tensor:
+    """`run_pooled_topk_windows` as a custom op, so that a compiled step keeps one graph."""
+    return run_pooled_topk_windows(queries, pooled_index_keys, weights, visible, topk, segments, sink_windows,
+                                   local_windows)
+
+
+@pooled_topk_windows.register_fake
 def _(queries, pooled_index_keys, weights, visible, topk, segments, sink_windows, local_windows):
     batch_size, rows, _ = weights.shape
-    per_segment = _per_segment(pooled_index_keys.shape[1], topk, segments)
-    return queries.new_empty(batch_size, rows, segments * per_segment, dtype=torch.int64)
+    return queries.new_empty(batch_size, rows, topk, dtype=torch.int64)
 
 
 def pooled_index_topk_cpu(index_queries, pooled_index_keys, num_visible_windows, topk, head_weights=None,
                           sink_windows=0, local_windows=0):
     """`pooled_index_topk_torch` without `window_limit` (decode, compiled code) in one pass of the compiled kernel
-    over the keys (a running top-k per range of windows), then a `topk` over the ranges' candidates; same arguments and
-    result."""
+    over the keys; same arguments and result."""
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
     num_windows = pooled_index_keys.shape[1]
     if num_windows == 0 or num_queries == 0 or topk == 0:
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
     segments = max(1, min(MAX_SEGMENTS, num_windows // WINDOWS_PER_THREAD))
     queries = index_queries.float().reshape(batch_size, num_queries * num_heads, head_dim)
-    candidates = pooled_topk_keys(queries, pooled_index_keys, scaled_head_weights(index_queries, head_weights),
-                                  num_visible_windows, topk, segments, sink_windows, local_windows)
-    if candidates.shape[-1] > topk:
-        candidates = candidates.topk(topk, dim=-1, sorted=False).values
-    return window_ids_of(candidates, topk)
+    # Eager code calls the kernel directly, compiled code through the custom op (see `decode_linear_cpu`).
+    select = pooled_topk_windows if torch.compiler.is_compiling() else run_pooled_topk_windows
+    return select(queries, pooled_index_keys, scaled_head_weights(index_queries, head_weights), num_visible_windows,
+                  topk, segments, sink_windows, local_windows)

@@ -35,9 +35,9 @@ WINDOW_CHUNK = 32768
 HEAD_BLOCK_ELEMENTS = 1 << 18
 
 # Low word of a selection key: larger for lower window ids, so that ties go to the lower id.
-_ID_BASE = 2**31 - 1
+ID_BASE = 2**31 - 1
 # High word of the key of a -inf score (an invisible window): float bits 0xFF800000 ordered as `selection_keys` does.
-_INVISIBLE_HIGH = ((0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF) + 1
+INVISIBLE_HIGH = ((0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF) + 1
 
 
 def _chunk_sizes(batch_size: int, num_queries: int, num_windows: int, topk: int) -> tuple[int, int]:
@@ -108,17 +108,17 @@ def selection_keys(scores: torch.Tensor, first_id: int, num_visible: torch.Tenso
     bits -= sign  # ... and one up, so that -0.0 ties with 0.0
     keys = bits.to(torch.int64) if out is None else out.copy_(bits)
     keys <<= 32
-    keys |= _ID_BASE - window_ids
+    keys |= ID_BASE - window_ids
     return keys
 
 
 def window_ids_of(keys: torch.Tensor, topk: int) -> torch.Tensor:
     """Window ids `[..., topk]` of selection keys `[..., n]` (n <= topk), ascending, `-1` for invisible ones and
     after the last."""
-    invisible = (keys >> 32) <= _INVISIBLE_HIGH
-    ids = (_ID_BASE - (keys & 0xFFFFFFFF)).masked_fill_(invisible, _ID_BASE)
+    invisible = (keys >> 32) <= INVISIBLE_HIGH
+    ids = (ID_BASE - (keys & 0xFFFFFFFF)).masked_fill_(invisible, ID_BASE)
     ids = ids.sort(dim=-1).values
-    ids = ids.masked_fill_(ids == _ID_BASE, -1)
+    ids = ids.masked_fill_(ids == ID_BASE, -1)
     if ids.shape[-1] < topk:
         ids = torch.cat([ids, ids.new_full((*ids.shape[:-1], topk - ids.shape[-1]), -1)], dim=-1)
     return ids

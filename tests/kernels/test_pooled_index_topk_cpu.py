@@ -102,8 +102,8 @@ def test_strided_cache_storage_and_nan_rows():
 @requires_kernel
 def test_the_entry_point_uses_it_for_decode_only(monkeypatch):
     calls = []
-    original = cpu_impl.pooled_topk_keys
-    monkeypatch.setattr(cpu_impl, "pooled_topk_keys", lambda *args: calls.append(1) or original(*args))
+    original = cpu_impl.run_pooled_topk_windows
+    monkeypatch.setattr(cpu_impl, "run_pooled_topk_windows", lambda *args: calls.append(1) or original(*args))
     index_queries, pooled_keys = torch.randn(1, 1, 4, 32), torch.randn(1, 100, 32)
     num_visible = torch.tensor([[100]])
     pooled_index_topk(index_queries, pooled_keys, num_visible, 8)
@@ -131,14 +131,14 @@ def test_one_graph_under_torch_compile():
 @requires_kernel
 def test_refuses_what_its_buffers_cannot_hold():
     with pytest.raises(ValueError, match="at most 16 query rows x heads"):
-        cpu_impl.pooled_topk_keys(torch.randn(1, 20, 8), torch.randn(1, 10, 8), torch.ones(1, 1, 20),
-                                  torch.tensor([[10]]), 4, 1, 0, 0)
+        cpu_impl.run_pooled_topk_windows(torch.randn(1, 20, 8), torch.randn(1, 10, 8), torch.ones(1, 1, 20),
+                                         torch.tensor([[10]]), 4, 1, 0, 0)
 
 
 def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_impl, "LIBRARY", CompiledLibrary("pooled_topk_keys", cpu_impl.C_SOURCE, cpu_impl._declare))
+    monkeypatch.setattr(cpu_impl, "LIBRARY", CompiledLibrary("pooled_topk_windows", cpu_impl.C_SOURCE, cpu_impl._declare))
     assert cpu_impl.load_library() is None
     assert "no-such-compiler" in cpu_impl.library_error()
     index_queries, pooled_keys = torch.randn(1, 1, 4, 32), torch.randn(1, 100, 32)
