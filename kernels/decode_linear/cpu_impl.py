@@ -2,10 +2,10 @@
 
 A decode step multiplies one token (or a few) by every weight matrix of the model: the step reads all the weights
 and does two flops per weight, so it runs at the memory bandwidth at best. The BLAS behind `F.linear` runs this
-batch-1 product well on one thread but barely faster on two (measured on a 2-core AVX2 EPYC: 12 GB/s with one or two
-threads, where a sum over the same weights reads 17-21 GB/s with two). Here each thread takes a contiguous run of
+batch-1 product well on one thread but barely faster on two (measured on a 2-core AVX2 EPYC: 11-15 GB/s with one or
+two threads, where a sum over the same weights reads 17-21 GB/s with two). Here each thread takes a contiguous run of
 output rows and reads 4 weight rows side by side against the input held in L1, in float32 or bfloat16 weights
-(widened in registers), so two threads read 18-25 GB/s. It is compiled on first use with the system C compiler (see
+(widened in registers), so two threads read 15-24 GB/s. It is compiled on first use with the system C compiler (see
 `cpu_build`) and registered as a custom op, so compiled decode steps keep one graph.
 
 The sum over the input dimension runs in another order than the BLAS's (vector lanes), so results can differ from
@@ -152,9 +152,10 @@ def library_error() -> str | None:
 
 def decode_linear_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the compiled CPU product serves this call: CPU, float32 or bfloat16 weight (rows contiguous) and input
-    of the same dtype, at most `MAX_ROWS` input rows, no gradient to record, the PyTorch backend not forced, and the
-    kernel built."""
+    of the same dtype, at most `MAX_ROWS` input rows, no gradient to record, no autocast (whose dtype rules
+    `F.linear` applies), the PyTorch backend not forced, and the kernel built."""
     return (hidden_states.device.type == "cpu" and weight.device.type == "cpu" and kernel_backend() == "auto"
+            and not torch.is_autocast_enabled("cpu")
             and weight.dtype in (torch.float32, torch.bfloat16) and hidden_states.dtype == weight.dtype
             and weight.dim() == 2 and weight.stride(-1) == 1 and hidden_states.shape[-1] == weight.shape[1]
             and hidden_states.numel() <= MAX_ROWS * weight.shape[1]

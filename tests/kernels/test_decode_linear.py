@@ -74,6 +74,9 @@ def test_dispatch_only_for_inference_products_of_a_few_rows(monkeypatch):
     with torch.no_grad():
         decode_linear(torch.randn(1, 16), weight)  # ... but not under no_grad
     assert len(calls) == 2
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert decode_linear(torch.randn(1, 16), weight).dtype == torch.bfloat16  # autocast's rules: F.linear
+    assert len(calls) == 2
     monkeypatch.setenv("HYBRID_INDEXPOOL_BACKEND", "torch")
     decode_linear(torch.randn(1, 16), weight.detach())
     assert len(calls) == 2
@@ -118,3 +121,27 @@ def test_without_a_compiler_f_linear_runs(monkeypatch, tmp_path):
     assert "no-such-compiler" in cpu_impl.library_error()
     hidden_states, weight = torch.randn(1, 32), torch.randn(8, 32)
     assert torch.equal(decode_linear(hidden_states, weight), decode_linear_torch(hidden_states, weight))
+
+
+@requires_kernel
+def test_a_model_decode_step_runs_every_linear_layer_on_it_and_matches_f_linear(monkeypatch):
+    from tests.model_factory import tiny_model
+
+    model = tiny_model()
+    prompt = torch.randint(1, 97, (1, 21), generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = cpu_impl.run_linear_rows
+    monkeypatch.setattr(cpu_impl, "run_linear_rows", lambda *args: calls.append(1) or original(*args))
+
+    def prefill_and_step():
+        with torch.no_grad():
+            output = model(prompt, use_cache=True)
+            token = output.logits[:, -1:].argmax(-1)
+            return model(token, cache=output.cache, use_cache=True).logits
+
+    with_kernel = prefill_and_step()
+    linear_layers = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
+    assert len(calls) == linear_layers  # the prefill's products are GEMMs for the BLAS; the step's all go here
+    monkeypatch.setenv("HYBRID_INDEXPOOL_BACKEND", "torch")
+    torch.testing.assert_close(with_kernel, prefill_and_step(), rtol=1e-4, atol=1e-5)
+    assert len(calls) == linear_layers
