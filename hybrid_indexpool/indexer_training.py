@@ -234,7 +234,13 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
     selected windows plus the tail. Averaged over heads and over the queries whose visible windows exceed the budget
     (the others keep everything), per layer and over layers. Inputs must be unpadded `[batch, seq]` ids.
 
-    Returns `{"mass": float, "per_layer": [float], "dense_kl": float}`; `mass` is 1.0 when no query is pruned.
+    Also the mass of the best selection any indexer could make at the same pool size and budget (`oracle_mass`):
+    per query, the `topk` visible complete windows holding the most head-averaged dense attention, plus the tail. It
+    bounds what training the indexer can reach, and tells the pool size's own cost (coarser windows) apart from the
+    indexer's misses.
+
+    Returns `{"mass": float, "per_layer": [float], "oracle_mass": float, "oracle_per_layer": [float],
+    "dense_kl": float}`; the masses are 1.0 when no query is pruned.
     """
     layers = [module for module in model.modules() if isinstance(module, HybridIndexPoolAttention)]
     if not layers:
@@ -251,7 +257,7 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
         for hook in hooks:
             hook.remove()
 
-    per_layer = []
+    per_layer, oracle_per_layer = [], []
     for layer, weights in zip(layers, outputs.attentions):
         inputs = entered[layer]
         hidden_states, positions, rotary_emb = inputs["hidden_states"], inputs["positions"], inputs["rotary_emb"]
@@ -271,6 +277,7 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
         pruned = num_visible > layer.topk_windows
         if not pruned.any():
             per_layer.append(1.0)
+            oracle_per_layer.append(1.0)
             continue
         selected = pooled_index_topk(index_queries, pooled_keys, num_visible, layer.topk_windows, head_weights,
                                      sink_windows=layer.sink_windows, local_windows=layer.local_windows)
@@ -285,4 +292,21 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
         kept = kept | ((slots >= tail_start) & (slots <= positions[..., None]))
         captured = (weights * kept[:, None]).sum(-1)  # [batch, heads, queries]
         per_layer.append(captured.mean(dim=1)[pruned].mean().item())
-    return {"mass": sum(per_layer) / len(per_layer), "per_layer": per_layer, "dense_kl": outputs.indexer_loss.item()}
+        oracle_per_layer.append(_best_selection_mass(weights, num_visible, positions, r, num_windows,
+                                                     layer.topk_windows)[pruned].mean().item())
+    return {"mass": sum(per_layer) / len(per_layer), "per_layer": per_layer,
+            "oracle_mass": sum(oracle_per_layer) / len(oracle_per_layer), "oracle_per_layer": oracle_per_layer,
+            "dense_kl": outputs.indexer_loss.item()}
+
+
+def _best_selection_mass(weights: torch.Tensor, num_visible: torch.Tensor, positions: torch.Tensor, pool_size: int,
+                         num_windows: int, topk: int) -> torch.Tensor:
+    """Head-averaged dense attention `weights` `[batch, heads, queries, slots]` kept by the best possible selection
+    of `topk` visible complete windows of `pool_size` slots plus the tail: `[batch, queries]`."""
+    averaged = weights.mean(dim=1)  # [batch, queries, slots]: one selection serves every head of a query
+    window_mass = averaged[..., : num_windows * pool_size].unflatten(-1, (num_windows, pool_size)).sum(-1)
+    visible = torch.arange(num_windows, device=weights.device) < num_visible[..., None]
+    best = window_mass.masked_fill(~visible, 0.0).topk(min(topk, num_windows), dim=-1).values.sum(-1)
+    slots = torch.arange(averaged.shape[-1], device=weights.device)
+    tail = (slots >= (num_visible * pool_size)[..., None]) & (slots <= positions[..., None])
+    return best + (averaged * tail).sum(-1)
