@@ -19,6 +19,11 @@ import torch
 from ..cpu_build import C_PRELUDE, CompiledLibrary
 from ..dispatch import kernel_backend
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support: no DTensor can reach here
+    DTensor = ()
+
 # Input rows (tokens) up to which the streaming product beats the BLAS (beyond it the BLAS runs a real GEMM).
 MAX_ROWS = 4
 
@@ -153,8 +158,10 @@ def library_error() -> str | None:
 def decode_linear_applies(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the compiled CPU product serves this call: CPU, float32 or bfloat16 weight (rows contiguous) and input
     of the same dtype, at most `MAX_ROWS` input rows, no gradient to record, no autocast (whose dtype rules
-    `F.linear` applies), the PyTorch backend not forced, and the kernel built."""
+    `F.linear` applies), plain tensors (a tensor-parallel DTensor shard is `F.linear`'s to handle), the PyTorch backend
+    not forced, and the kernel built."""
     return (hidden_states.device.type == "cpu" and weight.device.type == "cpu" and kernel_backend() == "auto"
+            and not isinstance(weight, DTensor) and not isinstance(hidden_states, DTensor)
             and not torch.is_autocast_enabled("cpu")
             and weight.dtype in (torch.float32, torch.bfloat16) and hidden_states.dtype == weight.dtype
             and weight.dim() == 2 and weight.stride(-1) == 1 and hidden_states.shape[-1] == weight.shape[1]

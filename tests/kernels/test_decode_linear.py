@@ -145,3 +145,24 @@ def test_a_model_decode_step_runs_every_linear_layer_on_it_and_matches_f_linear(
     monkeypatch.setenv("HYBRID_INDEXPOOL_BACKEND", "torch")
     torch.testing.assert_close(with_kernel, prefill_and_step(), rtol=1e-4, atol=1e-5)
     assert len(calls) == linear_layers
+
+
+@requires_kernel
+def test_tensor_parallel_dtensor_weights_stay_with_f_linear(monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    calls = []
+    monkeypatch.setattr(cpu_impl, "run_linear_rows", lambda *args: calls.append(1))
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.randn(8, 16)
+        hidden_states = torch.randn(1, 16)
+        result = decode_linear(distribute_tensor(hidden_states, mesh, [Replicate()]),
+                               distribute_tensor(weight, mesh, [Replicate()]))
+        torch.testing.assert_close(result.full_tensor(), F.linear(hidden_states, weight))
+    finally:
+        dist.destroy_process_group()
+    assert calls == []
