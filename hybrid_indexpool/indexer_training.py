@@ -289,24 +289,24 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
         window_of_slot = (slots // r).clamp(max=num_windows)  # slots past the last complete window: the tail
         tail_start = (num_visible * r)[..., None]
         kept = chosen.gather(-1, window_of_slot.expand(*selected.shape[:2], -1))
-        kept = kept | ((slots >= tail_start) & (slots <= positions[..., None]))
+        tail = (slots >= tail_start) & (slots <= positions[..., None])
+        kept = kept | tail
         captured = (weights * kept[:, None]).sum(-1)  # [batch, heads, queries]
         per_layer.append(captured.mean(dim=1)[pruned].mean().item())
-        oracle_per_layer.append(_best_selection_mass(weights, num_visible, positions, r, num_windows,
+        oracle_per_layer.append(_best_selection_mass(weights, num_visible, tail, r, num_windows,
                                                      layer.topk_windows)[pruned].mean().item())
     return {"mass": sum(per_layer) / len(per_layer), "per_layer": per_layer,
             "oracle_mass": sum(oracle_per_layer) / len(oracle_per_layer), "oracle_per_layer": oracle_per_layer,
             "dense_kl": outputs.indexer_loss.item()}
 
 
-def _best_selection_mass(weights: torch.Tensor, num_visible: torch.Tensor, positions: torch.Tensor, pool_size: int,
+def _best_selection_mass(weights: torch.Tensor, num_visible: torch.Tensor, tail: torch.Tensor, pool_size: int,
                          num_windows: int, topk: int) -> torch.Tensor:
     """Head-averaged dense attention `weights` `[batch, heads, queries, slots]` kept by the best possible selection
-    of `topk` visible complete windows of `pool_size` slots plus the tail: `[batch, queries]`."""
+    of `topk` visible complete windows of `pool_size` slots plus the `tail` slots `[batch, queries, slots]`:
+    `[batch, queries]`."""
     averaged = weights.mean(dim=1)  # [batch, queries, slots]: one selection serves every head of a query
     window_mass = averaged[..., : num_windows * pool_size].unflatten(-1, (num_windows, pool_size)).sum(-1)
     visible = torch.arange(num_windows, device=weights.device) < num_visible[..., None]
     best = window_mass.masked_fill(~visible, 0.0).topk(min(topk, num_windows), dim=-1).values.sum(-1)
-    slots = torch.arange(averaged.shape[-1], device=weights.device)
-    tail = (slots >= (num_visible * pool_size)[..., None]) & (slots <= positions[..., None])
     return best + (averaged * tail).sum(-1)

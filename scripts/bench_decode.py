@@ -254,35 +254,39 @@ def measure(setting: str, context: int, args) -> dict:
             result["roofline_bytes"] = roofline_bytes(model, cache, context)
             # The bandwidths again beside this measurement: another tenant's load moves them by tens of percent
             # between runs, and the roofline should use what the machine gave while the step was timed.
-            result["copy_bandwidth"], result["read_bandwidth"] = copy_bandwidth(args), read_bandwidth(args)
+            result["copy_bandwidth"], result["read_bandwidth"] = copy_bandwidth(), read_bandwidth()
         else:
             result["cache_bytes"] = qwen4_cache_bytes(cache)
     return result
 
 
-def copy_bandwidth(args) -> float:
-    """Bytes per second of a 512 MiB in-memory copy (read + write), median of five."""
-    torch.set_num_threads(args.threads)
-    source = torch.ones(1 << 27, dtype=torch.float32)
+def median_seconds(function, repeats: int = 5) -> float:
+    """Median wall time of `repeats` calls of `function`."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(elements: int = 1 << 27) -> float:
+    """Bytes read plus written per second by a 512 MiB in-memory copy with the current thread count, median of five."""
+    source = torch.ones(elements)
     target = torch.empty_like(source)
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        target.copy_(source)
-        samples.append(time.perf_counter() - start)
-    return 2 * source.numel() * 4 / statistics.median(samples)
+    return 2 * source.numel() * source.element_size() / median_seconds(lambda: target.copy_(source))
 
 
-def read_bandwidth(args) -> float:
+def read_bandwidth(elements: int = 1 << 27) -> float:
     """Bytes per second of a sum over 512 MiB (reads only, as most of a decode step's bytes), median of five."""
+    source = torch.ones(elements)
+    return source.numel() * source.element_size() / median_seconds(source.sum)
+
+
+def machine_copy_bandwidth(args) -> float:
+    """`copy_bandwidth` with the benchmark's thread count (run in a fresh worker process)."""
     torch.set_num_threads(args.threads)
-    source = torch.ones(1 << 27, dtype=torch.float32)
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        source.sum()
-        samples.append(time.perf_counter() - start)
-    return source.numel() * 4 / statistics.median(samples)
+    return copy_bandwidth()
 
 
 def print_table(results: list[dict], bandwidth: float) -> None:
@@ -417,7 +421,7 @@ def main(argv=None) -> dict:
         and not (setting == "dense" and length > args.dense_max_context)
     ]
     with context.Pool(1, maxtasksperchild=1) as pool:
-        bandwidth = pool.apply(copy_bandwidth, (args,))
+        bandwidth = pool.apply(machine_copy_bandwidth, (args,))
         results = []
         for setting, length in tqdm(runs, desc="bench_decode", unit="run"):
             results.append(pool.apply(measure, (setting, length, args)))

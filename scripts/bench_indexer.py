@@ -13,27 +13,11 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 
 import torch
 from tqdm import tqdm
 
-
-def median_seconds(function, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def copy_bandwidth(elements: int = 1 << 27, repeats: int = 5) -> float:
-    """Bytes read plus written per second by a large `copy_` with the current thread count."""
-    source = torch.ones(elements)
-    target = torch.empty_like(source)
-    return 2 * source.numel() * source.element_size() / median_seconds(lambda: target.copy_(source), repeats)
+from .bench_decode import copy_bandwidth, median_seconds
 
 
 def measure(windows: int, dtype: torch.dtype, args) -> dict:

@@ -5,7 +5,6 @@ import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
 
-from hybrid_indexpool.kernels.cpu_build import CACHE_VARIABLE, CompiledLibrary
 from hybrid_indexpool.kernels.decode_linear import cpu_impl, decode_linear, decode_linear_cpu, decode_linear_torch
 
 requires_kernel = pytest.mark.skipif(cpu_impl.load_library() is None,
@@ -113,12 +112,8 @@ def test_refuses_mismatched_widths():
         cpu_impl.run_linear_rows(torch.randn(1, 5), torch.randn(3, 6), None)
 
 
-def test_without_a_compiler_f_linear_runs(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_impl, "LIBRARY", CompiledLibrary("linear_rows", cpu_impl.C_SOURCE, cpu_impl._declare))
-    assert cpu_impl.load_library() is None
-    assert "no-such-compiler" in cpu_impl.library_error()
+def test_without_a_compiler_f_linear_runs(without_c_compiler):
+    without_c_compiler(cpu_impl)
     hidden_states, weight = torch.randn(1, 32), torch.randn(8, 32)
     assert torch.equal(decode_linear(hidden_states, weight), decode_linear_torch(hidden_states, weight))
 

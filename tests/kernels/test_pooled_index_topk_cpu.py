@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from hybrid_indexpool.kernels.cpu_build import CACHE_VARIABLE, CompiledLibrary
 from hybrid_indexpool.kernels.pooled_index_topk import cpu_impl, pooled_index_topk, pooled_index_topk_torch
 
 requires_kernel = pytest.mark.skipif(cpu_impl.load_library() is None,
@@ -135,12 +134,8 @@ def test_refuses_what_its_buffers_cannot_hold():
                                          torch.tensor([[10]]), 4, 1, 0, 0)
 
 
-def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_impl, "LIBRARY", CompiledLibrary("pooled_topk_windows", cpu_impl.C_SOURCE, cpu_impl._declare))
-    assert cpu_impl.load_library() is None
-    assert "no-such-compiler" in cpu_impl.library_error()
+def test_without_a_compiler_the_reference_runs(without_c_compiler):
+    without_c_compiler(cpu_impl)
     index_queries, pooled_keys = torch.randn(1, 1, 4, 32), torch.randn(1, 100, 32)
     num_visible = torch.tensor([[100]])
     assert torch.equal(pooled_index_topk(index_queries, pooled_keys, num_visible, 8),
