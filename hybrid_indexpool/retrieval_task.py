@@ -1,12 +1,15 @@
 """The passkey retrieval task: samples, and an `lm-eval` task definition over locally generated data.
 
-A sample is `context` characters of filler text with labelled needle lines `# passkey LL: DDDDD` (a two-digit label,
-five digits) inserted at line starts and asked again at the end: the model must continue `# passkey LL: ` with the
-five digits it saw after that label. An evaluation sample has one needle at a chosen relative depth; a training
-sample may have several, all asked at the end (more answers per sequence to learn from, and the label to match, not
-just the position). The same format trains and evaluates retrieval in `scripts/bench_quality.py`;
-`write_lm_eval_task` writes it as an `lm-eval` task folder, one task per context length in the group
-`hybrid_indexpool_passkey`, so that
+A sample is `context` characters of filler text with needle lines `$L12345` (the marker `$`, a one-letter label, five
+digits) inserted at line starts and asked again at the end: the model must continue `$L` with the five digits it saw
+after that label. The marker appears nowhere else (it is blanked out of the filler) and the key follows the label
+directly, so finding the needle is a one-character match, the associative recall that small models learn (as in the
+MQAR benchmark). The earlier format `# passkey LL: DDDDD` put a two-digit label four characters before the key,
+behind `: `, which code is full of; the benchmark's small model never learned it (0% even with dense attention). An
+evaluation sample has one needle at a chosen relative depth; a training sample may have several, all asked at the
+end (more answers per sequence to learn from, and the label to match, not just the position). The same format trains
+and evaluates retrieval in `scripts/bench_quality.py`; `write_lm_eval_task` writes it as an `lm-eval` task folder,
+one task per context length in the group `hybrid_indexpool_passkey`, so that
 
     lm_eval --model hf --model_args pretrained=CHECKPOINT,trust_remote_code=True \\
         --include_path TASK_FOLDER --tasks hybrid_indexpool_passkey
@@ -17,13 +20,14 @@ data is a JSON-lines file in the task folder.
 
 import json
 import random
+import string
 import sysconfig
 import zlib
 from pathlib import Path
 
 PASSKEY_DIGITS = 5
-NEEDLE = "# passkey "
-LABEL_DIGITS = 2
+NEEDLE_MARKER = "$"
+NEEDLE_LABELS = string.ascii_uppercase
 TASK_GROUP = "hybrid_indexpool_passkey"
 
 
@@ -48,9 +52,9 @@ def text_window(text: str, length: int, rng: random.Random) -> str:
     return text[start:start + length]
 
 
-def needle_line(label: int, key: str) -> str:
-    """`# passkey LL: DDDDD` (no newline)."""
-    return f"{NEEDLE}{label:0{LABEL_DIGITS}d}: {key}"
+def needle_line(label: str, key: str) -> str:
+    """`$L12345`: the marker, a one-letter label and the key (no newline)."""
+    return f"{NEEDLE_MARKER}{label}{key}"
 
 
 def passkey_sample(text: str, context: int, rng: random.Random, depth: float | None = None,
@@ -59,9 +63,9 @@ def passkey_sample(text: str, context: int, rng: random.Random, depth: float | N
     question line per needle (in random order) repeating it; the last question's digits are the sample's last
     characters. The last-asked needle goes at relative `depth` (random when None), the others anywhere. Returns the
     sample and that needle's actual relative depth (it is inserted at the next line start)."""
-    if not 1 <= needles <= 10**LABEL_DIGITS:
-        raise ValueError(f"needles must be between 1 and {10**LABEL_DIGITS}, not {needles}.")
-    labels = rng.sample(range(10**LABEL_DIGITS), needles)
+    if not 1 <= needles <= len(NEEDLE_LABELS):
+        raise ValueError(f"needles must be between 1 and {len(NEEDLE_LABELS)} (one per label letter), not {needles}.")
+    labels = rng.sample(NEEDLE_LABELS, needles)
     lines = [needle_line(label, f"{rng.randrange(10 ** PASSKEY_DIGITS):0{PASSKEY_DIGITS}d}") for label in labels]
     asked = list(range(needles))
     rng.shuffle(asked)
@@ -70,7 +74,8 @@ def passkey_sample(text: str, context: int, rng: random.Random, depth: float | N
     if filler_length < 1:
         raise ValueError(f"{needles} needles and their questions take {context - filler_length} characters; a sample "
                          f"of {context} cannot hold them. Use fewer needles or a longer context.")
-    filler = text_window(text, filler_length, rng)
+    # The marker only ever starts a needle or a question.
+    filler = text_window(text, filler_length, rng).replace(NEEDLE_MARKER, " ")
     depths = [rng.random() for _ in lines]
     if depth is not None:
         depths[asked[-1]] = depth
@@ -88,7 +93,7 @@ def passkey_sample(text: str, context: int, rng: random.Random, depth: float | N
 
 def passkey_documents(text: str, contexts: list[int], samples: int, seed: int) -> list[dict]:
     """`samples` documents per context, needle depths spread evenly over [0, 1): each has `prompt` (the sample up to
-    and including the question's `# passkey LL: `), `passkey`, `context` and `depth`."""
+    and including the question's `$L`), `passkey`, `context` and `depth`."""
     rng = random.Random(seed)
     documents = []
     for context in contexts:
@@ -127,7 +132,7 @@ def write_lm_eval_task(output_dir, text: str, contexts: list[int], samples: int,
         raise FileExistsError(f"{output_dir} already exists; choose a new folder for the task (nothing was written).")
     if not contexts or samples < 1:
         raise ValueError("Give at least one context length and one sample per context.")
-    shortest = 2 * (len(needle_line(0, "0" * PASSKEY_DIGITS)) + 1) + 1
+    shortest = 2 * (len(needle_line("A", "0" * PASSKEY_DIGITS)) + 1) + 1
     if min(contexts) < shortest:
         raise ValueError(f"Context lengths must be at least {shortest} characters (the needle and the question).")
     documents = passkey_documents(text, contexts, samples, seed)

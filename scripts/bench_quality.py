@@ -6,9 +6,12 @@ file, non-ASCII characters replaced by `?`), split by file: a file is held out w
 is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
 
 1. Train a small hybrid model (Gated DeltaNet and IndexPool layers alternating) with dense attention (budget >= the
-   context) on random windows of the training files, a fraction of them turned into passkey samples: 1 to
-   `--max-needles` labelled lines `# passkey 37: 12345` inserted at random depths and all asked again at the end
-   (`hybrid_indexpool.retrieval_task`), so that retrieval has enough answers to be learned.
+   context). First the recall curriculum (`--recall-steps`): short passkey lists (64 characters: three needle lines
+   `$K12345` and their questions, `hybrid_indexpool.retrieval_task`), then half as many steps of 128-character
+   passkey samples with 1 to 7 needles, at a constant learning rate: the model learns to look a label up while the
+   sequences are short (associative recall forms in a few hundred steps there; at the full context, between code,
+   it did not form in 1,500). Then random windows of the training files at the full context, a fraction of them
+   turned into passkey samples with 1 to `--max-needles` needles at random depths, all asked again at the end.
 2. From those weights, build each indexer (learned r = 4, mean r = 4, mean r = 1) with the sparse budget, measure it
    untrained (as a conversion leaves it: does the model collapse past the budget?), and run the
    same number of dense warm-up steps on each (DeepSeek-V3.2 stage 1: only the indexer trains, KL to the dense
@@ -43,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from hybrid_indexpool.retrieval_task import PASSKEY_DIGITS, needle_line, passkey_sample, stdlib_texts, text_window
+from hybrid_indexpool.retrieval_task import NEEDLE_LABELS, PASSKEY_DIGITS, needle_line, passkey_sample, stdlib_texts, text_window
 
 SETTINGS = ("learned_r4", "learned_scalar_r4", "prenorm_mean_r4", "mean_r4", "unpooled_r1", "dense")
 LABELS = {"learned_r4": "learned pooling r=4", "learned_scalar_r4": "learned scalar pooling r=4",
@@ -53,14 +56,16 @@ LABELS = {"learned_r4": "learned pooling r=4", "learned_scalar_r4": "learned sca
 POOLING = {"learned_r4": (4, "learned"), "learned_scalar_r4": (4, "learned_scalar"),
            "prenorm_mean_r4": (4, "prenorm_mean"), "mean_r4": (4, "mean"), "unpooled_r1": (1, "mean"),
            "dense": (4, "learned")}
+# The recall curriculum: (context, share of --recall-steps, lists only); the batches are twice --batch-size.
+RECALL_STAGES = ((64, 1.0, True), (128, 0.5, False))
 # Needle depth quarters that passkey accuracy is reported for.
 DEPTH_BINS = 4
 # Sizes of the full run and of `--quick` (any of them can be set on the command line).
 PRESETS = {
-    "full": dict(context=512, budget=64, hidden_size=128, layers=4, batch_size=8, train_steps=600, warmup_steps=100,
-                 sparse_steps=100, eval_blocks=32, passkey_samples=64),
-    "quick": dict(context=256, budget=32, hidden_size=64, layers=4, batch_size=8, train_steps=150, warmup_steps=30,
-                  sparse_steps=20, eval_blocks=16, passkey_samples=32),
+    "full": dict(context=512, budget=64, hidden_size=128, layers=4, batch_size=8, recall_steps=800, train_steps=600,
+                 warmup_steps=100, sparse_steps=100, eval_blocks=32, passkey_samples=64),
+    "quick": dict(context=256, budget=32, hidden_size=64, layers=4, batch_size=8, recall_steps=100, train_steps=150,
+                  warmup_steps=30, sparse_steps=20, eval_blocks=16, passkey_samples=32),
 }
 
 
@@ -69,7 +74,7 @@ def training_samples(text: str, count: int, context: int, passkey_fraction: floa
     """Windows of `text`, a `passkey_fraction` of them passkey samples with 1 to `max_needles` needles, or, for a
     `list_fraction` of those, as many needles as the context holds (a list of keys to recall, little filler)."""
     rng = random.Random(seed)
-    most = (context - 1) // (2 * (len(needle_line(0, "0" * PASSKEY_DIGITS)) + 1))
+    most = min(len(NEEDLE_LABELS), (context - 1) // (2 * (len(needle_line("A", "0" * PASSKEY_DIGITS)) + 1)))
     samples = []
     for _ in range(count):
         if rng.random() >= passkey_fraction:
@@ -109,15 +114,32 @@ def model_config(setting: str, args, tokenizer):
     )
 
 
-def trainer_arguments(output_dir: str, steps: int, learning_rate: float, args):
+def trainer_arguments(output_dir: str, steps: int, learning_rate: float, args, batch_size: int | None = None,
+                      schedule: str = "cosine"):
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=args.batch_size,
-        learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10),
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size or args.batch_size,
+        learning_rate=learning_rate, lr_scheduler_type=schedule, warmup_steps=max(1, steps // 10),
         logging_steps=max(1, steps // 20), save_strategy="no", report_to="none", use_cpu=True, seed=args.seed,
         dataloader_num_workers=0,
     )
+
+
+@torch.no_grad()
+def passkey_digits_right(model, passkeys: torch.Tensor, args) -> torch.Tensor:
+    """[samples, digits]: whether the greedy (teacher-forced) prediction of each passkey digit is right."""
+    model.eval()
+    rights = []
+    for batch in passkeys.split(args.eval_batch_size):
+        logits = model(batch, use_cache=False).logits
+        rights.append(logits[:, -PASSKEY_DIGITS - 1:-1].argmax(-1) == batch[:, -PASSKEY_DIGITS:])
+    return torch.cat(rights)
+
+
+def passkey_accuracy(model, passkeys: torch.Tensor, args) -> float:
+    """The fraction of passkey samples with every digit right."""
+    return float(passkey_digits_right(model, passkeys, args).all(dim=-1).float().mean())
 
 
 @torch.no_grad()
@@ -139,11 +161,7 @@ def evaluate(model, blocks: torch.Tensor, passkeys: torch.Tensor, args) -> dict:
         masses.append(mass["mass"])
         oracle_masses.append(mass["oracle_mass"])
         kls.append(mass["dense_kl"])
-    rights = []
-    for batch in passkeys.split(args.eval_batch_size):
-        logits = model(batch, use_cache=False).logits
-        rights.append(logits[:, -PASSKEY_DIGITS - 1:-1].argmax(-1) == batch[:, -PASSKEY_DIGITS:])
-    right = torch.cat(rights)  # [samples, digits]; the samples' needle depths rise evenly over [0, 1)
+    right = passkey_digits_right(model, passkeys, args)  # [samples, digits]; needle depths rise evenly over [0, 1)
     correct = right.all(dim=-1).float()
     tokens = blocks.shape[0] * (args.context - 1)
     return {
@@ -193,6 +211,16 @@ def run(args) -> dict:
         training_samples(train_text, args.sparse_steps * args.batch_size, args.context, args.passkey_fraction,
                          args.max_needles, args.list_fraction, args.seed + 3),
         tokenizer, args.context) if args.sparse_steps else None
+    # Built before the base data: adding them leaves the base, warm-up and sparse samples as they were.
+    recall_stages = []
+    for index, (context, share, lists) in enumerate(RECALL_STAGES):
+        steps = int(args.recall_steps * share)
+        if context >= args.context or steps == 0:
+            continue
+        most = min(len(NEEDLE_LABELS), (context - 1) // (2 * (len(needle_line("A", "0" * PASSKEY_DIGITS)) + 1)))
+        samples = training_samples(train_text, steps * 2 * args.batch_size, context, 1.0, most, 1.0 if lists else 0.0,
+                                   args.seed + 10 + index)
+        recall_stages.append((context, steps, token_dataset(samples, tokenizer, context)))
     rng = random.Random(args.seed + 2)
     # `split_special_tokens`: the source holds strings such as "<s>", which are text here, not special tokens.
     blocks = torch.tensor(tokenizer([text_window(held_out_text, args.context, rng) for _ in range(args.eval_blocks)],
@@ -209,6 +237,18 @@ def run(args) -> dict:
               "tokens", flush=True)
         torch.manual_seed(args.seed)
         base = HybridIndexPoolForCausalLM(model_config("dense", args, tokenizer))
+        recall_accuracy = None
+        if recall_stages:
+            for stage, (context, steps, data) in enumerate(recall_stages):
+                print(f"  recall curriculum {stage + 1}/{len(recall_stages)}: {steps} steps of "
+                      f"{2 * args.batch_size} x {context} tokens", flush=True)
+                Trainer(model=base, args=trainer_arguments(scratch, steps, args.recall_learning_rate, args,
+                                                           batch_size=2 * args.batch_size,
+                                                           schedule="constant_with_warmup"),
+                        train_dataset=data, data_collator=collator).train()
+            recall_accuracy = passkey_accuracy(base, passkeys, args)
+            print(f"  passkey accuracy at {args.context} tokens after the recall curriculum: {recall_accuracy:.1%}",
+                  flush=True)
         trainer = Trainer(model=base, args=trainer_arguments(scratch, args.train_steps, args.learning_rate, args),
                           train_dataset=base_data, data_collator=collator)
         trainer.train()
@@ -267,7 +307,8 @@ def run(args) -> dict:
         "settings": {**vars(args), "train_files": train_files, "held_out_files": held_out_files,
                      "train_chars": len(train_text), "held_out_chars": len(held_out_text),
                      "passkey_depths": [round(depth, 3) for depth in depths]},
-        "base_training": {"losses": base_losses, "seconds": round(base_seconds, 1)},
+        "base_training": {"losses": base_losses, "seconds": round(base_seconds, 1),
+                          "passkey_accuracy_after_recall_curriculum": recall_accuracy},
         "results_fresh": [fresh_results[setting] for setting in args.settings if setting != "dense"],
         "results": [results[setting] for setting in args.settings],
         "warmup_kl": warmup_curves,
@@ -297,6 +338,10 @@ def format_table(report: dict) -> str:
         f"{settings['held_out_files']} held-out files ({settings['held_out_chars']:,} chars)",
         f"model: {settings['layers']} layers (Gated DeltaNet / IndexPool alternating), hidden "
         f"{settings['hidden_size']}, byte-level; context {settings['context']}, budget {settings['budget']} tokens; "
+        + (f"recall curriculum {settings['recall_steps']} + {settings['recall_steps'] // 2} steps x "
+           f"{2 * settings['batch_size']} (passkey accuracy after it "
+           f"{report['base_training']['passkey_accuracy_after_recall_curriculum']:.0%}); "
+           if report["base_training"].get("passkey_accuracy_after_recall_curriculum") is not None else "") +
         f"base {settings['train_steps']} steps x {settings['batch_size']} (final loss "
         f"{report['base_training']['losses'][-1]:.3f}, {report['base_training']['seconds']:.0f} s); "
         f"warm-up {settings['warmup_steps']} steps per indexer; "
@@ -376,6 +421,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                             ("hidden-size", "Model width."),
                             ("layers", "Layers, Gated DeltaNet and IndexPool alternating."),
                             ("batch-size", "Sequences per training step."),
+                            ("recall-steps", "Steps of the recall curriculum before the base training (64-character "
+                                             "lists, then half as many at 128 characters); 0 skips it."),
                             ("train-steps", "Training steps of the dense base model."),
                             ("warmup-steps", "Dense warm-up steps of each indexer."),
                             ("sparse-steps", "Sparse-stage steps after the warm-up (dense: as many language-model "
@@ -398,7 +445,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-needles", type=int, default=None,
                         help="A training passkey sample has 1 to this many labelled needles, all asked at its end "
                              "(evaluation samples have one). Default: 6, or as many as fit in half the context.")
-    parser.add_argument("--learning-rate", type=float, default=2e-3, help="Of the base model.")
+    parser.add_argument("--learning-rate", type=float, default=5e-4, help="Of the base model.")
+    parser.add_argument("--recall-learning-rate", type=float, default=5e-4,
+                        help="Of the recall curriculum (constant after a warm-up; associative recall did not form at "
+                             "1e-3 or 2e-3).")
     parser.add_argument("--warmup-learning-rate", type=float, default=2e-3, help="Of the indexer warm-up.")
     parser.add_argument("--sparse-learning-rate", type=float, default=5e-4,
                         help="Of the sparse stage (all parameters) and of dense's matching language-model steps.")
@@ -438,15 +488,18 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     if "dense" not in args.settings:
         parser.error(f"--settings must include dense: every other setting is compared with it (add ',dense' to "
                      f"{','.join(args.settings)}).")
-    needle_characters = 2 * (len(needle_line(0, "0" * PASSKEY_DIGITS)) + 1)  # the line and its question
+    needle_characters = 2 * (len(needle_line("A", "0" * PASSKEY_DIGITS)) + 1)  # the line and its question
     if args.max_needles is None:
         args.max_needles = max(1, min(6, args.context // 2 // needle_characters))
-    if not 1 <= args.max_needles <= 100:
-        parser.error(f"--max-needles {args.max_needles} must lie between 1 and 100 (two-digit labels).")
+    if not 1 <= args.max_needles <= len(NEEDLE_LABELS):
+        parser.error(f"--max-needles {args.max_needles} must lie between 1 and {len(NEEDLE_LABELS)} (one-letter "
+                     "labels).")
     if args.max_needles * needle_characters > args.context // 2:
         parser.error(f"--max-needles {args.max_needles} needles take {args.max_needles * needle_characters} "
                      f"characters, more than half of --context {args.context}; use at most "
                      f"{max(1, args.context // 2 // needle_characters)}.")
+    if args.recall_steps < 0:
+        parser.error(f"--recall-steps {args.recall_steps} must not be negative (0 skips the recall curriculum).")
     if args.sparse_steps < 0:
         parser.error(f"--sparse-steps {args.sparse_steps} must not be negative (0 skips the sparse stage).")
     return args

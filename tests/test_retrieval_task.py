@@ -21,8 +21,15 @@ FILLER = "".join(f"value_{index} = compute({index}, other)\n" for index in range
 def test_passkey_samples_have_the_context_length_and_end_with_the_key():
     sample, depth = passkey_sample(FILLER, 200, random.Random(0))
     question = sample.rsplit("\n", 1)[1]
-    assert len(sample) == 200 and re.fullmatch(r"# passkey \d\d: \d{5}", question)
+    assert len(sample) == 200 and re.fullmatch(r"\$[A-Z]\d{5}", question)
     assert sample.count(question) == 2 and 0 <= depth <= 1
+
+
+def test_the_needle_marker_only_starts_needles_and_questions():
+    filler = "".join(f"price_{index} = '${index}.00'  # $HOME\n" for index in range(400))
+    sample, _ = passkey_sample(filler, 600, random.Random(1), needles=4)
+    lines = [line for line in sample.split("\n") if "$" in line]
+    assert len(lines) == 8 and all(re.fullmatch(r"\$[A-Z]\d{5}", line) for line in lines)
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.5, 0.99])
@@ -30,12 +37,12 @@ def test_training_samples_ask_every_needle_and_the_last_one_sits_at_the_depth(de
     sample, actual = passkey_sample(FILLER, 400, random.Random(3), depth=depth, needles=6)
     lines = sample.split("\n")
     questions = lines[-6:]
-    assert len(sample) == 400 and len({line[:len("# passkey 00")] for line in questions}) == 6
+    assert len(sample) == 400 and len({line[:2] for line in questions}) == 6
     body = "\n".join(lines[:-6])
     for question in questions:  # each needle once in the text before the questions
-        assert re.fullmatch(r"# passkey \d\d: \d{5}", question) and body.count(question) == 1
+        assert re.fullmatch(r"\$[A-Z]\d{5}", question) and body.count(question) == 1
     assert abs(body.index(questions[-1]) / len(body) - depth) < 0.15 and abs(actual - depth) < 0.15
-    with pytest.raises(ValueError, match="needles must be between 1 and 100"):
+    with pytest.raises(ValueError, match="needles must be between 1 and 26"):
         passkey_sample(FILLER, 400, random.Random(3), needles=0)
 
 
@@ -45,7 +52,7 @@ def test_documents_spread_the_needle_over_the_context_and_hold_the_answer():
     for document in documents:
         assert len(document["prompt"]) + PASSKEY_DIGITS == document["context"]
         question = document["prompt"].rsplit("\n", 1)[1]
-        assert re.fullmatch(r"# passkey \d\d: ", question) and document["passkey"].isdigit()
+        assert re.fullmatch(r"\$[A-Z]", question) and document["passkey"].isdigit()
         assert f"{question}{document['passkey']}\n" in document["prompt"]
     depths = [document["depth"] for document in documents[:5]]
     assert depths == sorted(depths) and depths[0] < 0.2 and depths[-1] > 0.7
@@ -56,7 +63,7 @@ def test_the_task_folder_is_refused_when_it_exists_and_sizes_are_checked(tmp_pat
     with pytest.raises(FileExistsError, match="already exists"):
         write_lm_eval_task(tmp_path / "task", FILLER, [300], 2)
     with pytest.raises(ValueError, match="at least"):
-        write_lm_eval_task(tmp_path / "other", FILLER, [20], 2)
+        write_lm_eval_task(tmp_path / "other", FILLER, [10], 2)
     assert not (tmp_path / "other").exists()
 
 

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 TINY = ["--context", "128", "--budget", "16", "--hidden-size", "32", "--layers", "2", "--batch-size", "2",
         "--train-steps", "4", "--warmup-steps", "3", "--sparse-steps", "2", "--eval-blocks", "2",
-        "--passkey-samples", "4"]
+        "--passkey-samples", "4", "--recall-steps", "4"]
 
 
 def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_path, capsys):
@@ -33,6 +33,9 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
         assert row["attention_mass"] <= row["best_selection_mass"] + 1e-6 < 1.0  # the bound of any indexer
         assert len(written["warmup_kl"][setting]) == 3 and row["warmup_kl_first"] > 0
     assert (tmp_path / "q.png").stat().st_size > 0
+    # The recall curriculum ran (its 64-character stage; 128 is the full context here) and was measured.
+    assert 0.0 <= written["base_training"]["passkey_accuracy_after_recall_curriculum"] <= 1.0
+    assert "recall curriculum 4 + 2 steps x 4" in printed
     # Each untrained indexer is measured before its warm-up, against the same dense base.
     assert "| learned pooling r=4 | untrained indexer |" in printed
     fresh = {row["setting"]: row for row in written["results_fresh"]}
@@ -56,11 +59,13 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
     (["--budget", "18"], "multiple of 4"),
     (["--context", "24"], "at least twice --budget"),
     (["--passkey-fraction", "1.5"], "between 0 and 1"),
+    (["--recall-steps", "-1"], "must not be negative"),
     (["--sink-windows", "3", "--local-windows", "2"], "fit in the r=4 budget of 4 windows"),
     (["--settings", "mean_r4"], "must include dense"),
     (["--settings", "median_r4,dense"], "not ['median_r4']"),
-    (["--max-needles", "0"], "between 1 and 100"),
-    (["--max-needles", "2"], "more than half of --context 128"),
+    (["--max-needles", "0"], "between 1 and 26"),
+    (["--max-needles", "27"], "between 1 and 26"),
+    (["--max-needles", "5"], "more than half of --context 128"),
     (["--list-fraction", "-0.1"], "between 0 and 1"),
 ])
 def test_bad_sizes_are_refused(extra, message, capsys):
@@ -81,13 +86,13 @@ def test_sink_and_local_windows_reach_the_sparse_settings_only():
 
 def test_a_subset_of_the_settings_can_be_chosen():
     args = bench_quality.parse_arguments(TINY + ["--settings", "prenorm_mean_r4,dense"])
-    assert args.settings == ["prenorm_mean_r4", "dense"] and args.max_needles == 1  # what fits in 64 characters
+    assert args.settings == ["prenorm_mean_r4", "dense"] and args.max_needles == 4  # what fits in 64 characters
 
 
 def test_list_samples_hold_as_many_needles_as_fit_and_every_sample_the_context():
     text = "".join(f"value_{index} = compute({index}, other)\n" for index in range(3000))
     samples = bench_quality.training_samples(text, 40, 512, passkey_fraction=1.0, max_needles=3, list_fraction=0.5,
                                              seed=0)
-    needles = [sample.count("# passkey ") // 2 for sample in samples]
+    needles = [sample.count("$") // 2 for sample in samples]
     assert {len(sample) for sample in samples} == {512}
-    assert set(needles) <= {1, 2, 3, 12} and 12 in needles and min(needles) <= 3
+    assert set(needles) <= {1, 2, 3, 26} and 26 in needles and min(needles) <= 3  # 26: one per label letter
