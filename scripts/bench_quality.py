@@ -6,7 +6,7 @@ file, non-ASCII characters replaced by `?`), split by file: a file is held out w
 is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
 
 1. Train a small hybrid model (Gated DeltaNet and IndexPool layers alternating) with dense attention (budget >= the
-   context). First the recall curriculum (`--recall-steps`): short passkey lists (64 characters: three needle lines
+   context). First the recall curriculum (`--recall-steps`): pure passkey lists (49 characters: three needle lines
    `$K12345` and their questions, `hybrid_indexpool.retrieval_task`), then half as many steps of 128-character
    passkey samples with 1 to 7 needles, at a constant learning rate: the model learns to look a label up while the
    sequences are short (associative recall forms in a few hundred steps there; at the full context, between code,
@@ -56,8 +56,10 @@ LABELS = {"learned_r4": "learned pooling r=4", "learned_scalar_r4": "learned sca
 POOLING = {"learned_r4": (4, "learned"), "learned_scalar_r4": (4, "learned_scalar"),
            "prenorm_mean_r4": (4, "prenorm_mean"), "mean_r4": (4, "mean"), "unpooled_r1": (1, "mean"),
            "dense": (4, "learned")}
-# The recall curriculum: (context, share of --recall-steps, lists only); the batches are twice --batch-size.
-RECALL_STAGES = ((64, 1.0, True), (128, 0.5, False))
+# The recall curriculum: (context, share of --recall-steps, lists only); the batches are twice --batch-size. 49
+# characters hold three needle lines and their questions with one character to spare: pure recall, no filler (with
+# 10-16 characters of code between the needles the lookup did not form within 500 steps).
+RECALL_STAGES = ((49, 1.0, True), (128, 0.5, False))
 # Needle depth quarters that passkey accuracy is reported for.
 DEPTH_BINS = 4
 # Sizes of the full run and of `--quick` (any of them can be set on the command line).
@@ -421,7 +423,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                             ("hidden-size", "Model width."),
                             ("layers", "Layers, Gated DeltaNet and IndexPool alternating."),
                             ("batch-size", "Sequences per training step."),
-                            ("recall-steps", "Steps of the recall curriculum before the base training (64-character "
+                            ("recall-steps", "Steps of the recall curriculum before the base training (49-character "
                                              "lists, then half as many at 128 characters); 0 skips it."),
                             ("train-steps", "Training steps of the dense base model."),
                             ("warmup-steps", "Dense warm-up steps of each indexer."),

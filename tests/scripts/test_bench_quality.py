@@ -33,7 +33,7 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
         assert row["attention_mass"] <= row["best_selection_mass"] + 1e-6 < 1.0  # the bound of any indexer
         assert len(written["warmup_kl"][setting]) == 3 and row["warmup_kl_first"] > 0
     assert (tmp_path / "q.png").stat().st_size > 0
-    # The recall curriculum ran (its 64-character stage; 128 is the full context here) and was measured.
+    # The recall curriculum ran (its 49-character stage; 128 is the full context here) and was measured.
     assert 0.0 <= written["base_training"]["passkey_accuracy_after_recall_curriculum"] <= 1.0
     assert "recall curriculum 4 + 2 steps x 4" in printed
     # Each untrained indexer is measured before its warm-up, against the same dense base.
