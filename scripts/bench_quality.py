@@ -213,7 +213,7 @@ def run(args) -> dict:
         training_samples(train_text, args.sparse_steps * args.batch_size, args.context, args.passkey_fraction,
                          args.max_needles, args.list_fraction, args.seed + 3),
         tokenizer, args.context) if args.sparse_steps else None
-    # Built before the base data: adding them leaves the base, warm-up and sparse samples as they were.
+    # The recall curriculum's samples have seeds of their own: the base, warm-up and sparse samples stay as they were.
     recall_stages = []
     for index, (context, share, lists) in enumerate(RECALL_STAGES):
         steps = int(args.recall_steps * share)
