@@ -57,6 +57,16 @@ def needle_line(label: str, key: str) -> str:
     return f"{NEEDLE_MARKER}{label}{key}"
 
 
+# Characters one needle takes in a sample: its line and its question, each with a newline.
+NEEDLE_AND_QUESTION_CHARACTERS = 2 * (len(needle_line(NEEDLE_LABELS[0], "0" * PASSKEY_DIGITS)) + 1)
+
+
+def needles_that_fit(context: int) -> int:
+    """How many needles, with their questions, a sample of `context` characters holds (at least one filler
+    character left), at most one per label letter."""
+    return min(len(NEEDLE_LABELS), (context - 1) // NEEDLE_AND_QUESTION_CHARACTERS)
+
+
 def passkey_sample(text: str, context: int, rng: random.Random, depth: float | None = None,
                    needles: int = 1) -> tuple[str, float]:
     """`context` characters of `text` with `needles` labelled needle lines at line starts and, at the end, one
@@ -132,9 +142,9 @@ def write_lm_eval_task(output_dir, text: str, contexts: list[int], samples: int,
         raise FileExistsError(f"{output_dir} already exists; choose a new folder for the task (nothing was written).")
     if not contexts or samples < 1:
         raise ValueError("Give at least one context length and one sample per context.")
-    shortest = 2 * (len(needle_line("A", "0" * PASSKEY_DIGITS)) + 1) + 1
-    if min(contexts) < shortest:
-        raise ValueError(f"Context lengths must be at least {shortest} characters (the needle and the question).")
+    if needles_that_fit(min(contexts)) < 1:
+        raise ValueError(f"Context lengths must be at least {NEEDLE_AND_QUESTION_CHARACTERS + 1} characters (the "
+                         "needle and the question).")
     documents = passkey_documents(text, contexts, samples, seed)
     output_dir.mkdir(parents=True)
     names = []

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from hybrid_indexpool.retrieval_task import NEEDLE_LABELS, PASSKEY_DIGITS, needle_line, passkey_sample, stdlib_texts, text_window
+from hybrid_indexpool.retrieval_task import (NEEDLE_AND_QUESTION_CHARACTERS, NEEDLE_LABELS, PASSKEY_DIGITS,
+                                             needles_that_fit, passkey_sample, stdlib_texts, text_window)
 
 SETTINGS = ("learned_r4", "learned_scalar_r4", "prenorm_mean_r4", "mean_r4", "unpooled_r1", "dense")
 LABELS = {"learned_r4": "learned pooling r=4", "learned_scalar_r4": "learned scalar pooling r=4",
@@ -76,7 +77,7 @@ def training_samples(text: str, count: int, context: int, passkey_fraction: floa
     """Windows of `text`, a `passkey_fraction` of them passkey samples with 1 to `max_needles` needles, or, for a
     `list_fraction` of those, as many needles as the context holds (a list of keys to recall, little filler)."""
     rng = random.Random(seed)
-    most = min(len(NEEDLE_LABELS), (context - 1) // (2 * (len(needle_line("A", "0" * PASSKEY_DIGITS)) + 1)))
+    most = needles_that_fit(context)
     samples = []
     for _ in range(count):
         if rng.random() >= passkey_fraction:
@@ -219,9 +220,8 @@ def run(args) -> dict:
         steps = int(args.recall_steps * share)
         if context >= args.context or steps == 0:
             continue
-        most = min(len(NEEDLE_LABELS), (context - 1) // (2 * (len(needle_line("A", "0" * PASSKEY_DIGITS)) + 1)))
-        samples = training_samples(train_text, steps * 2 * args.batch_size, context, 1.0, most, 1.0 if lists else 0.0,
-                                   args.seed + 10 + index)
+        samples = training_samples(train_text, steps * 2 * args.batch_size, context, 1.0, needles_that_fit(context),
+                                   1.0 if lists else 0.0, args.seed + 10 + index)
         recall_stages.append((context, steps, token_dataset(samples, tokenizer, context)))
     rng = random.Random(args.seed + 2)
     # `split_special_tokens`: the source holds strings such as "<s>", which are text here, not special tokens.
@@ -239,7 +239,7 @@ def run(args) -> dict:
               "tokens", flush=True)
         torch.manual_seed(args.seed)
         base = HybridIndexPoolForCausalLM(model_config("dense", args, tokenizer))
-        recall_accuracy = None
+        recall_accuracy = None  # no curriculum ran
         if recall_stages:
             for stage, (context, steps, data) in enumerate(recall_stages):
                 print(f"  recall curriculum {stage + 1}/{len(recall_stages)}: {steps} steps of "
@@ -310,6 +310,8 @@ def run(args) -> dict:
                      "train_chars": len(train_text), "held_out_chars": len(held_out_text),
                      "passkey_depths": [round(depth, 3) for depth in depths]},
         "base_training": {"losses": base_losses, "seconds": round(base_seconds, 1),
+                          "recall_curriculum": [{"context": context, "steps": steps, "batch_size": 2 * args.batch_size}
+                                                for context, steps, _ in recall_stages],
                           "passkey_accuracy_after_recall_curriculum": recall_accuracy},
         "results_fresh": [fresh_results[setting] for setting in args.settings if setting != "dense"],
         "results": [results[setting] for setting in args.settings],
@@ -328,6 +330,14 @@ def machine() -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def recall_curriculum_text(base_training: dict) -> str:
+    """The recall stages that ran, e.g. `recall curriculum 800 x 16 x 49 + 400 x 16 x 128 tokens (...)`."""
+    stages = " + ".join(f"{stage['steps']} x {stage['batch_size']} x {stage['context']}"
+                        for stage in base_training["recall_curriculum"])
+    return (f"recall curriculum {stages} tokens (passkey accuracy after it "
+            f"{base_training['passkey_accuracy_after_recall_curriculum']:.0%}); ")
+
+
 def format_table(report: dict) -> str:
     """The machine, the settings and a Markdown table of the results."""
     settings, machine_info = report["settings"], report["machine"]
@@ -340,10 +350,7 @@ def format_table(report: dict) -> str:
         f"{settings['held_out_files']} held-out files ({settings['held_out_chars']:,} chars)",
         f"model: {settings['layers']} layers (Gated DeltaNet / IndexPool alternating), hidden "
         f"{settings['hidden_size']}, byte-level; context {settings['context']}, budget {settings['budget']} tokens; "
-        + (f"recall curriculum {settings['recall_steps']} + {settings['recall_steps'] // 2} steps x "
-           f"{2 * settings['batch_size']} (passkey accuracy after it "
-           f"{report['base_training']['passkey_accuracy_after_recall_curriculum']:.0%}); "
-           if report["base_training"].get("passkey_accuracy_after_recall_curriculum") is not None else "") +
+        + (recall_curriculum_text(report["base_training"]) if report["base_training"].get("recall_curriculum") else "") +
         f"base {settings['train_steps']} steps x {settings['batch_size']} (final loss "
         f"{report['base_training']['losses'][-1]:.3f}, {report['base_training']['seconds']:.0f} s); "
         f"warm-up {settings['warmup_steps']} steps per indexer; "
@@ -490,7 +497,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     if "dense" not in args.settings:
         parser.error(f"--settings must include dense: every other setting is compared with it (add ',dense' to "
                      f"{','.join(args.settings)}).")
-    needle_characters = 2 * (len(needle_line("A", "0" * PASSKEY_DIGITS)) + 1)  # the line and its question
+    needle_characters = NEEDLE_AND_QUESTION_CHARACTERS
     if args.max_needles is None:
         args.max_needles = max(1, min(6, args.context // 2 // needle_characters))
     if not 1 <= args.max_needles <= len(NEEDLE_LABELS):

@@ -35,7 +35,8 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
     assert (tmp_path / "q.png").stat().st_size > 0
     # The recall curriculum ran (its 49-character stage; 128 is the full context here) and was measured.
     assert 0.0 <= written["base_training"]["passkey_accuracy_after_recall_curriculum"] <= 1.0
-    assert "recall curriculum 4 + 2 steps x 4" in printed
+    assert "recall curriculum 4 x 4 x 49 tokens" in printed
+    assert written["base_training"]["recall_curriculum"] == [{"context": 49, "steps": 4, "batch_size": 4}]
     # Each untrained indexer is measured before its warm-up, against the same dense base.
     assert "| learned pooling r=4 | untrained indexer |" in printed
     fresh = {row["setting"]: row for row in written["results_fresh"]}
