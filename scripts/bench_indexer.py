@@ -31,7 +31,7 @@ def measure(windows: int, dtype: torch.dtype, args) -> dict:
     visible = torch.tensor([[windows]])
     topk = args.topk_windows
     if not cpu_impl.fused_topk_applies(args.index_heads, keys):
-        raise RuntimeError(f"The CPU kernel does not serve this step ({cpu_impl.library_error() or 'backend forced'}).")
+        raise RuntimeError(f"The CPU kernel does not serve this step ({cpu_impl.KERNEL.error or 'turned off or backend forced'}).")
     kernel = median_seconds(lambda: pooled_index_topk(query, keys, visible, topk, head_weights), args.repeats)
     reference = median_seconds(lambda: pooled_index_topk_torch(query, keys, visible, topk, head_weights),
                                args.repeats)

@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -7,6 +10,12 @@ import torch
 # imported (Triton reads it when the kernels are decorated), hence here, before the tests import the package.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The CPU kernels are built into a folder of this test session (subprocesses inherit it), not the user's cache.
+if "HYBRID_INDEXPOOL_CACHE" not in os.environ:
+    _kernel_cache = tempfile.mkdtemp(prefix="hybrid_indexpool_test_kernels_")
+    os.environ["HYBRID_INDEXPOOL_CACHE"] = _kernel_cache
+    atexit.register(shutil.rmtree, _kernel_cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -20,14 +29,14 @@ def _deterministic():
 def without_c_compiler(monkeypatch, tmp_path):
     """`without_c_compiler(cpu_impl)`: that CPU kernel module rebuilds its library from an empty cache with a C
     compiler that does not exist, so it must fall back; asserts the build failed and says why."""
-    from hybrid_indexpool.kernels.cpu_build import CACHE_VARIABLE, CompiledLibrary
+    from hybrid_indexpool.kernels.cpu_build import CACHE_VARIABLE, CpuKernel
 
     def disable(cpu_impl):
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
         monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
-        library = cpu_impl.LIBRARY
-        monkeypatch.setattr(cpu_impl, "LIBRARY", CompiledLibrary(library.name, library.source, library.declare))
-        assert cpu_impl.load_library() is None
-        assert "no-such-compiler" in cpu_impl.library_error()
+        kernel = cpu_impl.KERNEL
+        monkeypatch.setattr(cpu_impl, "KERNEL", CpuKernel(kernel.name, kernel.source, kernel.declare, kernel.defines))
+        assert cpu_impl.KERNEL.load() is None
+        assert "no-such-compiler" in cpu_impl.KERNEL.error
 
     return disable

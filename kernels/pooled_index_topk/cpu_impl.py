@@ -9,21 +9,22 @@ below the memory bandwidth and each pass adds a read and a write of the scores. 
 per window, with the key row in L1 while every head reads it, and offers the reference's int64 selection key to a
 running top-k of its range of windows; the threads take contiguous runs of ranges (so each streams its part of the
 keys in order); float32 or bfloat16 keys (bfloat16 widened to float32 in registers). A quickselect over the ranges'
-candidates and a sort of the kept ids finish, in C too. It is compiled on first use with the system C compiler (see
-`cpu_build`) and registered as a custom op, so compiled decode steps keep one graph.
+candidates and a sort of the kept ids finish, in C too (`pooled_topk_windows.c`). It is built on first use by
+`cpu_build.CpuKernel` and registered as a custom op, so compiled decode steps keep one graph.
 
 The sum over the head dimension may run in another order than the reference's product (vector lanes), so scores can
 differ in the last bits; the selection is the same except where two windows' scores lie within that rounding.
-Without a C compiler (or with `HYBRID_INDEXPOOL_BACKEND=torch`) the reference path runs.
+Without a C compiler (or with `HYBRID_INDEXPOOL_CPU_KERNELS=0` or `HYBRID_INDEXPOOL_BACKEND=torch`) the reference path
+runs.
 """
 
 import ctypes
+from pathlib import Path
 
 import torch
 
-from ..cpu_build import C_PRELUDE, CompiledLibrary
-from ..dispatch import kernel_backend
-from .reference import ID_BASE, INVISIBLE_HIGH, scaled_head_weights
+from ..cpu_build import CpuKernel
+from .reference import ID_BASE, INVISIBLE_HIGH, select_with_keys, scaled_head_weights
 
 # Rows (queries x heads) up to which the fused pass beats the matrix product (the product wins as a real GEMM).
 MAX_FUSED_ROWS = 16
@@ -34,217 +35,7 @@ WINDOWS_PER_THREAD = 4096
 # Ranges of windows with a running top-k each, shared out among the threads in contiguous runs. A constant rather
 # than the thread count, so that the candidates' shape is fixed when the step is compiled.
 MAX_SEGMENTS = 16
-C_SOURCE = C_PRELUDE + r"""
-#define ID_BASE (@ID_BASE@LL)
-#define INVISIBLE_HIGH (@INVISIBLE_HIGH@LL)
-#define MAX_HEAD_DIM @MAX_HEAD_DIM@
-#define MAX_ROWS @MAX_FUSED_ROWS@
 
-typedef int32_t lane_ids __attribute__((vector_size(32)));
-
-/* The lane sums of 4 vectors, in the first 4 lanes. */
-static inline lanes lane_sums_4(lanes a0, lanes a1, lanes a2, lanes a3) {
-    const lane_ids low = {0, 8, 1, 9, 2, 10, 3, 11}, high = {4, 12, 5, 13, 6, 14, 7, 15};
-    const lane_ids pair_low = {0, 1, 8, 9, 2, 3, 10, 11}, pair_high = {4, 5, 12, 13, 6, 7, 14, 15};
-    const lane_ids swap_halves = {4, 5, 6, 7, 0, 1, 2, 3};
-    lanes u01 = __builtin_shuffle(a0, a1, low) + __builtin_shuffle(a0, a1, high);
-    lanes u23 = __builtin_shuffle(a2, a3, low) + __builtin_shuffle(a2, a3, high);
-    lanes v = __builtin_shuffle(u01, u23, pair_low) + __builtin_shuffle(u01, u23, pair_high);
-    return v + __builtin_shuffle(v, swap_halves);
-}
-
-/* The int64 key of `selection_keys`: ordered float bits (negative floats reversed, -0.0 tied with 0.0) in the
-   high word, ID_BASE - id in the low word. */
-static inline int64_t selection_key(float score, int64_t window) {
-    int32_t bits;
-    memcpy(&bits, &score, sizeof bits);
-    int32_t sign = bits >> 31;
-    bits ^= sign & 0x7FFFFFFF;
-    bits -= sign;
-    return (int64_t)((uint64_t)(int64_t)bits << 32) | (ID_BASE - window);
-}
-
-/* products[j] = query row j . key for 4 query rows (row stride dim): 8 independent accumulators (two per row, over
-   alternate blocks of 8 lanes), every key vector loaded once for the 4 rows. One accumulator per row leaves the loop
-   waiting on the add latency; two keys at a time measured slower (more query loads per product). */
-static inline void products_4(const float *query, const float *key, int64_t dim, float *products) {
-    lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-    const float *q0 = query, *q1 = query + dim, *q2 = query + 2 * dim, *q3 = query + 3 * dim;
-    int64_t d = 0;
-    for (; d + 16 <= dim; d += 16) {
-        lanes x = load_lanes(key + d), y = load_lanes(key + d + 8);
-        a0 += load_lanes(q0 + d) * x; b0 += load_lanes(q0 + d + 8) * y;
-        a1 += load_lanes(q1 + d) * x; b1 += load_lanes(q1 + d + 8) * y;
-        a2 += load_lanes(q2 + d) * x; b2 += load_lanes(q2 + d + 8) * y;
-        a3 += load_lanes(q3 + d) * x; b3 += load_lanes(q3 + d + 8) * y;
-    }
-    for (; d + 8 <= dim; d += 8) {
-        lanes x = load_lanes(key + d);
-        a0 += load_lanes(q0 + d) * x;
-        a1 += load_lanes(q1 + d) * x;
-        a2 += load_lanes(q2 + d) * x;
-        a3 += load_lanes(q3 + d) * x;
-    }
-    lanes sums = lane_sums_4(a0 + b0, a1 + b1, a2 + b2, a3 + b3);
-    float p[4] = {sums[0], sums[1], sums[2], sums[3]};
-    for (; d < dim; ++d)
-        for (int j = 0; j < 4; ++j) p[j] += query[j * dim + d] * key[d];
-    memcpy(products, p, sizeof p);
-}
-
-/* The key row at `offset` as float32: in place for float32 keys, widened into `widened` for bfloat16 ones. */
-static inline const float *key_row(const void *keys, int keys_bf16, int64_t offset, int64_t dim, float *widened) {
-    if (!keys_bf16) return (const float *)keys + offset;
-    const uint16_t *row = (const uint16_t *)keys + offset;
-    int64_t d = 0;
-    for (; d + 8 <= dim; d += 8) {
-        lanes widened_lanes = load_bf16_lanes(row + d);
-        memcpy(widened + d, &widened_lanes, sizeof widened_lanes);
-    }
-    for (; d < dim; ++d) widened[d] = bf16_to_float(row[d]);
-    return widened;
-}
-
-/* Ask for the key row `ahead` rows on while this one is scored: the hardware prefetcher alone leaves the loads
-   waiting (measured 7.5 against 10.5 GB/s on one AVX2 EPYC core at 8 rows ahead). */
-#define PREFETCH_ROWS 8
-
-static inline void prefetch_row(const void *keys, int keys_bf16, int64_t offset, int64_t dim) {
-    const char *row = (const char *)keys + offset * (keys_bf16 ? 2 : 4);
-    for (int64_t byte = 0; byte < dim * (keys_bf16 ? 2 : 4); byte += 64) __builtin_prefetch(row + byte);
-}
-
-/* Reorder a[0 .. n) so that a[0 .. k) holds its k largest entries (distinct keys; Hoare partition, quickselect). */
-static void keep_largest(int64_t *a, int64_t n, int64_t k) {
-    int64_t low = 0, high = n - 1;
-    while (low < high) {
-        int64_t x = a[low], y = a[low + (high - low) / 2], z = a[high];
-        int64_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
-        int64_t i = low, j = high;
-        while (i <= j) {
-            while (a[i] > pivot) ++i;
-            while (a[j] < pivot) --j;
-            if (i <= j) {
-                int64_t swap = a[i];
-                a[i++] = a[j];
-                a[j--] = swap;
-            }
-        }
-        if (k - 1 <= j) high = j;
-        else if (k - 1 >= i) low = i;
-        else break;
-    }
-}
-
-/* The `capacity` largest keys offered so far, in a buffer of 2 * capacity: keys at or below the threshold (the
-   k-th largest at the last compaction) are dropped at once; a full buffer is cut back to its `capacity` largest.
-   Each key costs one comparison, most of them rejected, instead of a heap's log(capacity) moves. */
-typedef struct {
-    int64_t *keys, size, capacity, threshold;
-} running_topk;
-
-static inline void offer(running_topk *best, int64_t key) {
-    if (key <= best->threshold) return;
-    best->keys[best->size++] = key;
-    if (best->size == 2 * best->capacity) {
-        keep_largest(best->keys, best->size, best->capacity);
-        best->size = best->capacity;
-        int64_t least = best->keys[0];
-        for (int64_t i = 1; i < best->capacity; ++i) least = best->keys[i] < least ? best->keys[i] : least;
-        best->threshold = least;
-    }
-}
-
-static int ascending(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
-
-/* The window ids of the `topk` best of `count` selection keys (reordered in place), ascending, -1 for invisible
-   windows (score -inf, or a range's INT64_MIN padding) and after the last: `window_ids_of` of the reference. */
-static void window_ids(int64_t *candidates, int64_t count, int64_t topk, int64_t *ids) {
-    int64_t kept = count < topk ? count : topk;
-    if (count > kept) keep_largest(candidates, count, kept);
-    for (int64_t i = 0; i < kept; ++i) {
-        int64_t key = candidates[i];
-        ids[i] = (key >> 32) <= INVISIBLE_HIGH ? ID_BASE : ID_BASE - (key & 0xFFFFFFFFLL);
-    }
-    qsort(ids, kept, sizeof(int64_t), ascending);
-    for (int64_t i = 0; i < topk; ++i)
-        if (i >= kept || ids[i] == ID_BASE) ids[i] = -1;
-}
-
-/* queries [batch, rows * heads, dim] and weights [batch, rows, heads] contiguous float32 (rows * heads <= MAX_ROWS);
-   keys [batch, windows, dim] with the given strides, float32 or bfloat16 (keys_bf16); visible [batch, rows]
-   contiguous int64. The windows are split into `segments` contiguous ranges, one thread each at a time; each range's
-   `per_segment` best selection keys go to candidates [batch, rows, segments, per_segment] (INT64_MIN where a range
-   has fewer windows), and the best `topk` of those to out [batch, rows, topk] as window ids. Returns 0, or 1 when a
-   buffer could not be allocated. */
-int pooled_topk_windows(const float *queries, const void *keys, int keys_bf16, int64_t keys_batch_stride,
-                        int64_t keys_row_stride, const float *weights, const int64_t *visible, int64_t *candidates,
-                        int64_t *out, int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t windows,
-                        int64_t segments, int64_t per_segment, int64_t topk, int64_t sink_windows,
-                        int64_t local_windows, int threads) {
-    int64_t query_rows = rows * heads, groups = (query_rows + 3) / 4;
-    int failed = 0;
-    for (int64_t b = 0; b < batch; ++b) {
-        /* The query rows padded with zero rows to whole groups of 4. */
-        float padded[MAX_ROWS * MAX_HEAD_DIM];
-        const float *batch_weights = weights + b * query_rows;
-        const int64_t *batch_visible = visible + b * rows;
-        memset(padded, 0, sizeof(float) * groups * 4 * dim);
-        memcpy(padded, queries + b * query_rows * dim, sizeof(float) * query_rows * dim);
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t segment = 0; segment < segments; ++segment) {
-            float widened[MAX_HEAD_DIM], products[MAX_ROWS];
-            running_topk best[MAX_ROWS];
-            int64_t *buffers = malloc(sizeof(int64_t) * 2 * per_segment * rows);
-            if (buffers == NULL) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            for (int64_t r = 0; r < rows; ++r)
-                best[r] = (running_topk){buffers + 2 * per_segment * r, 0, per_segment, INT64_MIN};
-            int64_t first = windows * segment / segments, last = windows * (segment + 1) / segments;
-            for (int64_t n = first; n < last; ++n) {
-                if (n + PREFETCH_ROWS < last)
-                    prefetch_row(keys, keys_bf16, b * keys_batch_stride + (n + PREFETCH_ROWS) * keys_row_stride, dim);
-                const float *key = key_row(keys, keys_bf16, b * keys_batch_stride + n * keys_row_stride, dim,
-                                           widened);
-                for (int64_t g = 0; g < groups; ++g) products_4(padded + g * 4 * dim, key, dim, products + g * 4);
-                for (int64_t r = 0; r < rows; ++r) {
-                    float score = 0.0f;
-                    for (int64_t h = 0; h < heads; ++h) {
-                        float product = products[r * heads + h];
-                        product = product < 0.0f ? 0.0f : product; /* ReLU that keeps NaN, as torch's */
-                        float term = product * batch_weights[r * heads + h];
-                        score = h == 0 ? term : score + term;
-                    }
-                    int64_t bound = batch_visible[r];
-                    if (n < sink_windows || n >= bound - local_windows) score = __builtin_inff();
-                    if (n >= bound) score = -__builtin_inff();
-                    offer(&best[r], selection_key(score, n));
-                }
-            }
-            for (int64_t r = 0; r < rows; ++r) {
-                int64_t *target = candidates + ((b * rows + r) * segments + segment) * per_segment;
-                int64_t kept = best[r].size < per_segment ? best[r].size : per_segment;
-                if (best[r].size > per_segment) keep_largest(best[r].keys, best[r].size, per_segment);
-                memcpy(target, best[r].keys, sizeof(int64_t) * kept);
-                for (int64_t i = kept; i < per_segment; ++i) target[i] = INT64_MIN;
-            }
-            free(buffers);
-        }
-        if (!failed)
-            for (int64_t r = 0; r < rows; ++r)
-                window_ids(candidates + (b * rows + r) * segments * per_segment, segments * per_segment, topk,
-                           out + (b * rows + r) * topk);
-    }
-    return failed;
-}
-""".replace("@MAX_HEAD_DIM@", str(MAX_HEAD_DIM)).replace("@MAX_FUSED_ROWS@", str(MAX_FUSED_ROWS)).replace(
-    "@INVISIBLE_HIGH@", str(INVISIBLE_HIGH)).replace("@ID_BASE@", str(ID_BASE))
 
 def _declare(library) -> None:
     library.pooled_topk_windows.restype = ctypes.c_int
@@ -252,26 +43,17 @@ def _declare(library) -> None:
                                             + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 10 + [ctypes.c_int])
 
 
-LIBRARY = CompiledLibrary("pooled_topk_windows", C_SOURCE, _declare)
-
-
-def load_library():
-    """The compiled kernel, or None when it cannot be built (the reason is then in `library_error()`)."""
-    return LIBRARY.load()
-
-
-def library_error() -> str | None:
-    """Why the CPU kernel could not be built (None when it was, or was not tried yet)."""
-    return LIBRARY.error
+KERNEL = CpuKernel("pooled_topk_windows", Path(__file__).with_name("pooled_topk_windows.c"), _declare,
+                   defines={"ID_BASE": ID_BASE, "INVISIBLE_HIGH": INVISIBLE_HIGH, "MAX_HEAD_DIM": MAX_HEAD_DIM,
+                            "MAX_ROWS": MAX_FUSED_ROWS})
 
 
 def fused_topk_applies(rows_times_heads: int, pooled_index_keys: torch.Tensor) -> bool:
     """Whether the compiled CPU pass serves this selection: CPU, float32 or bfloat16 keys with a contiguous last
-    dimension, few (query, head) rows, the PyTorch backend not forced, and the kernel built."""
-    return (pooled_index_keys.device.type == "cpu" and kernel_backend() == "auto"
-            and pooled_index_keys.dtype in (torch.float32, torch.bfloat16)
+    dimension, few (query, head) rows, and the kernel usable (`CpuKernel.usable`)."""
+    return (pooled_index_keys.device.type == "cpu" and pooled_index_keys.dtype in (torch.float32, torch.bfloat16)
             and pooled_index_keys.stride(-1) == 1 and pooled_index_keys.shape[-1] <= MAX_HEAD_DIM
-            and rows_times_heads <= MAX_FUSED_ROWS and load_library() is not None)
+            and rows_times_heads <= MAX_FUSED_ROWS and KERNEL.usable())
 
 
 def run_pooled_topk_windows(queries: torch.Tensor, pooled_index_keys: torch.Tensor, weights: torch.Tensor,
@@ -294,7 +76,11 @@ def run_pooled_topk_windows(queries: torch.Tensor, pooled_index_keys: torch.Tens
     out = torch.empty(batch_size, rows, topk, dtype=torch.int64)
     queries, weights = queries.float().contiguous(), weights.float().contiguous()
     visible = visible.to(torch.int64).reshape(batch_size, rows).contiguous()
-    failed = load_library().pooled_topk_windows(
+    library = KERNEL.load()
+    if library is None:  # a compiled graph chose the op before its build failed: the reference selects the same
+        return select_with_keys(queries.reshape(batch_size, rows, heads, dim), pooled_index_keys, visible, topk,
+                                 weights, sink_windows, local_windows)
+    failed = library.pooled_topk_windows(
         queries.data_ptr(), pooled_index_keys.data_ptr(), int(pooled_index_keys.dtype == torch.bfloat16),
         pooled_index_keys.stride(0), pooled_index_keys.stride(1), weights.data_ptr(), visible.data_ptr(),
         candidates.data_ptr(), out.data_ptr(), batch_size, rows, heads, dim, windows, segments, per_segment, topk,
@@ -334,7 +120,6 @@ def pooled_index_topk_cpu(index_queries, pooled_index_keys, num_visible_windows,
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
     segments = max(1, min(MAX_SEGMENTS, num_windows // WINDOWS_PER_THREAD))
     queries = index_queries.float().reshape(batch_size, num_queries * num_heads, head_dim)
-    # Eager code calls the kernel directly, compiled code through the custom op (see `decode_linear_cpu`).
-    select = pooled_topk_windows if torch.compiler.is_compiling() else run_pooled_topk_windows
+    select = KERNEL.dispatch(run_pooled_topk_windows, pooled_topk_windows)
     return select(queries, pooled_index_keys, scaled_head_weights(index_queries, head_weights), num_visible_windows,
                   topk, segments, sink_windows, local_windows)

@@ -198,14 +198,15 @@ def pooled_index_topk_torch(
         num_windows = min(num_windows, window_limit)
     if num_windows == 0 or num_queries == 0 or topk == 0:
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
-    select = _select_with_keys if window_limit is None else _select_with_host_bounds
+    select = select_with_keys if window_limit is None else _select_with_host_bounds
     return select(index_queries, pooled_index_keys[:, :num_windows], num_visible_windows, topk,
                   scaled_head_weights(index_queries, head_weights), sink_windows, local_windows)
 
 
-def _select_with_keys(index_queries, pooled_index_keys, num_visible_windows, topk, weights, sink_windows,
-                      local_windows):
-    """Fixed shapes, no host reads: a running top-k of int64 selection keys over window chunks."""
+def select_with_keys(index_queries, pooled_index_keys, num_visible_windows, topk, weights, sink_windows,
+                     local_windows):
+    """`pooled_index_topk_torch` without `window_limit`, with `weights` from `scaled_head_weights`: fixed shapes, no
+    host reads, a running top-k of int64 selection keys over window chunks."""
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
     num_windows = pooled_index_keys.shape[1]
     query_chunk, window_chunk = _chunk_sizes(batch_size, num_queries, num_windows, topk)

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from hybrid_indexpool.kernels.decode_linear import cpu_impl, decode_linear, decode_linear_cpu, decode_linear_torch
 
-requires_kernel = pytest.mark.skipif(cpu_impl.load_library() is None,
-                                     reason=f"the CPU kernel could not be built: {cpu_impl.library_error()}")
+requires_kernel = pytest.mark.skipif(cpu_impl.KERNEL.load() is None,
+                                     reason=f"the CPU kernel could not be built: {cpu_impl.KERNEL.error}")
 
 
 @requires_kernel

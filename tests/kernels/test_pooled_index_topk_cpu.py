@@ -6,8 +6,8 @@ import torch._dynamo.testing
 
 from hybrid_indexpool.kernels.pooled_index_topk import cpu_impl, pooled_index_topk, pooled_index_topk_torch
 
-requires_kernel = pytest.mark.skipif(cpu_impl.load_library() is None,
-                                     reason=f"the CPU kernel could not be built: {cpu_impl.library_error()}")
+requires_kernel = pytest.mark.skipif(cpu_impl.KERNEL.load() is None,
+                                     reason=f"the CPU kernel could not be built: {cpu_impl.KERNEL.error}")
 
 
 @pytest.fixture

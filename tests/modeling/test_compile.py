@@ -1,5 +1,8 @@
 """The decode step compiles whole (`torch.compile(fullgraph=True)`): same logits and tokens as eager, one graph for
-every step, also through `generate()`'s compiled decoding."""
+every step, also through `generate()`'s compiled decoding.
+
+Each check runs in a fresh process with an empty kernel cache and compiles before anything runs eagerly: a compiled
+step must work as the first thing a process does (no CPU kernel built or loaded yet)."""
 
 import pytest
 import torch
@@ -7,10 +10,14 @@ import torch._dynamo.testing
 from transformers import CompileConfig
 
 from hybrid_indexpool import HybridIndexPoolCache
+from hybrid_indexpool.kernels.decode_linear.cpu_impl import KERNEL as LINEAR_KERNEL
+from hybrid_indexpool.kernels.pooled_index_topk.cpu_impl import KERNEL as TOPK_KERNEL
 
+from fresh_process import run_in_fresh_process
 from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+CPU_KERNELS = (LINEAR_KERNEL, TOPK_KERNEL)
 
 
 def greedy_decode(forward, model, input_ids, mask, steps):
@@ -29,8 +36,13 @@ def greedy_decode(forward, model, input_ids, mask, steps):
     return torch.cat(all_logits, dim=1), torch.cat(tokens, dim=1)
 
 
-def check_compiled_decode(backend: str, steps: int = 50, options=None):
+def check_compiled_decode(backend: str, steps: int = 50, frozen: bool = False):
+    """Compiled greedy decoding (first in the process), then eager: same logits and tokens, one graph."""
+    from hybrid_indexpool.scripts.bench_decode import FROZEN_OPTIONS
+
+    options = FROZEN_OPTIONS if frozen else None
     torch._dynamo.reset()
+    torch.manual_seed(1234)
     model = tiny_model(index_topk=8, index_head_weights=True)
     input_ids = torch.randint(1, 97, (2, 30))
     mask = torch.ones(2, 30, dtype=torch.long)
@@ -41,8 +53,10 @@ def check_compiled_decode(backend: str, steps: int = 50, options=None):
     else:  # inductor with options: count the compiled frames from dynamo's statistics instead
         torch._dynamo.utils.counters.clear()
         compiled = torch.compile(model, fullgraph=True, backend=backend, options=options)
-    eager_logits, eager_tokens = greedy_decode(model, model, input_ids, mask, steps)
+    assert not any(kernel.is_loaded for kernel in CPU_KERNELS)  # cold: the compiled step is the first to need them
     compiled_logits, compiled_tokens = greedy_decode(compiled, model, input_ids, mask, steps)
+    assert all(kernel.is_loaded for kernel in CPU_KERNELS)  # built and loaded by the compiled graph's custom ops
+    eager_logits, eager_tokens = greedy_decode(model, model, input_ids, mask, steps)
     torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=0)
     assert torch.equal(compiled_tokens, eager_tokens)
     frames = counter.frame_count if options is None else torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -51,28 +65,31 @@ def check_compiled_decode(backend: str, steps: int = 50, options=None):
 
 def test_the_decode_step_compiles_whole_and_one_graph_serves_every_step():
     # aot_eager: dynamo's whole-graph capture and AOT autograd, without inductor's (slow on CPU) code generation.
-    check_compiled_decode("aot_eager")
+    run_in_fresh_process(__file__, "check_compiled_decode", "aot_eager")
 
 
 @pytest.mark.slow
 def test_the_decode_step_compiled_by_inductor_matches_eager():
-    check_compiled_decode("inductor")
+    run_in_fresh_process(__file__, "check_compiled_decode", "inductor")
 
 
 @pytest.mark.slow
 def test_the_decode_step_compiled_for_cpu_inference_matches_eager():
-    from hybrid_indexpool.scripts.bench_decode import FROZEN_OPTIONS
-
-    check_compiled_decode("inductor", options=FROZEN_OPTIONS)
+    run_in_fresh_process(__file__, "check_compiled_decode", "inductor", 50, True)
 
 
 def test_generate_compiles_its_decode_steps_and_gives_the_eager_tokens():
+    run_in_fresh_process(__file__, "check_compiled_generate")
+
+
+def check_compiled_generate():
+    """`generate(compile_config=...)` as the first decoding of the process, then eager: the same tokens, one graph."""
     torch._dynamo.reset()
+    torch.manual_seed(1234)
     model = tiny_model(index_topk=8)
     input_ids = torch.randint(1, 97, (2, 30))
     mask = torch.ones(2, 30, dtype=torch.long)
     mask[0, :3] = 0
-    eager = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     graphs = []
 
     def counting_backend(graph_module, example_inputs):  # a function: CompileConfig deep-copies its settings
@@ -83,5 +100,6 @@ def test_generate_compiles_its_decode_steps_and_gives_the_eager_tokens():
     config._compile_all_devices = True  # generate() compiles only on accelerators unless told otherwise
     compiled = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                               compile_config=config)
+    eager = model.generate(input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert torch.equal(compiled, eager)
     assert len(graphs) == 1

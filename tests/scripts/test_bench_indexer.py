@@ -4,7 +4,7 @@ from hybrid_indexpool.kernels.pooled_index_topk import cpu_impl
 from hybrid_indexpool.scripts import bench_indexer
 
 
-@pytest.mark.skipif(cpu_impl.load_library() is None, reason="the CPU kernel could not be built")
+@pytest.mark.skipif(cpu_impl.KERNEL.load() is None, reason="the CPU kernel could not be built")
 def test_reports_kernel_and_reference_side_by_side(tmp_path):
     report = bench_indexer.main(["--windows", "5000", "--threads", "1", "--dtypes", "float32,bfloat16",
                                  "--index-heads", "2", "--index-head-dim", "16", "--topk-windows", "8",

@@ -1,0 +1,211 @@
+/* Pooled index scores and top-k window selection of a few decode queries in one streaming pass over the pooled
+   keys (see cpu_impl.py). Built with ID_BASE, INVISIBLE_HIGH, MAX_HEAD_DIM and MAX_ROWS defined by the Python side,
+   which owns those limits. */
+#include "cpu_prelude.h"
+
+/* The lane sums of 4 vectors, in the first 4 lanes. Clang spells a two-vector shuffle `__builtin_shufflevector` with
+   the lane indices as arguments, GCC before 12 only `__builtin_shuffle` with an index vector. */
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t lane_ids __attribute__((vector_size(32)));
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (lane_ids){__VA_ARGS__})
+#endif
+
+static inline lanes lane_sums_4(lanes a0, lanes a1, lanes a2, lanes a3) {
+    lanes u01 = SHUFFLE(a0, a1, 0, 8, 1, 9, 2, 10, 3, 11) + SHUFFLE(a0, a1, 4, 12, 5, 13, 6, 14, 7, 15);
+    lanes u23 = SHUFFLE(a2, a3, 0, 8, 1, 9, 2, 10, 3, 11) + SHUFFLE(a2, a3, 4, 12, 5, 13, 6, 14, 7, 15);
+    lanes v = SHUFFLE(u01, u23, 0, 1, 8, 9, 2, 3, 10, 11) + SHUFFLE(u01, u23, 4, 5, 12, 13, 6, 7, 14, 15);
+    return v + SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+}
+
+/* The int64 key of `selection_keys`: ordered float bits (negative floats reversed, -0.0 tied with 0.0) in the
+   high word, ID_BASE - id in the low word. */
+static inline int64_t selection_key(float score, int64_t window) {
+    int32_t bits;
+    memcpy(&bits, &score, sizeof bits);
+    int32_t sign = bits >> 31;
+    bits ^= sign & 0x7FFFFFFF;
+    bits -= sign;
+    return (int64_t)((uint64_t)(int64_t)bits << 32) | (ID_BASE - window);
+}
+
+/* products[j] = query row j . key for 4 query rows (row stride dim): 8 independent accumulators (two per row, over
+   alternate blocks of 8 lanes), every key vector loaded once for the 4 rows. One accumulator per row leaves the loop
+   waiting on the add latency; two keys at a time measured slower (more query loads per product). */
+static inline void products_4(const float *query, const float *key, int64_t dim, float *products) {
+    lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    const float *q0 = query, *q1 = query + dim, *q2 = query + 2 * dim, *q3 = query + 3 * dim;
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16) {
+        lanes x = load_lanes(key + d), y = load_lanes(key + d + 8);
+        a0 += load_lanes(q0 + d) * x; b0 += load_lanes(q0 + d + 8) * y;
+        a1 += load_lanes(q1 + d) * x; b1 += load_lanes(q1 + d + 8) * y;
+        a2 += load_lanes(q2 + d) * x; b2 += load_lanes(q2 + d + 8) * y;
+        a3 += load_lanes(q3 + d) * x; b3 += load_lanes(q3 + d + 8) * y;
+    }
+    for (; d + 8 <= dim; d += 8) {
+        lanes x = load_lanes(key + d);
+        a0 += load_lanes(q0 + d) * x;
+        a1 += load_lanes(q1 + d) * x;
+        a2 += load_lanes(q2 + d) * x;
+        a3 += load_lanes(q3 + d) * x;
+    }
+    lanes sums = lane_sums_4(a0 + b0, a1 + b1, a2 + b2, a3 + b3);
+    float p[4] = {sums[0], sums[1], sums[2], sums[3]};
+    for (; d < dim; ++d)
+        for (int j = 0; j < 4; ++j) p[j] += query[j * dim + d] * key[d];
+    memcpy(products, p, sizeof p);
+}
+
+/* The key row at `offset` as float32: in place for float32 keys, widened into `widened` for bfloat16 ones. */
+static inline const float *key_row(const void *keys, int keys_bf16, int64_t offset, int64_t dim, float *widened) {
+    if (!keys_bf16) return (const float *)keys + offset;
+    const uint16_t *row = (const uint16_t *)keys + offset;
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+        lanes widened_lanes = load_bf16_lanes(row + d);
+        memcpy(widened + d, &widened_lanes, sizeof widened_lanes);
+    }
+    for (; d < dim; ++d) widened[d] = bf16_to_float(row[d]);
+    return widened;
+}
+
+/* Ask for the key row `ahead` rows on while this one is scored: the hardware prefetcher alone leaves the loads
+   waiting (measured 7.5 against 10.5 GB/s on one AVX2 EPYC core at 8 rows ahead). */
+#define PREFETCH_ROWS 8
+
+static inline void prefetch_row(const void *keys, int keys_bf16, int64_t offset, int64_t dim) {
+    const char *row = (const char *)keys + offset * (keys_bf16 ? 2 : 4);
+    for (int64_t byte = 0; byte < dim * (keys_bf16 ? 2 : 4); byte += 64) __builtin_prefetch(row + byte);
+}
+
+/* Reorder a[0 .. n) so that a[0 .. k) holds its k largest entries (distinct keys; Hoare partition, quickselect). */
+static void keep_largest(int64_t *a, int64_t n, int64_t k) {
+    int64_t low = 0, high = n - 1;
+    while (low < high) {
+        int64_t x = a[low], y = a[low + (high - low) / 2], z = a[high];
+        int64_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int64_t i = low, j = high;
+        while (i <= j) {
+            while (a[i] > pivot) ++i;
+            while (a[j] < pivot) --j;
+            if (i <= j) {
+                int64_t swap = a[i];
+                a[i++] = a[j];
+                a[j--] = swap;
+            }
+        }
+        if (k - 1 <= j) high = j;
+        else if (k - 1 >= i) low = i;
+        else break;
+    }
+}
+
+/* The `capacity` largest keys offered so far, in a buffer of 2 * capacity: keys at or below the threshold (the
+   k-th largest at the last compaction) are dropped at once; a full buffer is cut back to its `capacity` largest.
+   Each key costs one comparison, most of them rejected, instead of a heap's log(capacity) moves. */
+typedef struct {
+    int64_t *keys, size, capacity, threshold;
+} running_topk;
+
+static inline void offer(running_topk *best, int64_t key) {
+    if (key <= best->threshold) return;
+    best->keys[best->size++] = key;
+    if (best->size == 2 * best->capacity) {
+        keep_largest(best->keys, best->size, best->capacity);
+        best->size = best->capacity;
+        int64_t least = best->keys[0];
+        for (int64_t i = 1; i < best->capacity; ++i) least = best->keys[i] < least ? best->keys[i] : least;
+        best->threshold = least;
+    }
+}
+
+static int ascending(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The window ids of the `topk` best of `count` selection keys (reordered in place), ascending, -1 for invisible
+   windows (score -inf, or a range's INT64_MIN padding) and after the last: `window_ids_of` of the reference. */
+static void window_ids(int64_t *candidates, int64_t count, int64_t topk, int64_t *ids) {
+    int64_t kept = count < topk ? count : topk;
+    if (count > kept) keep_largest(candidates, count, kept);
+    for (int64_t i = 0; i < kept; ++i) {
+        int64_t key = candidates[i];
+        ids[i] = (key >> 32) <= INVISIBLE_HIGH ? ID_BASE : ID_BASE - (key & 0xFFFFFFFFLL);
+    }
+    qsort(ids, kept, sizeof(int64_t), ascending);
+    for (int64_t i = 0; i < topk; ++i)
+        if (i >= kept || ids[i] == ID_BASE) ids[i] = -1;
+}
+
+/* queries [batch, rows * heads, dim] and weights [batch, rows, heads] contiguous float32 (rows * heads <= MAX_ROWS);
+   keys [batch, windows, dim] with the given strides, float32 or bfloat16 (keys_bf16); visible [batch, rows]
+   contiguous int64. The windows are split into `segments` contiguous ranges, one thread each at a time; each range's
+   `per_segment` best selection keys go to candidates [batch, rows, segments, per_segment] (INT64_MIN where a range
+   has fewer windows), and the best `topk` of those to out [batch, rows, topk] as window ids. Returns 0, or 1 when a
+   buffer could not be allocated. */
+int pooled_topk_windows(const float *queries, const void *keys, int keys_bf16, int64_t keys_batch_stride,
+                        int64_t keys_row_stride, const float *weights, const int64_t *visible, int64_t *candidates,
+                        int64_t *out, int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t windows,
+                        int64_t segments, int64_t per_segment, int64_t topk, int64_t sink_windows,
+                        int64_t local_windows, int threads) {
+    int64_t query_rows = rows * heads, groups = (query_rows + 3) / 4;
+    int failed = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+        /* The query rows padded with zero rows to whole groups of 4. */
+        float padded[MAX_ROWS * MAX_HEAD_DIM];
+        const float *batch_weights = weights + b * query_rows;
+        const int64_t *batch_visible = visible + b * rows;
+        memset(padded, 0, sizeof(float) * groups * 4 * dim);
+        memcpy(padded, queries + b * query_rows * dim, sizeof(float) * query_rows * dim);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t segment = 0; segment < segments; ++segment) {
+            float widened[MAX_HEAD_DIM], products[MAX_ROWS];
+            running_topk best[MAX_ROWS];
+            int64_t *buffers = malloc(sizeof(int64_t) * 2 * per_segment * rows);
+            if (buffers == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            for (int64_t r = 0; r < rows; ++r)
+                best[r] = (running_topk){buffers + 2 * per_segment * r, 0, per_segment, INT64_MIN};
+            int64_t first = windows * segment / segments, last = windows * (segment + 1) / segments;
+            for (int64_t n = first; n < last; ++n) {
+                if (n + PREFETCH_ROWS < last)
+                    prefetch_row(keys, keys_bf16, b * keys_batch_stride + (n + PREFETCH_ROWS) * keys_row_stride, dim);
+                const float *key = key_row(keys, keys_bf16, b * keys_batch_stride + n * keys_row_stride, dim,
+                                           widened);
+                for (int64_t g = 0; g < groups; ++g) products_4(padded + g * 4 * dim, key, dim, products + g * 4);
+                for (int64_t r = 0; r < rows; ++r) {
+                    float score = 0.0f;
+                    for (int64_t h = 0; h < heads; ++h) {
+                        float product = products[r * heads + h];
+                        product = product < 0.0f ? 0.0f : product; /* ReLU that keeps NaN, as torch's */
+                        float term = product * batch_weights[r * heads + h];
+                        score = h == 0 ? term : score + term;
+                    }
+                    int64_t bound = batch_visible[r];
+                    if (n < sink_windows || n >= bound - local_windows) score = __builtin_inff();
+                    if (n >= bound) score = -__builtin_inff();
+                    offer(&best[r], selection_key(score, n));
+                }
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                int64_t *target = candidates + ((b * rows + r) * segments + segment) * per_segment;
+                int64_t kept = best[r].size < per_segment ? best[r].size : per_segment;
+                if (best[r].size > per_segment) keep_largest(best[r].keys, best[r].size, per_segment);
+                memcpy(target, best[r].keys, sizeof(int64_t) * kept);
+                for (int64_t i = kept; i < per_segment; ++i) target[i] = INT64_MIN;
+            }
+            free(buffers);
+        }
+        if (!failed)
+            for (int64_t r = 0; r < rows; ++r)
+                window_ids(candidates + (b * rows + r) * segments * per_segment, segments * per_segment, topk,
+                           out + (b * rows + r) * topk);
+    }
+    return failed;
+}
