@@ -143,7 +143,8 @@ def launch_resources(name: str, mode: str, launch: Launch, capability: int) -> K
 class ModelSizes:
     """One configuration of the kernels' sizes (Qwen3.8-Flash-Next ranges). `mode` is `decode` (one query per row
     against `context` positions, `batch` rows) or `prefill` (`queries` queries, with the attention's backward);
-    `kernels` is `index`, `attention` or `all`."""
+    `kernels` is `index`, `attention` or `all`; `index_keys` is the pooled keys' storage, `float` (the dtype's) or
+    `fp8` (packed fp8 keys with their scales)."""
 
     mode: str
     dtype: torch.dtype = torch.bfloat16
@@ -159,12 +160,15 @@ class ModelSizes:
     batch: int = 8
     queries: int = 4096
     multiprocessors: int = 132  # H100 SXM: decode splits are sized for it
+    index_keys: str = "float"
 
     def label(self) -> str:
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
         parts = [self.mode, dtype]
         if self.kernels != "attention":
             parts.append(f"H={self.index_heads} dI={self.index_head_dim}")
+            if self.index_keys == "fp8":
+                parts.append("fp8 keys")
         if self.kernels != "index":
             parts.append(f"r={self.pool_size} d={self.head_dim} g={self.group}")
         return " ".join(parts)
@@ -183,6 +187,8 @@ def default_sizes() -> list[ModelSizes]:
         ModelSizes("prefill", torch.bfloat16, 64, 128, 4, head_dim=256, group=16),
         ModelSizes("prefill", torch.bfloat16, 4, 64, 1, head_dim=128, group=1),
         ModelSizes("prefill", torch.float32, 16, 128, 8, head_dim=64, group=8),
+        ModelSizes("decode", torch.bfloat16, 64, 128, kernels="index", index_keys="fp8"),
+        ModelSizes("prefill", torch.bfloat16, 64, 128, kernels="index", index_keys="fp8"),
     ]
 
 
@@ -193,8 +199,9 @@ def full_sizes() -> list[ModelSizes]:
     sizes = []
     for dtype in DTYPES:
         for mode in ("decode", "prefill"):
-            sizes += [ModelSizes(mode, dtype, index_heads, index_head_dim, kernels="index")
-                      for index_heads in (4, 16, 64) for index_head_dim in (64, 128)]
+            sizes += [ModelSizes(mode, dtype, index_heads, index_head_dim, kernels="index", index_keys=index_keys)
+                      for index_heads in (4, 16, 64) for index_head_dim in (64, 128)
+                      for index_keys in ("float", "fp8")]
         sizes += [ModelSizes("prefill", dtype, pool_size=pool_size, head_dim=head_dim, group=group,
                              kernels="attention")
                   for head_dim in (64, 128, 256) for group in (1, 2, 4, 8, 16) for pool_size in (1, 2, 4, 8)]

@@ -8,9 +8,9 @@ windows, the ordered float bits, the window id) and a `topk`: on a CPU the produ
 below the memory bandwidth and each pass adds a read and a write of the scores. Here a small C function does all of it
 per window, with the key row in L1 while every head reads it, and offers the reference's int64 selection key to a
 running top-k of its range of windows; the threads take contiguous runs of ranges (so each streams its part of the
-keys in order); float32 or bfloat16 keys (bfloat16 widened to float32 in registers). A quickselect over the ranges'
-candidates and a sort of the kept ids finish, in C too (`pooled_topk_windows.c`). It is built on first use by
-`cpu_build.CpuKernel` and registered as a custom op, so compiled decode steps keep one graph.
+keys in order); float32, bfloat16 or packed fp8 keys (widened to float32 in registers, fp8 times its scale). A
+quickselect over the ranges' candidates and a sort of the kept ids finish, in C too (`pooled_topk_windows.c`). It
+is built on first use by `cpu_build.CpuKernel` and registered as a custom op, so compiled decode steps keep one graph.
 
 The sum over the head dimension may run in another order than the reference's product (vector lanes), so scores can
 differ in the last bits; the selection is the same except where two windows' scores lie within that rounding.
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..cpu_build import CpuKernel
-from .reference import ID_BASE, INVISIBLE_HIGH, select_with_keys, scaled_head_weights
+from ..fp8_index_keys import SCALE_BYTES, is_packed, rotate_queries
+from .reference import ID_BASE, INVISIBLE_HIGH, scaled_head_weights, select_with_keys
 
 # Rows (queries x heads) up to which the fused pass beats the matrix product (the product wins as a real GEMM).
 MAX_FUSED_ROWS = 16
@@ -35,6 +36,8 @@ WINDOWS_PER_THREAD = 4096
 # Ranges of windows with a running top-k each, shared out among the threads in contiguous runs. A constant rather
 # than the thread count, so that the candidates' shape is fixed when the step is compiled.
 MAX_SEGMENTS = 16
+# The kernel's `keys_kind` of each key storage (packed fp8: `fp8_index_keys`'s uint8 rows of values and scale).
+KEY_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 
 
 def _declare(library) -> None:
@@ -49,9 +52,9 @@ KERNEL = CpuKernel("pooled_topk_windows", Path(__file__).with_name("pooled_topk_
 
 
 def fused_topk_applies(rows_times_heads: int, pooled_index_keys: torch.Tensor) -> bool:
-    """Whether the compiled CPU pass serves this selection: CPU, float32 or bfloat16 keys with a contiguous last
-    dimension, few (query, head) rows, and the kernel usable (`CpuKernel.usable`)."""
-    return (pooled_index_keys.device.type == "cpu" and pooled_index_keys.dtype in (torch.float32, torch.bfloat16)
+    """Whether the compiled CPU pass serves this selection: CPU, float32, bfloat16 or packed fp8 keys with a
+    contiguous last dimension, few (query, head) rows, and the kernel usable (`CpuKernel.usable`)."""
+    return (pooled_index_keys.device.type == "cpu" and pooled_index_keys.dtype in KEY_KINDS
             and pooled_index_keys.stride(-1) == 1 and pooled_index_keys.shape[-1] <= MAX_HEAD_DIM
             and rows_times_heads <= MAX_FUSED_ROWS and KERNEL.usable())
 
@@ -62,12 +65,17 @@ def run_pooled_topk_windows(queries: torch.Tensor, pooled_index_keys: torch.Tens
     """The `topk` best visible windows of each row by the compiled pass: `[batch, rows, topk]` int64 window ids,
     ascending, -1 after the last (as `pooled_index_topk_torch`). The windows are scored in `segments` contiguous
     ranges with a running top-k each (the threads share the ranges). `queries` `[batch, rows * heads, dim]` float32,
-    `pooled_index_keys` `[batch, windows, dim]` float32 or bfloat16 (last dimension contiguous), `weights`
-    `[batch, rows, heads]` float32 with the 1/sqrt(d) scale, `visible` `[batch, rows]` integer."""
+    `pooled_index_keys` `[batch, windows, dim]` float32 or bfloat16, or packed fp8 `uint8 [batch, windows, dim + 4]`
+    (queries rotated already), last dimension contiguous; `weights` `[batch, rows, heads]` float32 with the
+    1/sqrt(d) scale, `visible` `[batch, rows]` integer."""
     batch_size, rows, heads = weights.shape
-    windows, dim = pooled_index_keys.shape[1], pooled_index_keys.shape[2]
-    if pooled_index_keys.stride(-1) != 1 or pooled_index_keys.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError("pooled_topk_windows needs float32 or bfloat16 keys with a contiguous last dimension.")
+    windows, dim = pooled_index_keys.shape[1], queries.shape[2]
+    if pooled_index_keys.stride(-1) != 1 or pooled_index_keys.dtype not in KEY_KINDS:
+        raise ValueError("pooled_topk_windows needs float32, bfloat16 or packed fp8 (uint8) keys with a contiguous "
+                         "last dimension.")
+    if pooled_index_keys.shape[2] != dim + (SCALE_BYTES if is_packed(pooled_index_keys) else 0):
+        raise ValueError(f"pooled_topk_windows: the keys' last dimension {pooled_index_keys.shape[2]} does not fit "
+                         f"queries of dimension {dim}.")
     if rows * heads > MAX_FUSED_ROWS or dim > MAX_HEAD_DIM:  # the kernel's fixed buffers
         raise ValueError(f"pooled_topk_windows takes at most {MAX_FUSED_ROWS} query rows x heads (got {rows * heads}) "
                          f"and head dimension {MAX_HEAD_DIM} (got {dim}).")
@@ -81,7 +89,7 @@ def run_pooled_topk_windows(queries: torch.Tensor, pooled_index_keys: torch.Tens
         return select_with_keys(queries.reshape(batch_size, rows, heads, dim), pooled_index_keys, visible, topk,
                                  weights, sink_windows, local_windows)
     failed = library.pooled_topk_windows(
-        queries.data_ptr(), pooled_index_keys.data_ptr(), int(pooled_index_keys.dtype == torch.bfloat16),
+        queries.data_ptr(), pooled_index_keys.data_ptr(), KEY_KINDS[pooled_index_keys.dtype],
         pooled_index_keys.stride(0), pooled_index_keys.stride(1), weights.data_ptr(), visible.data_ptr(),
         candidates.data_ptr(), out.data_ptr(), batch_size, rows, heads, dim, windows, segments, per_segment, topk,
         sink_windows, local_windows, min(segments, torch.get_num_threads()))
@@ -119,6 +127,8 @@ def pooled_index_topk_cpu(index_queries, pooled_index_keys, num_visible_windows,
     if num_windows == 0 or num_queries == 0 or topk == 0:
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
     segments = max(1, min(MAX_SEGMENTS, num_windows // WINDOWS_PER_THREAD))
+    if is_packed(pooled_index_keys):
+        index_queries = rotate_queries(index_queries)
     queries = index_queries.float().reshape(batch_size, num_queries * num_heads, head_dim)
     select = KERNEL.dispatch(run_pooled_topk_windows, pooled_topk_windows)
     return select(queries, pooled_index_keys, scaled_head_weights(index_queries, head_weights), num_visible_windows,

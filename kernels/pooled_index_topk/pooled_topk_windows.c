@@ -58,16 +58,36 @@ static inline void products_4(const float *query, const float *key, int64_t dim,
     memcpy(products, p, sizeof p);
 }
 
-/* The key row at `offset` as float32: in place for float32 keys, widened into `widened` for bfloat16 ones. */
-static inline const float *key_row(const void *keys, int keys_bf16, int64_t offset, int64_t dim, float *widened) {
-    if (!keys_bf16) return (const float *)keys + offset;
-    const uint16_t *row = (const uint16_t *)keys + offset;
+/* Storage of the keys: float32, bfloat16, or packed fp8 (the row's dim float8_e4m3fn bytes, then its float32
+   power-of-two scale). */
+enum { KEYS_FLOAT32 = 0, KEYS_BFLOAT16 = 1, KEYS_PACKED_FP8 = 2 };
+
+static inline int64_t element_bytes(int keys_kind) {
+    return keys_kind == KEYS_FLOAT32 ? 4 : keys_kind == KEYS_BFLOAT16 ? 2 : 1;
+}
+
+/* The key row at `offset` (in elements of its storage) as float32: in place for float32 keys, widened into `widened`
+   for the others (fp8 values times their scale, exact for a power of two: the dequantised key). */
+static inline const float *key_row(const void *keys, int keys_kind, int64_t offset, int64_t dim, float *widened) {
+    if (keys_kind == KEYS_FLOAT32) return (const float *)keys + offset;
     int64_t d = 0;
+    if (keys_kind == KEYS_BFLOAT16) {
+        const uint16_t *row = (const uint16_t *)keys + offset;
+        for (; d + 8 <= dim; d += 8) {
+            lanes widened_lanes = load_bf16_lanes(row + d);
+            memcpy(widened + d, &widened_lanes, sizeof widened_lanes);
+        }
+        for (; d < dim; ++d) widened[d] = bf16_to_float(row[d]);
+        return widened;
+    }
+    const uint8_t *row = (const uint8_t *)keys + offset;
+    float scale;
+    memcpy(&scale, row + dim, sizeof scale);
     for (; d + 8 <= dim; d += 8) {
-        lanes widened_lanes = load_bf16_lanes(row + d);
+        lanes widened_lanes = load_fp8_lanes(row + d) * scale;
         memcpy(widened + d, &widened_lanes, sizeof widened_lanes);
     }
-    for (; d < dim; ++d) widened[d] = bf16_to_float(row[d]);
+    for (; d < dim; ++d) widened[d] = fp8_to_float(row[d]) * scale;
     return widened;
 }
 
@@ -75,9 +95,10 @@ static inline const float *key_row(const void *keys, int keys_bf16, int64_t offs
    waiting (measured 7.5 against 10.5 GB/s on one AVX2 EPYC core at 8 rows ahead). */
 #define PREFETCH_ROWS 8
 
-static inline void prefetch_row(const void *keys, int keys_bf16, int64_t offset, int64_t dim) {
-    const char *row = (const char *)keys + offset * (keys_bf16 ? 2 : 4);
-    for (int64_t byte = 0; byte < dim * (keys_bf16 ? 2 : 4); byte += 64) __builtin_prefetch(row + byte);
+static inline void prefetch_row(const void *keys, int keys_kind, int64_t offset, int64_t dim) {
+    int64_t bytes = keys_kind == KEYS_PACKED_FP8 ? dim + 4 : dim * element_bytes(keys_kind);
+    const char *row = (const char *)keys + offset * element_bytes(keys_kind);
+    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte);
 }
 
 /* Reorder a[0 .. n) so that a[0 .. k) holds its k largest entries (distinct keys; Hoare partition, quickselect). */
@@ -141,12 +162,13 @@ static void window_ids(int64_t *candidates, int64_t count, int64_t topk, int64_t
 }
 
 /* queries [batch, rows * heads, dim] and weights [batch, rows, heads] contiguous float32 (rows * heads <= MAX_ROWS);
-   keys [batch, windows, dim] with the given strides, float32 or bfloat16 (keys_bf16); visible [batch, rows]
+   keys [batch, windows, dim] with the given strides (in elements of the storage), float32, bfloat16 or packed fp8
+   (keys_kind; packed rows hold dim + 4 bytes); visible [batch, rows]
    contiguous int64. The windows are split into `segments` contiguous ranges, one thread each at a time; each range's
    `per_segment` best selection keys go to candidates [batch, rows, segments, per_segment] (INT64_MIN where a range
    has fewer windows), and the best `topk` of those to out [batch, rows, topk] as window ids. Returns 0, or 1 when a
    buffer could not be allocated. */
-int pooled_topk_windows(const float *queries, const void *keys, int keys_bf16, int64_t keys_batch_stride,
+int pooled_topk_windows(const float *queries, const void *keys, int keys_kind, int64_t keys_batch_stride,
                         int64_t keys_row_stride, const float *weights, const int64_t *visible, int64_t *candidates,
                         int64_t *out, int64_t batch, int64_t rows, int64_t heads, int64_t dim, int64_t windows,
                         int64_t segments, int64_t per_segment, int64_t topk, int64_t sink_windows,
@@ -175,8 +197,8 @@ int pooled_topk_windows(const float *queries, const void *keys, int keys_bf16, i
             int64_t first = windows * segment / segments, last = windows * (segment + 1) / segments;
             for (int64_t n = first; n < last; ++n) {
                 if (n + PREFETCH_ROWS < last)
-                    prefetch_row(keys, keys_bf16, b * keys_batch_stride + (n + PREFETCH_ROWS) * keys_row_stride, dim);
-                const float *key = key_row(keys, keys_bf16, b * keys_batch_stride + n * keys_row_stride, dim,
+                    prefetch_row(keys, keys_kind, b * keys_batch_stride + (n + PREFETCH_ROWS) * keys_row_stride, dim);
+                const float *key = key_row(keys, keys_kind, b * keys_batch_stride + n * keys_row_stride, dim,
                                            widened);
                 for (int64_t g = 0; g < groups; ++g) products_4(padded + g * 4 * dim, key, dim, products + g * 4);
                 for (int64_t r = 0; r < rows; ++r) {

@@ -27,6 +27,8 @@ cache-sized block at a time and summed straight into the score buffer.
 
 import torch
 
+from ..fp8_index_keys import dequantize_pooled_keys, is_packed, rotate_queries
+
 # Elements of the `[batch, query_chunk, topk + window_chunk]` block of selection keys.
 SCORE_BLOCK_ELEMENTS = 1 << 22
 # Windows scored between two merges into the running top-k: bounds a decode step's memory at any context.
@@ -66,7 +68,8 @@ def _write_scores(out: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, 
     keys_left = rows * num_heads <= KEYS_LEFT_ROWS
     for start in range(0, num_keys, block):
         end = min(start + block, num_keys)
-        block_keys = keys[:, start:end].float()
+        block_keys = keys[:, start:end]
+        block_keys = dequantize_pooled_keys(block_keys) if is_packed(block_keys) else block_keys.float()
         if keys_left:
             per_head = torch.bmm(block_keys, queries.transpose(1, 2)).relu_()  # [batch, n, rows * heads]
             per_head = per_head.view(batch_size, end - start, rows, num_heads).permute(0, 2, 3, 1)
@@ -137,7 +140,10 @@ def pooled_index_scores_torch(
     index_queries: torch.Tensor, pooled_index_keys: torch.Tensor, head_weights: torch.Tensor | None
 ) -> torch.Tensor:
     """Scores of every query against every given window, `[batch, queries, windows]` in float32 (no masking).
-    Differentiable (the indexer's KL loss trains through it); the selection computes the same scores in blocks."""
+    Differentiable (the indexer's KL loss trains through it); the selection computes the same scores in blocks.
+    Packed fp8 keys are scored against the rotated queries (no gradient reaches them)."""
+    if is_packed(pooled_index_keys):
+        index_queries, pooled_index_keys = rotate_queries(index_queries), dequantize_pooled_keys(pooled_index_keys)
     per_head = torch.einsum("bthd,bcd->bthc", index_queries.float(), pooled_index_keys.float()).relu()
     return torch.einsum("bthc,bth->btc", per_head, scaled_head_weights(index_queries, head_weights))
 
@@ -177,7 +183,8 @@ def pooled_index_topk_torch(
 
     Args:
         index_queries: `[batch, queries, index_heads, index_head_dim]`, after norm and RoPE.
-        pooled_index_keys: `[batch, windows, index_head_dim]`, window `c` at index `c`.
+        pooled_index_keys: `[batch, windows, index_head_dim]`, window `c` at index `c`; or packed fp8 keys
+            `uint8 [batch, windows, index_head_dim + 4]` (`fp8_index_keys`), scored against the rotated queries.
         num_visible_windows: `[batch, queries]` integer: query `t` may select windows `0 .. n - 1`.
         topk: windows to keep per query.
         head_weights: `[batch, queries, index_heads]` or None (all heads weigh 1).
@@ -198,6 +205,8 @@ def pooled_index_topk_torch(
         num_windows = min(num_windows, window_limit)
     if num_windows == 0 or num_queries == 0 or topk == 0:
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=index_queries.device)
+    if is_packed(pooled_index_keys):
+        index_queries = rotate_queries(index_queries)
     select = select_with_keys if window_limit is None else _select_with_host_bounds
     return select(index_queries, pooled_index_keys[:, :num_windows], num_visible_windows, topk,
                   scaled_head_weights(index_queries, head_weights), sink_windows, local_windows)

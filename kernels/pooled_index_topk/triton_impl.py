@@ -14,6 +14,7 @@ windows]` float32, and nothing is read back to the host. Prefill: queries go in 
 
 import torch
 
+from ..fp8_index_keys import is_packed, packed_width, rotate_queries
 from ..launch import PROGRAMS_PER_SM, Launch, dot_precision, multiprocessor_count
 from .reference import selection_keys, window_ids_of
 
@@ -30,6 +31,18 @@ SCRATCH_ELEMENTS = 1 << 24
 TILE_ROWS, TILE_ROWS_FP32 = 128, 64
 
 
+@triton.jit
+def _fp8_e4m3_to_float32(byte):
+    """float8_e4m3fn bytes (uint8) -> float32 by integer arithmetic: sm_80 has no fp8 type, and no float32 subnormal
+    is formed (the GPU may flush those). A normal value's exponent and mantissa move under float32's bias (+120) by
+    one add; a subnormal one is its mantissa times 2^-9."""
+    code = byte.to(tl.int32)
+    magnitude = code & 0x7F
+    normal = ((magnitude + (120 << 3)) << 20).to(tl.float32, bitcast=True)
+    value = tl.where(magnitude >= 8, normal, magnitude.to(tl.float32) * 0.001953125)
+    return tl.where((code & 0x80) != 0, -value, value)
+
+
 @triton.jit(do_not_specialize=["num_queries", "num_windows", "windows_per_split"])
 def _pooled_index_scores_kernel(
     query_ptr, key_ptr, weight_ptr, visible_ptr, score_ptr,
@@ -40,10 +53,11 @@ def _pooled_index_scores_kernel(
     stride_vb, stride_vt,
     HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED_FP8: tl.constexpr,
 ):
     """Scores `[batch, queries, windows]` (float32, contiguous) of one tile of queries over one split of windows;
-    windows no query of the tile sees are not written."""
+    windows no query of the tile sees are not written. `PACKED_FP8`: the keys are uint8 rows of `HEAD_DIM` fp8
+    bytes and a float32 scale, widened to the queries' dtype for the product (exact) and scaled after it."""
     tiles = tl.cdiv(num_queries, BLOCK_Q)
     batch = (tl.program_id(0) // tiles).to(tl.int64)  # int64: offsets pass 2^31 at long contexts and batches
     tile = tl.program_id(0) % tiles
@@ -75,11 +89,17 @@ def _pooled_index_scores_kernel(
     for block_start in range(start, end, BLOCK_W):
         windows = block_start + tl.arange(0, BLOCK_W)
         window_mask = windows < end
-        keys = tl.load(key_base + windows[:, None].to(tl.int64) * stride_kc + dims[None, :],
-                       mask=window_mask[:, None] & dim_mask[None, :], other=0.0)
-        if FP32:
+        key_rows = key_base + windows.to(tl.int64) * stride_kc
+        keys = tl.load(key_rows[:, None] + dims[None, :], mask=window_mask[:, None] & dim_mask[None, :], other=0)
+        if PACKED_FP8:
+            keys = _fp8_e4m3_to_float32(keys).to(queries.dtype)
+        elif FP32:
             keys = keys.to(tl.float32)
         per_head = tl.dot(queries, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_Q * HEADS_PAD, BLOCK_W]
+        if PACKED_FP8:  # a power of two > 0: scaling the product equals scaling the key, and commutes with the ReLU
+            key_scales = tl.load((key_rows + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True),
+                                 mask=window_mask, other=0.0)
+            per_head = per_head * key_scales[None, :]
         per_head = tl.maximum(per_head, 0.0) * weights[:, None]
         scores = tl.sum(tl.reshape(per_head, (BLOCK_Q, HEADS_PAD, BLOCK_W)), axis=1)
         tl.store(score_rows[:, None] + windows[None, :], scores,
@@ -92,6 +112,7 @@ def plan_scores(index_queries, pooled_index_keys, visible, head_weights, scores,
     against `pooled_index_keys` `[batch, windows, dim]`, under the causal bounds `visible` `[batch, queries]`."""
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
     num_windows = scores.shape[-1]
+    packed = is_packed(pooled_index_keys)
     heads_pad = triton.next_power_of_2(num_heads)
     fp32, precision = dot_precision(index_queries.dtype)
     # Tiles: up to TILE_ROWS (query, head) rows x 64 windows, 8 warps for 128 rows; float32 inputs (no tensor cores)
@@ -115,7 +136,7 @@ def plan_scores(index_queries, pooled_index_keys, visible, head_weights, scores,
          *index_queries.stride()[:3], *pooled_index_keys.stride()[:2], *weight_strides, *visible.stride()),
         dict(HEADS=num_heads, HEADS_PAD=heads_pad, HEAD_DIM=head_dim,
              DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_W=block_w,
-             HAS_WEIGHTS=head_weights is not None, FP32=fp32, PRECISION=precision,
+             HAS_WEIGHTS=head_weights is not None, FP32=fp32, PRECISION=precision, PACKED_FP8=packed,
              num_warps=8 if wide or block_q * heads_pad >= 128 else 4, num_stages=2),
     )
 
@@ -149,6 +170,8 @@ def pooled_index_topk_triton(
     device = index_queries.device
     if num_windows == 0 or num_queries == 0 or topk == 0:
         return torch.full((batch_size, num_queries, topk), -1, dtype=torch.long, device=device)
+    if is_packed(pooled_index_keys):
+        index_queries = rotate_queries(index_queries)
     index_queries = _last_dim_contiguous(index_queries)
     pooled_index_keys = _last_dim_contiguous(pooled_index_keys[:, :num_windows])
     if head_weights is not None:
@@ -185,7 +208,11 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
     num_queries = 1 if sizes.mode == "decode" else sizes.queries
     batch_size = sizes.batch if sizes.mode == "decode" else 1
     index_queries = torch.empty(batch_size, num_queries, sizes.index_heads, sizes.index_head_dim, **meta)
-    keys = torch.empty(batch_size, num_windows, sizes.index_head_dim, **meta)
+    if sizes.index_keys == "fp8":
+        keys = torch.empty(batch_size, num_windows, packed_width(sizes.index_head_dim), dtype=torch.uint8,
+                           device="meta")
+    else:
+        keys = torch.empty(batch_size, num_windows, sizes.index_head_dim, **meta)
     visible = torch.empty(batch_size, num_queries, dtype=torch.int64, device="meta")
     weights = torch.empty(batch_size, num_queries, sizes.index_heads, device="meta")
     chunk = max(1, min(num_queries, SCRATCH_ELEMENTS // (batch_size * num_windows)))
