@@ -8,6 +8,7 @@ from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVision
 
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
 POOL_WEIGHTINGS = ("learned", "learned_scalar", "mean", "prenorm_mean")
+INDEX_KEY_CACHE_DTYPES = ("auto", "float8_e4m3fn")
 
 
 def register_layer_type() -> None:
@@ -65,6 +66,11 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             counted inside the budget. `0` (the default) leaves every choice to the indexer, as Qwen4-Exp does.
         index_local_windows (`int`): Each query's most recent complete windows, always selected, counted inside the
             budget. `0` by default. `index_sink_windows + index_local_windows` must not exceed the budget's windows.
+        index_key_cache_dtype (`str`): How the cache stores pooled index keys: `"auto"` (the model's dtype) or
+            `"float8_e4m3fn"` (each pooled key rotated by a Walsh-Hadamard transform, then fp8 with one power-of-two
+            scale: `index_head_dim + 4` bytes per window, half of bfloat16; queries are rotated alike, so scores
+            change only by the rounding). Only the cache is quantised: a forward without a cache, and indexer
+            training, keep full-precision keys. fp8 needs a power-of-two `index_head_dim`.
         indexer_loss_weight (`float`): Weight of the indexer's KL loss in `loss` when a forward asks for it
             (`indexer_loss="dense"` or `"sparse"`).
         linear_num_key_heads (`int`): Query/key heads of Gated DeltaNet.
@@ -177,6 +183,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     index_head_weights: bool = False
     index_sink_windows: int = 0
     index_local_windows: int = 0
+    index_key_cache_dtype: str = "auto"
     indexer_loss_weight: float = 1.0
     # Gated DeltaNet
     linear_num_key_heads: int = 8
@@ -283,6 +290,13 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             fail(
                 f"`index_pool_weighting` is {self.index_pool_weighting!r}; it must be one of {list(POOL_WEIGHTINGS)}."
             )
+        if self.index_key_cache_dtype not in INDEX_KEY_CACHE_DTYPES:
+            fail(f"`index_key_cache_dtype` is {self.index_key_cache_dtype!r}; it must be one of "
+                 f"{list(INDEX_KEY_CACHE_DTYPES)}.")
+        if self.index_key_cache_dtype == "float8_e4m3fn" and self.index_head_dim & (self.index_head_dim - 1):
+            fail(f"`index_key_cache_dtype` 'float8_e4m3fn' rotates each key by a Walsh-Hadamard transform, which needs "
+                 f"a power-of-two `index_head_dim` (got {self.index_head_dim}); use e.g. "
+                 f"{1 << (self.index_head_dim.bit_length() - 1)} or keep 'auto'.")
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
             fail(

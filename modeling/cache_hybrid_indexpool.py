@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache
 
+from ..kernels.fp8_index_keys import packed_width, quantize_pooled_keys
+
 # Positions a growing (non-reserved) cache adds at least, and the fraction of its size it adds at most beyond need.
 GROWTH_CHUNK = 256
 GROWTH_FRACTION = 16
@@ -163,7 +165,9 @@ class IndexPoolLayerCache(_LayerCache):
             position `p`, valid for `p < lengths[b]`. `keys` / `values` present them as `[batch, kv_heads, capacity,
             head_dim]` views.
         pooled_storage: `[batch, capacity // r, index_head_dim]`, after norm and RoPE; window `c` at index `c`, valid
-            for `c < lengths[b] // r`.
+            for `c < lengths[b] // r`. With `fp8_index_keys`, packed fp8 keys `uint8 [batch, capacity // r,
+            index_head_dim + 4]` (`kernels.fp8_index_keys`: rotated, fp8 values and a float32 scale), quantised once
+            when the window completes.
         open_index_keys: `[batch, r - 1, index_head_dim]` raw indexer keys of the open window, the first
             `lengths[b] % r` valid.
         open_gate_logits: the same for the pooling-gate logits (float32; width 1 for `learned_scalar`), or None
@@ -180,9 +184,10 @@ class IndexPoolLayerCache(_LayerCache):
     )
     is_croppable = True
 
-    def __init__(self, pool_size: int, max_cache_len: int | None = None):
+    def __init__(self, pool_size: int, max_cache_len: int | None = None, fp8_index_keys: bool = False):
         self.pool_size = pool_size
         self.max_cache_len = max_cache_len
+        self.fp8_index_keys = fp8_index_keys
         self.is_compileable = max_cache_len is not None
         self.key_storage: torch.Tensor | None = None
         self.value_storage: torch.Tensor | None = None
@@ -275,7 +280,11 @@ class IndexPoolLayerCache(_LayerCache):
         # Zero-filled: entries beyond a row's length are read (and masked) by fixed-shape decode steps.
         key_storage = key_states.new_zeros(batch_size, capacity, kv_heads, head_dim)
         value_storage = value_states.new_zeros(batch_size, capacity, kv_heads, value_states.shape[-1])
-        pooled_storage = raw_index_keys.new_zeros(batch_size, capacity // r, index_head_dim)
+        if self.fp8_index_keys:
+            pooled_storage = torch.zeros(batch_size, capacity // r, packed_width(index_head_dim), dtype=torch.uint8,
+                                         device=raw_index_keys.device)
+        else:
+            pooled_storage = raw_index_keys.new_zeros(batch_size, capacity // r, index_head_dim)
         if self.key_storage is None:
             self.lengths = torch.zeros(batch_size, dtype=torch.long, device=key_states.device)
             self.open_index_keys = raw_index_keys.new_zeros(batch_size, r - 1, index_head_dim)
@@ -359,7 +368,7 @@ class IndexPoolLayerCache(_LayerCache):
         completes = real & (num_open == r - 1)
         window_target = num_pooled.clamp(max=self.pooled_storage.shape[1] - 1)
         self.pooled_storage[rows, window_target] = torch.where(
-            completes[:, None], pooled.to(self.pooled_storage.dtype), self.pooled_storage[rows, window_target])
+            completes[:, None], self._stored(pooled), self.pooled_storage[rows, window_target])
         # A completed window leaves stale entries behind, which its zero count makes invisible.
         if r > 1:
             self.open_index_keys.copy_(torch.where(real[:, None, None], window_keys[:, : r - 1], self.open_index_keys))
@@ -404,8 +413,8 @@ class IndexPoolLayerCache(_LayerCache):
                 window_logits = logit_buffer.view(batch_size, num_windows, r, logit_buffer.shape[-1])
             first_positions = position_buffer[:, ::r].permute(2, 0, 1)  # [streams, batch, windows]
             pooled = pool_windows(window_keys, window_logits, first_positions)
-            self.pooled_storage[complete_rows, window_ids[complete_rows, complete_windows]] = (
-                pooled[complete_rows, complete_windows].to(self.pooled_storage.dtype))
+            self.pooled_storage[complete_rows, window_ids[complete_rows, complete_windows]] = self._stored(
+                pooled[complete_rows, complete_windows])
         self.open_window_position.copy_(position_buffer[torch.arange(batch_size, device=device),
                                                         (num_complete * r).clamp(max=width - 1)])
         if r > 1:
@@ -415,6 +424,10 @@ class IndexPoolLayerCache(_LayerCache):
             self.open_index_keys.copy_(key_buffer.gather(1, open_index))
             if logit_buffer is not None:
                 self.open_gate_logits.copy_(logit_buffer.gather(1, open_index[..., :logit_buffer.shape[-1]]))
+
+    def _stored(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled keys `[..., index_head_dim]` as the storage holds them (packed fp8, or its dtype)."""
+        return quantize_pooled_keys(pooled) if self.fp8_index_keys else pooled.to(self.pooled_storage.dtype)
 
     @staticmethod
     def _scatter_rows(new, open_part, rows, columns, relative, width):
@@ -460,20 +473,20 @@ class IndexPoolLayerCache(_LayerCache):
         total_open = total_tokens - total_windows * self.pool_size
         key_value_per_token = (self.key_storage[0, 0].numel() * self.key_storage.element_size()
                                + self.value_storage[0, 0].numel() * self.value_storage.element_size())
-        index_head_dim = self.pooled_storage.shape[-1]
+        index_head_dim = self.open_index_keys.shape[-1]
+        pooled_bytes = self.pooled_storage.shape[-1] * self.pooled_storage.element_size()  # per window
         open_per_token = index_head_dim * (self.open_index_keys.element_size() + (
             0 if self.open_gate_logits is None else self.open_gate_logits.element_size()))
         bookkeeping = _bytes(self.lengths) + _bytes(self.open_window_position)
         return {
             "key_value": (total_tokens * key_value_per_token, _bytes(self.key_storage) + _bytes(self.value_storage)),
-            "pooled_index_keys": (total_windows * index_head_dim * self.pooled_storage.element_size(),
-                                  _bytes(self.pooled_storage)),
+            "pooled_index_keys": (total_windows * pooled_bytes, _bytes(self.pooled_storage)),
             "open_window": (total_open * open_per_token, _bytes(self.open_index_keys) + _bytes(self.open_gate_logits)),
             "bookkeeping": (bookkeeping, bookkeeping),
         }
 
     def unpooled_index_bytes(self) -> int:
-        """Bytes a per-token (r = 1) indexer key cache would hold for the same tokens."""
+        """Bytes a per-token (r = 1) indexer key cache of the same storage would hold for the same tokens."""
         if self.lengths is None:
             return 0
         return int(self.lengths.sum()) * self.pooled_storage.shape[-1] * self.pooled_storage.element_size()
@@ -482,7 +495,7 @@ class IndexPoolLayerCache(_LayerCache):
 def cache_layout(config) -> dict:
     """The settings that decide what a cache holds and how: two models with the same ones can share caches."""
     names = ("layer_types", "index_pool_size", "num_key_value_heads", "head_dim", "index_head_dim",
-             "index_pool_weighting", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "index_pool_weighting", "index_key_cache_dtype", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
              "linear_value_head_dim", "linear_conv_kernel_dim", "ple_layers", "hc_count")
     return {name: (list(value) if isinstance(value := getattr(config, name), (list, tuple)) else value)
             for name in names}
@@ -506,7 +519,9 @@ class HybridIndexPoolCache(Cache):
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"max_cache_len is {max_cache_len}; give a positive number of tokens or None.")
         layers = [
-            IndexPoolLayerCache(config.index_pool_size, max_cache_len) if layer_type == "indexpool_attention"
+            IndexPoolLayerCache(config.index_pool_size, max_cache_len,
+                                fp8_index_keys=config.index_key_cache_dtype == "float8_e4m3fn")
+            if layer_type == "indexpool_attention"
             else LinearAttentionLayerCache()
             for layer_type in config.layer_types
         ]

@@ -446,6 +446,11 @@ class HybridIndexPoolAttention(nn.Module):
         if self.output_gate:
             query, gate = query.chunk(2, dim=-1)
             gate = gate.reshape(batch_size, seq_len, -1)
+        if indexer_loss is not None and layer_cache is not None and layer_cache.fp8_index_keys:
+            raise ValueError(
+                "indexer_loss trains the pooling through full-precision pooled keys, but this cache stores them in fp8 "
+                "(index_key_cache_dtype='float8_e4m3fn'); train without a cache (use_cache=False)."
+            )
         if indexer_loss is not None and query.shape[2] != self.num_heads:
             raise ValueError(
                 "indexer_loss needs the attention of every head, but this rank holds "
