@@ -36,14 +36,15 @@ def greedy_decode(forward, model, input_ids, mask, steps):
     return torch.cat(all_logits, dim=1), torch.cat(tokens, dim=1)
 
 
-def check_compiled_decode(backend: str, steps: int = 50, frozen: bool = False):
+def check_compiled_decode(backend: str, steps: int = 50, frozen: bool = False, fp8_keys: bool = False):
     """Compiled greedy decoding (first in the process), then eager: same logits and tokens, one graph."""
     from hybrid_indexpool.scripts.bench_decode import FROZEN_OPTIONS
 
     options = FROZEN_OPTIONS if frozen else None
     torch._dynamo.reset()
     torch.manual_seed(1234)
-    model = tiny_model(index_topk=8, index_head_weights=True)
+    model = tiny_model(index_topk=8, index_head_weights=True,
+                       index_key_cache_dtype="float8_e4m3fn" if fp8_keys else "auto")
     input_ids = torch.randint(1, 97, (2, 30))
     mask = torch.ones(2, 30, dtype=torch.long)
     mask[1, :6] = 0  # left padding: row 1 has 24 real tokens
@@ -66,6 +67,11 @@ def check_compiled_decode(backend: str, steps: int = 50, frozen: bool = False):
 def test_the_decode_step_compiles_whole_and_one_graph_serves_every_step():
     # aot_eager: dynamo's whole-graph capture and AOT autograd, without inductor's (slow on CPU) code generation.
     run_in_fresh_process(__file__, "check_compiled_decode", "aot_eager")
+
+
+def test_the_decode_step_with_fp8_index_keys_compiles_whole():
+    # Quantising a completed window (rotation, scale, fp8 bytes) and scoring packed keys are in the graph too.
+    run_in_fresh_process(__file__, "check_compiled_decode", "aot_eager", 30, False, True)
 
 
 @pytest.mark.slow
