@@ -95,8 +95,10 @@ def test_remote_code_is_generated_from_the_package_sources():
     files = hub_export.generate_remote_code()
     assert {"configuration_hybrid_indexpool.py", "modeling_hybrid_indexpool.py", "cache_hybrid_indexpool.py",
             "kernels_sparse_attention.py", "kernels_sparse_attention_reference.py"} <= set(files)
-    package_source = Path(hub_export.__file__).with_name("cache_hybrid_indexpool.py").read_text()
-    assert files["cache_hybrid_indexpool.py"].endswith(package_source)
+    package_source = Path(hub_export.__file__).with_name("token_layout.py").read_text()
+    assert files["token_layout.py"].endswith(package_source)  # no relative import: the source as it is
+    assert "from .kernels_fp8_index_keys import packed_width, quantize_pooled_keys" in \
+        files["cache_hybrid_indexpool.py"]
     assert "from .kernels_pooled_index_topk import pooled_index_scores_torch, pooled_index_topk" in \
         files["modeling_hybrid_indexpool.py"]
 
