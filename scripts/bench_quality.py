@@ -27,6 +27,13 @@ is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
    parameter trains, sparse attention, language-model loss plus `indexer_loss_weight` times the KL over the selected
    windows), and the dense model with the same number of plain language-model steps on the same data, so that every
    setting gets the same extra training; then measure everything again.
+5. After each stage, each setting of `--key-cache-settings` (default: every sparse one) again with each storage of
+   its pooled index keys (`KEY_CACHES`): full precision, fp8 as the cache stores it (`index_key_cache_dtype=
+   "float8_e4m3fn"`: Hadamard-rotated, a power-of-two scale per key), the same fp8 without the rotation (an
+   ablation) and bfloat16: the fraction of the full-precision selection's windows each one's selection keeps
+   (averaged over the pruned queries), the fraction of identical selections and the captured attention mass, from
+   the model's own index queries and pooled keys on the held-out blocks; perplexity and passkey accuracy through a
+   cache (`use_cache=True`) for full precision and fp8, the cache formats.
 
     python -m hybrid_indexpool.scripts.bench_quality --quick
     python -m hybrid_indexpool.scripts.bench_quality --json docs/bench_quality.json --plot docs/bench_quality.png
