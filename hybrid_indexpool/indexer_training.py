@@ -20,6 +20,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
+from .kernels.fp8_index_keys import fp8_round_trip_unrotated, quantize_pooled_keys
 from .kernels.pooled_index_topk import pooled_index_topk
 from .modeling.modeling_hybrid_indexpool import HybridIndexPoolAttention
 from .training import (
@@ -230,9 +231,10 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
     """How much of the dense attention the indexer's selection keeps, with the model's own pieces.
 
     Runs `model` densely (`indexer_loss="dense"`, `output_attentions=True`), then recomputes each IndexPool layer's
-    selection from the hidden states that entered it, and sums the dense attention probability that falls on the
-    selected windows plus the tail. Averaged over heads and over the queries whose visible windows exceed the budget
-    (the others keep everything), per layer and over layers. Inputs must be unpadded `[batch, seq]` ids.
+    selection (full-precision pooled keys) from the hidden states that entered it, and sums the dense attention
+    probability that falls on the selected windows plus the tail. Averaged over heads and over the queries whose
+    visible windows exceed the budget (the others keep everything), per layer and over layers. Inputs must be
+    unpadded `[batch, seq]` ids.
 
     Also the mass of the best selection any indexer could make at the same pool size and budget (`oracle_mass`):
     per query, the `topk` visible complete windows holding the most head-averaged dense attention, plus the tail. It
@@ -242,6 +244,94 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
     Returns `{"mass": float, "per_layer": [float], "oracle_mass": float, "oracle_per_layer": [float],
     "dense_kl": float}`; the masses are 1.0 when no query is pruned.
     """
+    outputs, layers = _dense_pass(model, input_ids)
+    per_layer, oracle_per_layer = [], []
+    for pieces in layers:
+        if not pieces.pruned.any():
+            per_layer.append(1.0)
+            oracle_per_layer.append(1.0)
+            continue
+        captured, tail = _captured_mass(pieces, _select(pieces, pieces.pooled_keys))
+        per_layer.append(captured[pieces.pruned].mean().item())
+        oracle_per_layer.append(_best_selection_mass(pieces.weights, pieces.num_visible, tail, pieces.layer.pool_size,
+                                                     pieces.pooled_keys.shape[1],
+                                                     pieces.layer.topk_windows)[pieces.pruned].mean().item())
+    return {"mass": sum(per_layer) / len(per_layer), "per_layer": per_layer,
+            "oracle_mass": sum(oracle_per_layer) / len(oracle_per_layer), "oracle_per_layer": oracle_per_layer,
+            "dense_kl": outputs.indexer_loss.item()}
+
+
+# How a cache could store pooled index keys, as functions of the full-precision keys that `pooled_index_topk`
+# scores: bfloat16 (what a bfloat16 model's cache holds), the packed fp8 keys of `index_key_cache_dtype=
+# "float8_e4m3fn"`, and the same fp8 scheme without the Hadamard rotation (an ablation, not a cache format).
+INDEX_KEY_FORMATS = {
+    "bfloat16": lambda keys: keys.to(torch.bfloat16),
+    "float8_e4m3fn": quantize_pooled_keys,
+    "float8_e4m3fn_unrotated": fp8_round_trip_unrotated,
+}
+
+
+@torch.no_grad()
+def index_key_format_measures(model, input_ids: torch.Tensor, formats=tuple(INDEX_KEY_FORMATS)) -> dict:
+    """How storing the pooled index keys in each of `formats` (names of `INDEX_KEY_FORMATS`) changes the selection,
+    against the full-precision keys of the model's own indexer on `input_ids` (unpadded `[batch, seq]`).
+
+    One dense pass as `selection_attention_mass`; then, per IndexPool layer and over the queries that see more
+    windows than the budget keeps: `overlap`, the fraction of the full-precision selection's windows that the
+    format's selection also selects; `identical`, the fraction of queries whose selection is unchanged; `mass`, the
+    dense attention mass the format's selection captures (with the tail). Averaged per layer, then over layers
+    (as the masses of `selection_attention_mass`).
+
+    Returns `{"mass": full-precision mass, format: {"overlap": float, "identical": float, "mass": float,
+    "per_layer_overlap": [float]}}`; everything is 1.0 (or the full mass) where no query is pruned.
+    """
+    unknown = set(formats) - set(INDEX_KEY_FORMATS)
+    if unknown:
+        raise ValueError(f"Unknown index key formats {sorted(unknown)}; use some of {list(INDEX_KEY_FORMATS)}.")
+    _, layers = _dense_pass(model, input_ids)
+    reference_mass = []
+    per_format = {name: {"overlap": [], "identical": [], "mass": []} for name in formats}
+    for pieces in layers:
+        if not pieces.pruned.any():
+            reference_mass.append(1.0)
+            for values in per_format.values():
+                for measure in values.values():
+                    measure.append(1.0)
+            continue
+        pruned = pieces.pruned
+        reference = _select(pieces, pieces.pooled_keys)
+        reference_mass.append(_captured_mass(pieces, reference)[0][pruned].mean().item())
+        for name in formats:
+            selected = _select(pieces, INDEX_KEY_FORMATS[name](pieces.pooled_keys))
+            # A pruned query selects exactly topk windows (ascending ids, no -1) with either keys.
+            shared = (reference[..., :, None] == selected[..., None, :]).any(dim=-1).float().mean(dim=-1)
+            per_format[name]["overlap"].append(shared[pruned].mean().item())
+            per_format[name]["identical"].append((reference == selected).all(dim=-1)[pruned].float().mean().item())
+            per_format[name]["mass"].append(_captured_mass(pieces, selected)[0][pruned].mean().item())
+    result = {"mass": sum(reference_mass) / len(reference_mass)}
+    for name, values in per_format.items():
+        result[name] = {measure: sum(per_layer) / len(per_layer) for measure, per_layer in values.items()}
+        result[name]["per_layer_overlap"] = values["overlap"]
+    return result
+
+
+@dataclass
+class _LayerPieces:
+    """What one IndexPool layer saw in a dense pass: its dense attention and its indexer's queries and pooled keys."""
+
+    layer: HybridIndexPoolAttention
+    weights: torch.Tensor  # [batch, heads, queries, slots] dense attention
+    index_queries: torch.Tensor
+    pooled_keys: torch.Tensor  # [batch, windows, index_head_dim], full precision
+    head_weights: torch.Tensor | None
+    positions: torch.Tensor  # [batch, queries]
+    num_visible: torch.Tensor  # [batch, queries]
+    pruned: torch.Tensor  # [batch, queries]: sees more windows than the budget keeps
+
+
+def _dense_pass(model, input_ids: torch.Tensor):
+    """Run `model` densely with its attention weights; returns the outputs and each IndexPool layer's
+    `_LayerPieces`, recomputed from the hidden states that entered it."""
     layers = [module for module in model.modules() if isinstance(module, HybridIndexPoolAttention)]
     if not layers:
         raise ValueError("The model has no IndexPool attention layer: there is no selection to measure.")
@@ -257,14 +347,14 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
         for hook in hooks:
             hook.remove()
 
-    per_layer, oracle_per_layer = [], []
+    pieces = []
     for layer, weights in zip(layers, outputs.attentions):
         inputs = entered[layer]
         hidden_states, positions, rotary_emb = inputs["hidden_states"], inputs["positions"], inputs["rotary_emb"]
         cos, sin = inputs["position_embeddings"]
         index_queries, raw_keys, gate_logits, head_weights = layer.indexer(hidden_states, cos, sin)
         # Unpadded rows: window c is tokens c * r .. c * r + r - 1 of every row.
-        r, num_slots = layer.pool_size, weights.shape[-1]
+        r = layer.pool_size
         num_windows = hidden_states.shape[1] // r
         # Rotated at each window's first token: positions c * r (the input is one unpadded text sequence per row).
         first_positions = inputs["rope_positions"][:, :, : num_windows * r: r]
@@ -274,30 +364,33 @@ def selection_attention_mass(model, input_ids: torch.Tensor) -> dict:
             first_positions, rotary_emb,
         )
         num_visible = (positions + 1) // r
-        pruned = num_visible > layer.topk_windows
-        if not pruned.any():
-            per_layer.append(1.0)
-            oracle_per_layer.append(1.0)
-            continue
-        selected = pooled_index_topk(index_queries, pooled_keys, num_visible, layer.topk_windows, head_weights,
-                                     sink_windows=layer.sink_windows, local_windows=layer.local_windows)
-        num_windows = pooled_keys.shape[1]
-        chosen = torch.zeros(*selected.shape[:2], num_windows + 1, dtype=torch.bool, device=selected.device)
-        chosen.scatter_(-1, selected.masked_fill(selected < 0, num_windows), True)
-        chosen[..., num_windows] = False  # the column that absorbed the empty (-1) picks
-        slots = torch.arange(num_slots, device=selected.device)
-        window_of_slot = (slots // r).clamp(max=num_windows)  # slots past the last complete window: the tail
-        tail_start = (num_visible * r)[..., None]
-        kept = chosen.gather(-1, window_of_slot.expand(*selected.shape[:2], -1))
-        tail = (slots >= tail_start) & (slots <= positions[..., None])
-        kept = kept | tail
-        captured = (weights * kept[:, None]).sum(-1)  # [batch, heads, queries]
-        per_layer.append(captured.mean(dim=1)[pruned].mean().item())
-        oracle_per_layer.append(_best_selection_mass(weights, num_visible, tail, r, num_windows,
-                                                     layer.topk_windows)[pruned].mean().item())
-    return {"mass": sum(per_layer) / len(per_layer), "per_layer": per_layer,
-            "oracle_mass": sum(oracle_per_layer) / len(oracle_per_layer), "oracle_per_layer": oracle_per_layer,
-            "dense_kl": outputs.indexer_loss.item()}
+        pieces.append(_LayerPieces(layer, weights, index_queries, pooled_keys, head_weights, positions, num_visible,
+                                   num_visible > layer.topk_windows))
+    return outputs, pieces
+
+
+def _select(pieces: _LayerPieces, pooled_keys: torch.Tensor) -> torch.Tensor:
+    """The layer's selection `[batch, queries, topk]` scored against `pooled_keys` (any format the kernels take)."""
+    layer = pieces.layer
+    return pooled_index_topk(pieces.index_queries, pooled_keys, pieces.num_visible, layer.topk_windows,
+                             pieces.head_weights, sink_windows=layer.sink_windows, local_windows=layer.local_windows)
+
+
+def _captured_mass(pieces: _LayerPieces, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head-averaged dense attention `[batch, queries]` on the `selected` windows plus the tail, and the tail's slots
+    `[batch, queries, slots]`."""
+    weights, r = pieces.weights, pieces.layer.pool_size
+    num_slots, num_windows = weights.shape[-1], pieces.pooled_keys.shape[1]
+    chosen = torch.zeros(*selected.shape[:2], num_windows + 1, dtype=torch.bool, device=selected.device)
+    chosen.scatter_(-1, selected.masked_fill(selected < 0, num_windows), True)
+    chosen[..., num_windows] = False  # the column that absorbed the empty (-1) picks
+    slots = torch.arange(num_slots, device=selected.device)
+    window_of_slot = (slots // r).clamp(max=num_windows)  # slots past the last complete window: the tail
+    tail_start = (pieces.num_visible * r)[..., None]
+    kept = chosen.gather(-1, window_of_slot.expand(*selected.shape[:2], -1))
+    tail = (slots >= tail_start) & (slots <= pieces.positions[..., None])
+    captured = (weights * (kept | tail)[:, None]).sum(-1)  # [batch, heads, queries]
+    return captured.mean(dim=1), tail
 
 
 def _best_selection_mass(weights: torch.Tensor, num_visible: torch.Tensor, tail: torch.Tensor, pool_size: int,

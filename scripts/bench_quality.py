@@ -27,6 +27,13 @@ is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
    parameter trains, sparse attention, language-model loss plus `indexer_loss_weight` times the KL over the selected
    windows), and the dense model with the same number of plain language-model steps on the same data, so that every
    setting gets the same extra training; then measure everything again.
+5. After each stage, each setting of `--key-cache-settings` (default: every sparse one) again with each storage of
+   its pooled index keys (`KEY_CACHES`): full precision, fp8 as the cache stores it (`index_key_cache_dtype=
+   "float8_e4m3fn"`: Hadamard-rotated, a power-of-two scale per key), the same fp8 without the rotation (an
+   ablation) and bfloat16: the fraction of the full-precision selection's windows each one's selection keeps
+   (averaged over the pruned queries), the fraction of identical selections and the captured attention mass, from
+   the model's own index queries and pooled keys on the held-out blocks; perplexity and passkey accuracy through a
+   cache (`use_cache=True`) for full precision and fp8, the cache formats.
 
     python -m hybrid_indexpool.scripts.bench_quality --quick
     python -m hybrid_indexpool.scripts.bench_quality --json docs/bench_quality.json --plot docs/bench_quality.png
@@ -61,6 +68,12 @@ POOLING = {"learned_r4": (4, "learned"), "learned_scalar_r4": (4, "learned_scala
 # characters hold three needle lines and their questions with one character to spare: pure recall, no filler (with
 # 10-16 characters of code between the needles the lookup did not form within 500 steps).
 RECALL_STAGES = ((49, 1.0, True), (128, 0.5, False))
+# Storages of the pooled index keys compared for each sparse setting (names of
+# `indexer_training.INDEX_KEY_FORMATS`, "auto" the model's own precision), with the `index_key_cache_dtype` that a
+# cache holding them has; None: not a cache format (selection measures only, no perplexity or passkey accuracy).
+KEY_CACHES = {"auto": "auto", "float8_e4m3fn": "float8_e4m3fn", "float8_e4m3fn_unrotated": None, "bfloat16": None}
+KEY_CACHE_LABELS = {"auto": "full precision", "float8_e4m3fn": "fp8 e4m3, Hadamard-rotated (the cache's)",
+                    "float8_e4m3fn_unrotated": "fp8 e4m3 without rotation", "bfloat16": "bfloat16"}
 # Needle depth quarters that passkey accuracy is reported for.
 DEPTH_BINS = 4
 # Sizes of the full run and of `--quick` (any of them can be set on the command line).
@@ -102,7 +115,7 @@ def model_config(setting: str, args, tokenizer):
     from hybrid_indexpool import HybridIndexPoolConfig
 
     pool_size, weighting = POOLING[setting]
-    head_dim = max(16, args.hidden_size // 4)
+    head_dim = max(16, args.hidden_size // 4)  # `parse_arguments` checks it against fp8 keys
     return HybridIndexPoolConfig(
         vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
@@ -130,12 +143,12 @@ def trainer_arguments(output_dir: str, steps: int, learning_rate: float, args, b
 
 
 @torch.no_grad()
-def passkey_digits_right(model, passkeys: torch.Tensor, args) -> torch.Tensor:
+def passkey_digits_right(model, passkeys: torch.Tensor, args, use_cache: bool = False) -> torch.Tensor:
     """[samples, digits]: whether the greedy (teacher-forced) prediction of each passkey digit is right."""
     model.eval()
     rights = []
     for batch in passkeys.split(args.eval_batch_size):
-        logits = model(batch, use_cache=False).logits
+        logits = model(batch, use_cache=use_cache).logits
         rights.append(logits[:, -PASSKEY_DIGITS - 1:-1].argmax(-1) == batch[:, -PASSKEY_DIGITS:])
     return torch.cat(rights)
 
@@ -146,8 +159,11 @@ def passkey_accuracy(model, passkeys: torch.Tensor, args) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, passkeys: torch.Tensor, args) -> dict:
-    """Perplexity (all tokens, tokens beyond the budget), captured attention mass, passkey accuracy."""
+def evaluate(model, blocks: torch.Tensor, passkeys: torch.Tensor, args, use_cache: bool = False,
+             attention_mass: bool = True) -> dict:
+    """Perplexity (all tokens, tokens beyond the budget), captured attention mass (unless `attention_mass=False`),
+    passkey accuracy. `use_cache=True` runs the forwards through a fresh cache (built from the model's config, so
+    its `index_key_cache_dtype` applies, also to the prefill's selection)."""
     from hybrid_indexpool.indexer_training import selection_attention_mass
 
     model.eval()
@@ -156,27 +172,32 @@ def evaluate(model, blocks: torch.Tensor, passkeys: torch.Tensor, args) -> dict:
     nll_sum = nll_beyond = 0.0
     masses, oracle_masses, kls = [], [], []
     for batch in blocks.split(args.eval_batch_size):
-        logits = model(batch, use_cache=False).logits[:, :-1].float()
+        logits = model(batch, use_cache=use_cache).logits[:, :-1].float()
         nll = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
         nll_sum += nll.sum().item()
         nll_beyond += nll[:, beyond].sum().item()
+        if not attention_mass:
+            continue
         mass = selection_attention_mass(model, batch)
         masses.append(mass["mass"])
         oracle_masses.append(mass["oracle_mass"])
         kls.append(mass["dense_kl"])
-    right = passkey_digits_right(model, passkeys, args)  # [samples, digits]; needle depths rise evenly over [0, 1)
+    # [samples, digits]; needle depths rise evenly over [0, 1)
+    right = passkey_digits_right(model, passkeys, args, use_cache=use_cache)
     correct = right.all(dim=-1).float()
     tokens = blocks.shape[0] * (args.context - 1)
-    return {
+    metrics = {
         "ppl": float(torch.tensor(nll_sum / tokens).exp()),
         "ppl_beyond_budget": float(torch.tensor(nll_beyond / (blocks.shape[0] * int(beyond.sum()))).exp()),
-        "attention_mass": sum(masses) / len(masses),
-        "best_selection_mass": sum(oracle_masses) / len(oracle_masses),
-        "dense_kl": sum(kls) / len(kls),
         "passkey_accuracy": float(correct.mean()),
         "passkey_digit_accuracy": float(right.float().mean()),
         "passkey_accuracy_by_depth": [float(part.mean()) for part in correct.tensor_split(DEPTH_BINS)],
     }
+    if attention_mass:
+        metrics.update({"attention_mass": sum(masses) / len(masses),
+                        "best_selection_mass": sum(oracle_masses) / len(oracle_masses),
+                        "dense_kl": sum(kls) / len(kls)})
+    return metrics
 
 
 def evaluated_row(setting: str, model, blocks: torch.Tensor, passkeys: torch.Tensor, args) -> dict:
@@ -187,6 +208,43 @@ def evaluated_row(setting: str, model, blocks: torch.Tensor, passkeys: torch.Ten
     if setting == "dense":
         row["dense_kl"] = None  # no selection, and its indexer was never trained
     return row
+
+
+@torch.no_grad()
+def key_cache_rows(setting: str, model, blocks: torch.Tensor, passkeys: torch.Tensor, args) -> list[dict]:
+    """The setting measured with each storage of the pooled index keys, side by side (`KEY_CACHES`).
+
+    Selection overlap, identical selections and captured attention mass come from the model's own index queries and
+    pooled keys on the held-out blocks (`index_key_format_measures`, against the full-precision selection).
+    Perplexity and passkey accuracy are measured for the two formats a cache can hold, both through a cache
+    (`use_cache=True`, `index_key_cache_dtype` set for the run), so that they differ only in the stored keys.
+    """
+    from hybrid_indexpool.indexer_training import index_key_format_measures
+
+    model.eval()
+    measured = [index_key_format_measures(model, batch, formats=[name for name in KEY_CACHES if name != "auto"])
+                for batch in blocks.split(args.eval_batch_size)]
+    rows = []
+    for name, dtype in KEY_CACHES.items():
+        row = {"setting": setting, "pool_size": model.config.index_pool_size, "index_keys": name,
+               "model_dtype": str(model.dtype).removeprefix("torch.")}
+        if name == "auto":
+            row.update(selection_overlap=1.0, identical_selections=1.0,
+                       attention_mass=sum(part["mass"] for part in measured) / len(measured))
+        else:
+            row.update({f"{key}": sum(part[name][measure] for part in measured) / len(measured)
+                        for key, measure in (("selection_overlap", "overlap"), ("identical_selections", "identical"),
+                                             ("attention_mass", "mass"))})
+            row["selection_overlap_per_layer"] = [
+                sum(values) / len(values) for values in zip(*(part[name]["per_layer_overlap"] for part in measured))]
+        if dtype is not None:
+            model.config.index_key_cache_dtype = dtype
+            try:
+                row.update(evaluate(model, blocks, passkeys, args, use_cache=True, attention_mass=False))
+            finally:
+                model.config.index_key_cache_dtype = "auto"
+        rows.append(row)
+    return rows
 
 
 def run(args) -> dict:
@@ -234,6 +292,7 @@ def run(args) -> dict:
                                       split_special_tokens=True)["input_ids"])
 
     results, warmup_curves, sparse_results, sparse_curves, fresh_results = {}, {}, {}, {}, {}
+    key_cache_results = {"warmup": [], "sparse": []}  # rows of `key_cache_rows` after each stage
     with tempfile.TemporaryDirectory() as scratch:
         print(f"1/3 training the dense base model: {args.train_steps} steps of {args.batch_size} x {args.context} "
               "tokens", flush=True)
@@ -280,6 +339,8 @@ def run(args) -> dict:
                 warmup_curves[setting] = [(entry["step"], entry["indexer_kl"])
                                           for entry in warmup.state.log_history if "indexer_kl" in entry]
             results[setting] = evaluated_row(setting, model, blocks, passkeys, args)
+            if setting in args.key_cache_settings:
+                key_cache_results["warmup"] += key_cache_rows(setting, model, blocks, passkeys, args)
             if setting != "dense":
                 results[setting]["warmup_kl_first"], results[setting]["warmup_kl_last"] = \
                     kl_summary(warmup.state.log_history)
@@ -295,6 +356,8 @@ def run(args) -> dict:
             sparse_curves[setting] = [(entry["step"], entry.get("lm_loss", entry["loss"]), entry.get("indexer_kl"))
                                       for entry in sparse.state.log_history if "loss" in entry]
             sparse_results[setting] = evaluated_row(setting, model, blocks, passkeys, args)
+            if setting in args.key_cache_settings:
+                key_cache_results["sparse"] += key_cache_rows(setting, model, blocks, passkeys, args)
             if setting != "dense":
                 sparse_results[setting]["sparse_kl_first"], sparse_results[setting]["sparse_kl_last"] = \
                     kl_summary(sparse.state.log_history)
@@ -304,6 +367,14 @@ def run(args) -> dict:
         for row in rows.values():
             row["ppl_vs_dense"] = row["ppl"] / rows["dense"]["ppl"] - 1
             row["ppl_beyond_budget_vs_dense"] = row["ppl_beyond_budget"] / rows["dense"]["ppl_beyond_budget"] - 1
+    for stage, rows in (("warmup", results), ("sparse", sparse_results)):
+        full_precision = {row["setting"]: row for row in key_cache_results[stage] if row["index_keys"] == "auto"}
+        for row in key_cache_results[stage]:
+            if "ppl" not in row:
+                continue  # not a cache format: selection measures only
+            row["ppl_beyond_budget_vs_dense"] = row["ppl_beyond_budget"] / rows["dense"]["ppl_beyond_budget"] - 1
+            row["ppl_beyond_budget_vs_full_precision"] = \
+                row["ppl_beyond_budget"] / full_precision[row["setting"]]["ppl_beyond_budget"] - 1
     return {
         "machine": machine(),
         "settings": {**vars(args), "train_files": train_files, "held_out_files": held_out_files,
@@ -318,6 +389,8 @@ def run(args) -> dict:
         "warmup_kl": warmup_curves,
         "results_after_sparse": [sparse_results[setting] for setting in args.settings if setting in sparse_results],
         "sparse_curves": sparse_curves,
+        "key_cache_results": key_cache_results["warmup"],
+        "key_cache_results_after_sparse": key_cache_results["sparse"],
         "seconds": round(time.time() - started, 1),
     }
 
@@ -385,7 +458,38 @@ def format_table(report: dict) -> str:
                 f"{' / '.join(f'{value:.0%}' for value in row.get('passkey_accuracy_by_depth', [])) or '-'} | "
                 f"{row['passkey_digit_accuracy']:.1%} |"
             )
+    lines += key_cache_table(report)
     return "\n".join(lines)
+
+
+def key_cache_table(report: dict) -> list[str]:
+    """Lines of a Markdown table of each setting with each storage of its pooled index keys (none when not run)."""
+    stages = [("warm-up", report.get("key_cache_results", [])),
+              (f"+ stage 2 ({report['settings'].get('sparse_steps', 0)} steps)",
+               report.get("key_cache_results_after_sparse", []))]
+    if not any(rows for _, rows in stages):
+        return []
+    lines = [
+        "",
+        "Pooled index keys stored in each format (selection measures against the full-precision selection, over the "
+        "queries that see more windows than the budget; perplexity and passkey accuracy through a cache of that "
+        "format, `use_cache=True`; '-': not a cache format, selection measures only):",
+        "",
+        "| indexer | after | index keys | selection overlap | identical selections | attention mass captured | ppl | "
+        "ppl beyond budget | vs dense | vs full-precision keys | passkey accuracy | passkey digits right |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for after, rows in stages:
+        for row in rows:
+            cached = "ppl" in row
+            lines.append(
+                f"| {LABELS[row['setting']]} | {after} | {KEY_CACHE_LABELS[row['index_keys']]} | "
+                f"{row['selection_overlap']:.2%} | {row['identical_selections']:.1%} | {row['attention_mass']:.4f} | "
+                + (f"{row['ppl']:.4f} | {row['ppl_beyond_budget']:.4f} | {row['ppl_beyond_budget_vs_dense']:+.2%} | "
+                   f"{row['ppl_beyond_budget_vs_full_precision']:+.3%} | {row['passkey_accuracy']:.1%} | "
+                   f"{row['passkey_digit_accuracy']:.1%} |" if cached else "- | - | - | - | - | - |")
+            )
+    return lines
 
 
 def plot(report: dict, path: str) -> None:
@@ -449,6 +553,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                              "holds, all asked at the end (many answers per sequence: retrieval is learned sooner).")
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help=f"Comma-separated indexers to compare, dense included (default all: {', '.join(SETTINGS)}).")
+    parser.add_argument("--key-cache-settings", default=None,
+                        help="Comma-separated sparse settings also measured with each storage of the pooled index "
+                             "keys (full precision, fp8 as the cache stores it, fp8 without the rotation, bfloat16) "
+                             "after each stage; '' for none. Default: every sparse setting of --settings.")
     parser.add_argument("--passkey-fraction", type=float, default=0.5,
                         help="Fraction of training sequences that are passkey samples.")
     parser.add_argument("--max-needles", type=int, default=None,
@@ -494,6 +602,18 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     unknown = set(args.settings) - set(SETTINGS)
     if unknown:
         parser.error(f"--settings takes {', '.join(SETTINGS)}, not {sorted(unknown)}.")
+    if args.key_cache_settings is None:
+        args.key_cache_settings = [setting for setting in args.settings if setting != "dense"]
+    else:
+        args.key_cache_settings = [setting for setting in args.key_cache_settings.split(",") if setting]
+        if set(args.key_cache_settings) - (set(args.settings) - {"dense"}):
+            parser.error(f"--key-cache-settings takes sparse settings of --settings, not "
+                         f"{sorted(set(args.key_cache_settings) - (set(args.settings) - {'dense'}))}.")
+    head_dim = max(16, args.hidden_size // 4)  # as `model_config` sets it
+    if args.key_cache_settings and head_dim & (head_dim - 1):
+        parser.error(f"--hidden-size {args.hidden_size} gives an index head dim of {head_dim}; fp8 index keys need a "
+                     "power of two (the Hadamard rotation): use a multiple of 4 whose quarter is one, or "
+                     "--key-cache-settings ''.")
     if "dense" not in args.settings:
         parser.error(f"--settings must include dense: every other setting is compared with it (add ',dense' to "
                      f"{','.join(args.settings)}).")

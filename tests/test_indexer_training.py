@@ -1,9 +1,11 @@
-"""The indexer-training library: freezing, and the attention mass its selection captures."""
+"""The indexer-training library: freezing, the attention mass its selection captures, and how the pooled keys' storage
+format changes the selection."""
 
 import pytest
 import torch
 
-from hybrid_indexpool.indexer_training import freeze_all_but_indexer, selection_attention_mass
+from hybrid_indexpool.indexer_training import (freeze_all_but_indexer, index_key_format_measures,
+                                               selection_attention_mass)
 from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -61,3 +63,53 @@ def test_the_best_selection_mass_is_a_brute_force_bound_on_the_indexer(pool_size
     assert result["oracle_mass"] == pytest.approx(sum(best) / len(best), abs=1e-5)
     assert result["mass"] <= result["oracle_mass"] + 1e-6 and result["oracle_mass"] < 1.0
     assert selection_attention_mass(model, input_ids[:, :7])["oracle_mass"] == 1.0
+
+
+def selected_windows(attentions: torch.Tensor, pool_size: int) -> list[list[set]]:
+    """Per row and query, the complete windows a sparse run attended to (any head put weight on a slot of them)."""
+    used = (attentions > 0).any(dim=1)  # [batch, queries, slots]
+    return [[{slot // pool_size for slot in used[row, query].nonzero().flatten().tolist()
+              if slot < (query + 1) // pool_size * pool_size} for query in range(used.shape[1])]
+            for row in range(used.shape[0])]
+
+
+@pytest.mark.parametrize("pool_size", [4, 1])
+def test_the_fp8_measures_are_those_of_a_forward_through_an_fp8_cache(pool_size):
+    seq_len, topk = 160, 8
+    model = tiny_model(index_topk=topk, index_pool_size=pool_size, index_head_weights=True)
+    input_ids = torch.randint(1, 97, (2, seq_len), generator=torch.Generator().manual_seed(2))
+    result = index_key_format_measures(model, input_ids)
+    with torch.no_grad():
+        dense = model(input_ids, output_attentions=True, indexer_loss="dense").attentions[0]
+        runs = {}
+        for dtype in ("auto", "float8_e4m3fn"):
+            model.config.index_key_cache_dtype = dtype
+            runs[dtype] = model(input_ids, output_attentions=True, use_cache=True).attentions[0]
+    pruned = (torch.arange(seq_len) + 1) // pool_size > topk // pool_size
+    # The single IndexPool layer follows Gated DeltaNet layers only (see above): its sparse slots are the selection.
+    for dtype, mass in (("auto", result["mass"]), ("float8_e4m3fn", result["float8_e4m3fn"]["mass"])):
+        assert mass == pytest.approx((dense * (runs[dtype] > 0)).sum(-1).mean(dim=1)[:, pruned].mean().item(),
+                                     abs=1e-5)
+    full, fp8 = selected_windows(runs["auto"], pool_size), selected_windows(runs["float8_e4m3fn"], pool_size)
+    overlaps, identical = [], []
+    for row in range(2):
+        for query in pruned.nonzero().flatten().tolist():
+            assert len(full[row][query]) == topk // pool_size
+            overlaps.append(len(full[row][query] & fp8[row][query]) / len(full[row][query]))
+            identical.append(full[row][query] == fp8[row][query])
+    assert sum(identical) < len(identical)  # fp8 changes some selections here: the comparison is not vacuous
+    assert result["float8_e4m3fn"]["overlap"] == pytest.approx(sum(overlaps) / len(overlaps), abs=1e-6)
+    assert result["float8_e4m3fn"]["identical"] == pytest.approx(sum(identical) / len(identical), abs=1e-6)
+    for name in ("bfloat16", "float8_e4m3fn", "float8_e4m3fn_unrotated"):
+        measures = result[name]
+        assert 0.0 <= measures["identical"] <= measures["overlap"] <= 1.0 and 0.0 < measures["mass"] < 1.0
+        assert measures["per_layer_overlap"] == [measures["overlap"]]  # one IndexPool layer
+
+
+def test_key_formats_change_nothing_within_the_budget_and_unknown_ones_are_refused():
+    model = tiny_model(index_topk=64)
+    result = index_key_format_measures(model, torch.randint(1, 97, (1, 45)), formats=["float8_e4m3fn"])
+    assert result == {"mass": 1.0, "float8_e4m3fn": {"overlap": 1.0, "identical": 1.0, "mass": 1.0,
+                                                      "per_layer_overlap": [1.0]}}
+    with pytest.raises(ValueError, match="Unknown index key formats"):
+        index_key_format_measures(model, torch.randint(1, 97, (1, 45)), formats=["int4"])

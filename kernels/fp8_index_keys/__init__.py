@@ -5,6 +5,7 @@ from .reference import (
     FP8_DTYPE,
     SCALE_BYTES,
     dequantize_pooled_keys,
+    fp8_round_trip_unrotated,
     hadamard_transform,
     is_packed,
     packed_width,
@@ -13,5 +14,5 @@ from .reference import (
     unpack,
 )
 
-__all__ = ["FP8_DTYPE", "SCALE_BYTES", "dequantize_pooled_keys", "hadamard_transform", "is_packed", "packed_width",
+__all__ = ["FP8_DTYPE", "SCALE_BYTES", "dequantize_pooled_keys", "fp8_round_trip_unrotated", "hadamard_transform", "is_packed", "packed_width",
            "quantize_pooled_keys", "unpack"]

@@ -70,6 +70,15 @@ def quantize_pooled_keys(pooled_index_keys: torch.Tensor) -> torch.Tensor:
     return torch.cat([values, scales[..., None].contiguous().view(torch.uint8)], dim=-1)
 
 
+def fp8_round_trip_unrotated(pooled_index_keys: torch.Tensor) -> torch.Tensor:
+    """The float32 keys `[..., d]` an fp8 store *without* the rotation would give back (same power-of-two scale per
+    key, same rounding), to be scored against unrotated queries. Only for measuring what the rotation buys: the cache
+    always stores rotated keys."""
+    keys = pooled_index_keys.float()
+    scales = power_of_two_scales(keys)[..., None]
+    return (keys / scales).to(FP8_DTYPE).float() * scales
+
+
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of packed keys `uint8 [..., d + 4]`: the fp8 values `[..., d]` and the float32 scales `[...]`."""
     head_dim = packed.shape[-1] - SCALE_BYTES

@@ -9,6 +9,7 @@ import torch
 from hybrid_indexpool.kernels.fp8_index_keys import (
     FP8_DTYPE,
     dequantize_pooled_keys,
+    fp8_round_trip_unrotated,
     hadamard_transform,
     packed_width,
     quantize_pooled_keys,
@@ -78,6 +79,20 @@ def test_packed_keys_hold_fp8_values_and_scales_and_dequantize_exactly():
     sliced_values, sliced_scales = unpack(packed[:, 5:9])  # views of a window range work too
     assert torch.equal(sliced_scales, scales[:, 5:9]) and torch.equal(sliced_values.view(torch.uint8),
                                                                        packed[:, 5:9, :128])
+
+
+def test_the_unrotated_round_trip_is_the_packed_scheme_without_the_rotation():
+    keys = torch.randn(3, 40, 64) * 5
+    keys[0, 0, 3] = 900.0  # an outlier channel: without the rotation its key's scale flattens the other channels
+    round_trip = fp8_round_trip_unrotated(keys)
+    scales = power_of_two_scales(keys)
+    # The same fp8 codes and scale the packed keys would hold, taken in the unrotated basis.
+    assert torch.equal(round_trip, (keys / scales[..., None]).to(FP8_DTYPE).float() * scales[..., None])
+    error = (round_trip - keys).abs().amax(dim=-1) / keys.abs().amax(dim=-1)
+    assert error.max() <= 1 / 16 and round_trip.dtype == torch.float32
+    # Rotating the packed keys back gives keys in the same basis, within fp8 rounding of each other.
+    rotated_back = hadamard_transform(dequantize_pooled_keys(quantize_pooled_keys(keys)))
+    assert (rotated_back - round_trip)[1:].abs().max() <= 0.2 * keys[1:].abs().max()
 
 
 def test_scores_against_packed_keys_are_the_full_precision_scores_up_to_fp8_rounding():

@@ -14,8 +14,11 @@ TINY = ["--context", "128", "--budget", "16", "--hidden-size", "32", "--layers",
 
 def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (in the dev extra)")
-    report = bench_quality.main(TINY + ["--json", str(tmp_path / "quality.json"), "--plot", str(tmp_path / "q.png")])
+    # Index-key storages are measured in a test of their own (below): '' skips them here.
+    report = bench_quality.main(TINY + ["--json", str(tmp_path / "quality.json"), "--plot", str(tmp_path / "q.png"),
+                                        "--key-cache-settings", ""])
     printed = capsys.readouterr().out
+    assert "index keys" not in printed and report["key_cache_results"] == report["key_cache_results_after_sparse"] == []
     assert "machine:" in printed and "| learned pooling r=4 |" in printed and "context 128, budget 16" in printed
     written = json.loads((tmp_path / "quality.json").read_text())
     assert written["results"] == report["results"]
@@ -68,6 +71,8 @@ def test_tiny_run_writes_all_four_rows_after_each_stage_as_json_and_a_plot(tmp_p
     (["--max-needles", "27"], "between 1 and 26"),
     (["--max-needles", "5"], "more than half of --context 128"),
     (["--list-fraction", "-0.1"], "between 0 and 1"),
+    (["--settings", "mean_r4,dense", "--key-cache-settings", "learned_r4"], "sparse settings of --settings"),
+    (["--key-cache-settings", "dense"], "sparse settings of --settings"),
 ])
 def test_bad_sizes_are_refused(extra, message, capsys):
     with pytest.raises(SystemExit):
@@ -97,3 +102,39 @@ def test_list_samples_hold_as_many_needles_as_fit_and_every_sample_the_context()
     needles = [sample.count("$") // 2 for sample in samples]
     assert {len(sample) for sample in samples} == {512}
     assert set(needles) <= {1, 2, 3, 26} and 26 in needles and min(needles) <= 3  # 26: one per label letter
+
+
+def test_each_sparse_setting_is_measured_with_full_precision_and_fp8_index_keys_side_by_side(capsys):
+    report = bench_quality.main(TINY + ["--settings", "learned_r4,mean_r4,dense", "--key-cache-settings",
+                                        "learned_r4,mean_r4"])
+    printed = capsys.readouterr().out
+    assert "| learned pooling r=4 | warm-up | fp8 e4m3, Hadamard-rotated (the cache's) |" in printed
+    assert "| mean pooling r=4 | + stage 2 (2 steps) | fp8 e4m3 without rotation |" in printed
+    for stage, main_rows in (("key_cache_results", report["results"]),
+                             ("key_cache_results_after_sparse", report["results_after_sparse"])):
+        rows = {(row["setting"], row["index_keys"]): row for row in report[stage]}
+        assert list(rows) == [(setting, keys) for setting in ("learned_r4", "mean_r4")
+                              for keys in bench_quality.KEY_CACHES]
+        main = {row["setting"]: row for row in main_rows}
+        for (setting, keys), row in rows.items():
+            assert 0.0 <= row["identical_selections"] <= row["selection_overlap"] <= 1.0
+            assert 0.0 < row["attention_mass"] < 1.0 and row["model_dtype"] == "float32"
+            assert ("ppl" in row) == (bench_quality.KEY_CACHES[keys] is not None)  # only cache formats run a cache
+            if keys != "auto":
+                assert all(0.0 <= value <= 1.0 for value in row["selection_overlap_per_layer"])
+        for setting in ("learned_r4", "mean_r4"):
+            full, fp8 = rows[setting, "auto"], rows[setting, "float8_e4m3fn"]
+            # Through a full-precision cache the model computes what it does without one: the main rows' numbers.
+            assert full["ppl"] == pytest.approx(main[setting]["ppl"], rel=1e-5)
+            assert full["attention_mass"] == pytest.approx(main[setting]["attention_mass"], abs=1e-6)
+            assert full["passkey_accuracy"] == main[setting]["passkey_accuracy"]
+            assert full["selection_overlap"] == 1.0 and full["ppl_beyond_budget_vs_full_precision"] == 0.0
+            assert math.isfinite(fp8["ppl_beyond_budget_vs_full_precision"]) and 0.0 <= fp8["passkey_accuracy"] <= 1.0
+
+
+def test_fp8_index_keys_need_a_power_of_two_index_head_dim(capsys):
+    with pytest.raises(SystemExit):
+        bench_quality.parse_arguments(TINY + ["--hidden-size", "96"])
+    assert "power of two" in capsys.readouterr().err
+    assert bench_quality.parse_arguments(TINY + ["--hidden-size", "96", "--key-cache-settings", ""]) \
+        .key_cache_settings == []
