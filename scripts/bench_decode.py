@@ -22,6 +22,9 @@ cache to the context with random keys, values and pooled keys, so that the cache
 bytes of a real one and a decode step does exactly the work it does after a real prefill (its cost does not depend
 on the values). Those rows say `synthetic` in the prefill column.
 
+With `--index-key-dtypes auto,float8_e4m3fn` each HybridIndexPool setting runs once per storage of its pooled index
+keys (`index_key_cache_dtype`: the model's dtype, or packed fp8 values and a scale per key), side by side.
+
     python -m hybrid_indexpool.scripts.bench_decode --quick
     python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,131072 --settings pooled_r4,unpooled_r1,dense \\
         --compile --threads 1
@@ -59,8 +62,9 @@ PRESETS = {
 FROZEN_OPTIONS = {"freezing": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
-def model_config(setting: str, args):
-    """Config of one setting; every HybridIndexPool setting has the same weights."""
+def model_config(setting: str, args, index_key_dtype: str = "auto"):
+    """Config of one setting; every HybridIndexPool setting has the same weights (whatever `index_key_dtype`, the
+    config's `index_key_cache_dtype`)."""
     if setting == "qwen4_exp":
         from transformers import Qwen4ExpTextConfig
 
@@ -86,10 +90,11 @@ def model_config(setting: str, args):
         index_topk=DENSE_BUDGET if setting == "dense" else args.topk,
         index_pool_size=1 if setting == "unpooled_r1" else 4, index_pool_weighting="mean",
         layer_types=["linear_attention"] * (args.layers - 1) + ["indexpool_attention"],
+        index_key_cache_dtype=index_key_dtype,
     )
 
 
-def build_model(setting: str, args):
+def build_model(setting: str, args, index_key_dtype: str = "auto"):
     dtype = getattr(torch, args.dtype)
     if setting == "qwen4_exp":
         from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
@@ -99,7 +104,7 @@ def build_model(setting: str, args):
     from hybrid_indexpool import HybridIndexPoolForCausalLM
 
     torch.manual_seed(args.seed)
-    return HybridIndexPoolForCausalLM(model_config(setting, args)).eval().to(dtype)
+    return HybridIndexPoolForCausalLM(model_config(setting, args, index_key_dtype)).eval().to(dtype)
 
 
 def roofline_bytes(model, cache, context: int) -> int:
@@ -119,7 +124,8 @@ def roofline_bytes(model, cache, context: int) -> int:
         attended = min(context, config.index_topk + r - 1)
         total += 2 * attended * config.num_key_value_heads * config.head_dim * element  # keys and values
         if config.index_topk < context:
-            total += (context // r) * config.index_head_dim * element  # every pooled key, once
+            pooled = layer.pooled_storage  # a key as stored: index_head_dim elements, or packed fp8 values and scale
+            total += (context // r) * pooled.shape[-1] * pooled.element_size()  # every pooled key, once
     return total
 
 
@@ -143,6 +149,7 @@ def qwen4_cache_bytes(cache) -> dict:
 def indexer_step(model, cache, args) -> dict:
     """Time the decode indexer step alone: one query scored against the pooled keys of each IndexPool layer, as a
     decode step does (the whole reserved store, windows beyond each row's count masked)."""
+    from hybrid_indexpool.kernels.fp8_index_keys import is_packed
     from hybrid_indexpool.kernels.pooled_index_topk import pooled_index_topk
 
     layers = cache.index_layers
@@ -152,7 +159,9 @@ def indexer_step(model, cache, args) -> dict:
     def run():
         for layer in layers:
             pooled = layer.pooled_storage
-            pooled_index_topk(query.to(pooled.dtype), pooled, layer.num_pooled[:, None], topk)
+            # Packed fp8 keys take float queries (rotated inside).
+            pooled_index_topk(query if is_packed(pooled) else query.to(pooled.dtype), pooled, layer.num_pooled[:, None],
+                              topk)
 
     samples = []
     for _ in range(args.repeats):
@@ -168,6 +177,8 @@ def fill_cache_synthetically(cache, context: int, seed: int) -> None:
     """Bring every IndexPool layer of a prefilled cache to `context` tokens with random keys, values and pooled keys:
     the counts and bytes of a real prefill of `context` tokens (the linear layers' states are fixed-size). The cache
     must have been reserved for at least `context` tokens."""
+    from hybrid_indexpool.kernels.fp8_index_keys import SCALE_BYTES, is_packed, quantize_pooled_keys
+
     generator = torch.Generator().manual_seed(seed)
     for layer in cache.index_layers:
         start, r = int(layer.lengths.max()), layer.pool_size
@@ -177,7 +188,12 @@ def fill_cache_synthetically(cache, context: int, seed: int) -> None:
             storage[:, start:context] = torch.randn(storage[:, start:context].shape, generator=generator,
                                                     dtype=storage.dtype)
         pooled = layer.pooled_storage[:, start // r: context // r]
-        pooled.copy_(torch.randn(pooled.shape, generator=generator, dtype=pooled.dtype))
+        if is_packed(pooled):  # random keys quantised, in chunks (the quantisation's float32 temporaries)
+            for chunk in pooled.split(1 << 16, dim=1):
+                chunk.copy_(quantize_pooled_keys(torch.randn(*chunk.shape[:-1], chunk.shape[-1] - SCALE_BYTES,
+                                                             generator=generator)))
+        else:
+            pooled.copy_(torch.randn(pooled.shape, generator=generator, dtype=pooled.dtype))
         layer.lengths.fill_(context)
         layer.length_bound = context
     cache.seen_tokens.fill_(context)
@@ -192,12 +208,12 @@ def aten_calls(step) -> int:
     return sum(1 for event in profiler.events() if event.name.startswith("aten::"))
 
 
-def measure(setting: str, context: int, args) -> dict:
+def measure(setting: str, context: int, args, index_key_dtype: str = "auto") -> dict:
     """One run, in a fresh process: prefill, eager (and compiled) decode, operator counts and cache size."""
     from hybrid_indexpool import HybridIndexPoolCache
 
     torch.set_num_threads(args.threads)
-    model = build_model(setting, args)
+    model = build_model(setting, args, index_key_dtype)
     ours = setting != "qwen4_exp"
     compile_step = args.compile and ours
     synthetic = ours and context >= args.synthetic_from
@@ -207,7 +223,7 @@ def measure(setting: str, context: int, args) -> dict:
     # warm-up steps (the first one compiles).
     compilations = (1 + args.compile_frozen) if compile_step else 0
     decoded = (args.new_tokens + 1) * (1 + compilations) + 2 * compilations
-    result = {"setting": setting, "context": context}
+    result = {"setting": setting, "context": context, "index_key_dtype": index_key_dtype}
     with torch.no_grad():
         cache = HybridIndexPoolCache(model.config, max_cache_len=context + decoded) if ours else None
         start = time.perf_counter()
@@ -289,9 +305,13 @@ def machine_copy_bandwidth(args) -> float:
     return copy_bandwidth()
 
 
+# The table's names of the `index_key_cache_dtype` values.
+KEY_DTYPE_NAMES = {"auto": "model dtype", "float8_e4m3fn": "fp8"}
+
+
 def print_table(results: list[dict], bandwidth: float) -> None:
     print(f"\nmemory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s")
-    header = ("setting", "context", "prefill s", "eager ms", "compiled ms", "speedup", "frozen ms", "speedup",
+    header = ("setting", "index keys", "context", "prefill s", "eager ms", "compiled ms", "speedup", "frozen ms", "speedup",
               "roofline ms", "best/roofline", "best/read roof",
               "aten calls", "compiled aten", "reserved MiB", "in use MiB", "index keys KiB", "indexer ms",
               "indexer % bw")
@@ -306,7 +326,7 @@ def print_table(results: list[dict], bandwidth: float) -> None:
         read_roofline = row["roofline_bytes"] / row["read_bandwidth"] * 1e3 if "read_bandwidth" in row else None
         frozen = row.get("frozen_decode_ms")
         best = min(row["decode_ms"], compiled or float("inf"), frozen or float("inf"))
-        cells = (row["setting"], f"{row['context']:,}", prefill, f"{row['decode_ms']:.2f}",
+        cells = (row["setting"], KEY_DTYPE_NAMES[row.get("index_key_dtype", "auto")], f"{row['context']:,}", prefill, f"{row['decode_ms']:.2f}",
                  "-" if compiled is None else f"{compiled:.2f}",
                  "-" if compiled is None else f"{row['decode_ms'] / compiled:.1f}x",
                  "-" if frozen is None else f"{frozen:.2f}", "-" if frozen is None else f"{row['decode_ms'] / frozen:.1f}x",
@@ -330,18 +350,19 @@ def plot(results: list[dict], path: str) -> None:
     except ImportError as error:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from error
     figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4))
-    for setting in SETTINGS:
-        rows = [row for row in results if row["setting"] == setting]
+    for setting, key_dtype in ((s, d) for s in SETTINGS for d in KEY_DTYPE_NAMES):
+        rows = [row for row in results if row["setting"] == setting and row.get("index_key_dtype", "auto") == key_dtype]
         if not rows:
             continue
+        label = setting if key_dtype == "auto" else f"{setting} {KEY_DTYPE_NAMES[key_dtype]} keys"
         contexts = [row["context"] for row in rows]
-        latency.plot(contexts, [row["decode_ms"] for row in rows], marker="o", label=f"{setting} eager")
+        latency.plot(contexts, [row["decode_ms"] for row in rows], marker="o", label=f"{label} eager")
         compiled = [row for row in rows if "compiled_decode_ms" in row]
         if compiled:
             latency.plot([row["context"] for row in compiled], [row["compiled_decode_ms"] for row in compiled],
-                         marker="s", linestyle="--", label=f"{setting} compiled")
+                         marker="s", linestyle="--", label=f"{label} compiled")
         memory.plot(contexts, [max(row["cache_bytes"]["reserved"] / 2**20, 1e-3) for row in rows], marker="o",
-                    label=setting)
+                    label=label)
     for axis, label in ((latency, "ms per decoded token"), (memory, "cache reserved (MiB)")):
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
@@ -370,6 +391,9 @@ def parse_arguments(argv=None):
                         help="layer widths: tiny (the benchmark model of docs/) or flash-next (Qwen3.8-Flash-Next's "
                              "per-layer widths; see PRESETS); explicit width options override it")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--index-key-dtypes", default="auto",
+                        help="comma-separated index_key_cache_dtype values, each HybridIndexPool setting run once per "
+                             "value: auto (the model's dtype), float8_e4m3fn (packed fp8 pooled keys)")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--intermediate-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4, help="layers (the last one IndexPool, the rest linear)")
@@ -407,6 +431,9 @@ def parse_arguments(argv=None):
     unknown = set(args.settings.split(",")) - set(SETTINGS)
     if unknown:
         parser.error(f"unknown settings {sorted(unknown)}; choose from {', '.join(SETTINGS)}")
+    unknown = set(args.index_key_dtypes.split(",")) - set(KEY_DTYPE_NAMES)
+    if unknown:
+        parser.error(f"unknown --index-key-dtypes {sorted(unknown)}; choose from {', '.join(KEY_DTYPE_NAMES)}")
     return args
 
 
@@ -415,16 +442,17 @@ def main(argv=None) -> dict:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "transformers", "hybrid_indexpool", __name__])
     runs = [
-        (setting, length) for length in (int(c) for c in args.contexts.split(","))
+        (setting, length, key_dtype) for length in (int(c) for c in args.contexts.split(","))
         for setting in args.settings.split(",")
+        for key_dtype in (["auto"] if setting == "qwen4_exp" else args.index_key_dtypes.split(","))
         if not (setting == "qwen4_exp" and length > args.reference_max_context)
         and not (setting == "dense" and length > args.dense_max_context)
     ]
     with context.Pool(1, maxtasksperchild=1) as pool:
         bandwidth = pool.apply(machine_copy_bandwidth, (args,))
         results = []
-        for setting, length in tqdm(runs, desc="bench_decode", unit="run"):
-            results.append(pool.apply(measure, (setting, length, args)))
+        for setting, length, key_dtype in tqdm(runs, desc="bench_decode", unit="run"):
+            results.append(pool.apply(measure, (setting, length, args, key_dtype)))
     print_table(results, bandwidth)
     report = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,

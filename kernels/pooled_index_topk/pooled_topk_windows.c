@@ -66,9 +66,14 @@ static inline int64_t element_bytes(int keys_kind) {
     return keys_kind == KEYS_FLOAT32 ? 4 : keys_kind == KEYS_BFLOAT16 ? 2 : 1;
 }
 
-/* The key row at `offset` (in elements of its storage) as float32: in place for float32 keys, widened into `widened`
-   for the others (fp8 values times their scale, exact for a power of two: the dequantised key). */
-static inline const float *key_row(const void *keys, int keys_kind, int64_t offset, int64_t dim, float *widened) {
+/* The key row at `offset` (in elements of its storage) as float32 and the factor its dot products take: in place
+   and 1 for float32 keys, widened into `widened` for the others. Packed fp8 rows widen to their fp8 values times 2^-8
+   (`load_fp8_lanes_over_256`) and take their power-of-two scale times 2^8: a product by a power of two is exact, so
+   scaling the dot product gives the bits of the dot product with the dequantised key, without a multiply per element.
+*/
+static inline const float *key_row(const void *keys, int keys_kind, int64_t offset, int64_t dim, float *widened,
+                                   float *factor) {
+    *factor = 1.0f;
     if (keys_kind == KEYS_FLOAT32) return (const float *)keys + offset;
     int64_t d = 0;
     if (keys_kind == KEYS_BFLOAT16) {
@@ -83,22 +88,124 @@ static inline const float *key_row(const void *keys, int keys_kind, int64_t offs
     const uint8_t *row = (const uint8_t *)keys + offset;
     float scale;
     memcpy(&scale, row + dim, sizeof scale);
+    *factor = scale * 0x1p8f;
     for (; d + 8 <= dim; d += 8) {
-        lanes widened_lanes = load_fp8_lanes(row + d) * scale;
+        lanes widened_lanes = load_fp8_lanes_over_256(row + d);
         memcpy(widened + d, &widened_lanes, sizeof widened_lanes);
     }
-    for (; d < dim; ++d) widened[d] = fp8_to_float(row[d]) * scale;
+    for (; d < dim; ++d) widened[d] = fp8_to_float(row[d]) * 0x1p-8f;
     return widened;
 }
 
-/* Ask for the key row `ahead` rows on while this one is scored: the hardware prefetcher alone leaves the loads
-   waiting (measured 7.5 against 10.5 GB/s on one AVX2 EPYC core at 8 rows ahead). */
-#define PREFETCH_ROWS 8
 
-static inline void prefetch_row(const void *keys, int keys_kind, int64_t offset, int64_t dim) {
-    int64_t bytes = keys_kind == KEYS_PACKED_FP8 ? dim + 4 : dim * element_bytes(keys_kind);
+/* 16 float32 lanes (one AVX-512 register, two AVX ones: `wide_lanes`), their loads from the three key storages. */
+typedef uint16_t wide_halves __attribute__((vector_size(32)));
+typedef uint32_t wide_words __attribute__((vector_size(64)));
+
+/* The sum of a wide vector's two halves, in registers where the compiler can say so (GCC 12, Clang): through memory
+   the halves of a 64-byte store do not forward to the loads, a stall per key. */
+static inline lanes halves_sum(wide_lanes v) {
+#if defined(__clang__) || __GNUC__ >= 12
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    lanes halves[2];
+    memcpy(halves, &v, sizeof halves);
+    return halves[0] + halves[1];
+#endif
+}
+
+static inline __attribute__((always_inline)) wide_lanes load_wide_key(const void *row, int keys_kind, int64_t d) {
+    wide_lanes v;
+    if (keys_kind == KEYS_FLOAT32) {
+        memcpy(&v, (const float *)row + d, sizeof v);
+    } else if (keys_kind == KEYS_BFLOAT16) {
+        wide_halves half;
+        memcpy(&half, (const uint16_t *)row + d, sizeof half);
+        wide_words word = __builtin_convertvector(half, wide_words) << 16;
+        memcpy(&v, &word, sizeof v);
+    } else {
+        v = load_fp8_wide_over_256((const uint8_t *)row + d);
+    }
+    return v;
+}
+
+/* The row of storage at `offset` (in elements of the storage). */
+static inline const void *stored_row(const void *keys, int keys_kind, int64_t offset) {
+    return keys_kind == KEYS_FLOAT32 ? (const void *)((const float *)keys + offset)
+           : keys_kind == KEYS_BFLOAT16 ? (const void *)((const uint16_t *)keys + offset)
+                                        : (const void *)((const uint8_t *)keys + offset);
+}
+
+static inline float stored_element(const void *row, int keys_kind, int64_t d) {
+    return keys_kind == KEYS_FLOAT32 ? ((const float *)row)[d]
+           : keys_kind == KEYS_BFLOAT16 ? bf16_to_float(((const uint16_t *)row)[d])
+                                        : fp8_to_float(((const uint8_t *)row)[d]) * 0x1p-8f;
+}
+
+/* products[k * 4 + j] = query row j . key row k for 4 query rows and `count` (1 or 2, a constant once inlined) key
+   rows, read from their storage and widened in registers (no trip through a widened row in memory), 16 lanes at a
+   time: for decode's one query of up to 4 heads, the whole score pass is this function. Two keys at once share each
+   query load and give 8 independent accumulator chains; every key is summed in the same order either way, so its
+   products do not depend on whether it was paired. Packed fp8 keys: products of the fp8 values times 2^-8, to be
+   multiplied by `key_factor`. */
+static inline __attribute__((always_inline)) void products_4_stored(const float *query, const void *keys,
+                                                                    int keys_kind, const int64_t *offsets,
+                                                                    int count, int64_t dim, float *products) {
+    const void *rows[2] = {stored_row(keys, keys_kind, offsets[0]),
+                           stored_row(keys, keys_kind, offsets[count - 1])};
+    wide_lanes sums[2][4] = {{{0}}};
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16) {
+        wide_lanes x[2];
+        for (int k = 0; k < count; ++k) x[k] = load_wide_key(rows[k], keys_kind, d);
+        for (int j = 0; j < 4; ++j) {
+            wide_lanes q;
+            memcpy(&q, query + j * dim + d, sizeof q);
+            for (int k = 0; k < count; ++k) sums[k][j] += q * x[k];
+        }
+    }
+    for (int k = 0; k < count; ++k) {
+        lanes total = lane_sums_4(halves_sum(sums[k][0]), halves_sum(sums[k][1]), halves_sum(sums[k][2]),
+                                  halves_sum(sums[k][3]));
+        float p[4] = {total[0], total[1], total[2], total[3]};
+        for (int64_t e = d; e < dim; ++e) {  /* the last dim % 16 elements, one by one */
+            float element = stored_element(rows[k], keys_kind, e);
+            for (int j = 0; j < 4; ++j) p[j] += query[j * dim + e] * element;
+        }
+        memcpy(products + 4 * k, p, sizeof p);
+    }
+}
+
+/* The factor the dot products with the key row at `offset` take: its scale times 2^8 for packed fp8 (exact, a power
+   of two: the products of the dequantised key), 1 otherwise. */
+static inline float key_factor(const void *keys, int keys_kind, int64_t offset, int64_t dim) {
+    if (keys_kind != KEYS_PACKED_FP8) return 1.0f;
+    float scale;
+    memcpy(&scale, (const uint8_t *)keys + offset + dim, sizeof scale);
+    return scale * 0x1p8f;
+}
+
+/* Ask for the key row a fixed number of bytes ahead while this one is scored: the hardware prefetcher alone leaves the
+   loads waiting (measured 7.5 against 10.5 GB/s on one AVX2 EPYC core at 8 float32 rows ahead). The distance is in
+   bytes, not rows: what streams is the lines in flight, and at a fixed row count packed fp8 rows (132 B) keep half
+   the lines of bfloat16 ones in flight and so read half the bytes per second, for no gain per key. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+static inline int64_t row_bytes(int keys_kind, int64_t dim) {
+    return keys_kind == KEYS_PACKED_FP8 ? dim + 4 : dim * element_bytes(keys_kind);
+}
+
+/* always_inline: GCC 12 judges a function that only prefetches to be `const` and, where it is not inlined early,
+   deletes its calls (the kernel then ran with no prefetch at all). */
+static inline __attribute__((always_inline)) void prefetch_row(const void *keys, int keys_kind, int64_t offset,
+                                                               int64_t dim) {
+    int64_t bytes = row_bytes(keys_kind, dim);
     const char *row = (const char *)keys + offset * element_bytes(keys_kind);
     for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte);
+    __builtin_prefetch(row + bytes - 1);  /* the last line of a row that does not start on a line */
 }
 
 /* Reorder a[0 .. n) so that a[0 .. k) holds its k largest entries (distinct keys; Hoare partition, quickselect). */
@@ -174,6 +281,8 @@ int pooled_topk_windows(const float *queries, const void *keys, int keys_kind, i
                         int64_t segments, int64_t per_segment, int64_t topk, int64_t sink_windows,
                         int64_t local_windows, int threads) {
     int64_t query_rows = rows * heads, groups = (query_rows + 3) / 4;
+    int64_t ahead = PREFETCH_BYTES / row_bytes(keys_kind, dim);
+    ahead = ahead < 1 ? 1 : ahead;
     int failed = 0;
     for (int64_t b = 0; b < batch; ++b) {
         /* The query rows padded with zero rows to whole groups of 4. */
@@ -195,24 +304,45 @@ int pooled_topk_windows(const float *queries, const void *keys, int keys_kind, i
             for (int64_t r = 0; r < rows; ++r)
                 best[r] = (running_topk){buffers + 2 * per_segment * r, 0, per_segment, INT64_MIN};
             int64_t first = windows * segment / segments, last = windows * (segment + 1) / segments;
-            for (int64_t n = first; n < last; ++n) {
-                if (n + PREFETCH_ROWS < last)
-                    prefetch_row(keys, keys_kind, b * keys_batch_stride + (n + PREFETCH_ROWS) * keys_row_stride, dim);
-                const float *key = key_row(keys, keys_kind, b * keys_batch_stride + n * keys_row_stride, dim,
-                                           widened);
-                for (int64_t g = 0; g < groups; ++g) products_4(padded + g * 4 * dim, key, dim, products + g * 4);
-                for (int64_t r = 0; r < rows; ++r) {
-                    float score = 0.0f;
-                    for (int64_t h = 0; h < heads; ++h) {
-                        float product = products[r * heads + h];
-                        product = product < 0.0f ? 0.0f : product; /* ReLU that keeps NaN, as torch's */
-                        float term = product * batch_weights[r * heads + h];
-                        score = h == 0 ? term : score + term;
+            for (int64_t n = first; n < last;) {
+                /* Decode's one query of up to 4 heads: two windows at a time, widened in registers (one code path
+                   per storage); more rows: one window, widened once into `widened`, read once per group of 4. */
+                int count = groups == 1 && n + 1 < last ? 2 : 1;
+                int64_t offsets[2] = {b * keys_batch_stride + n * keys_row_stride,
+                                      b * keys_batch_stride + (n + count - 1) * keys_row_stride};
+                for (int k = 0; k < count; ++k)
+                    if (n + k + ahead < last)
+                        prefetch_row(keys, keys_kind, offsets[k] + ahead * keys_row_stride, dim);
+                float factors[2];
+                if (groups == 1) {
+#define PRODUCTS(kind) (count == 2 ? products_4_stored(padded, keys, kind, offsets, 2, dim, products) \
+                                   : products_4_stored(padded, keys, kind, offsets, 1, dim, products))
+                    switch (keys_kind) {
+                    case KEYS_FLOAT32: PRODUCTS(KEYS_FLOAT32); break;
+                    case KEYS_BFLOAT16: PRODUCTS(KEYS_BFLOAT16); break;
+                    default: PRODUCTS(KEYS_PACKED_FP8);
                     }
-                    int64_t bound = batch_visible[r];
-                    if (n < sink_windows || n >= bound - local_windows) score = __builtin_inff();
-                    if (n >= bound) score = -__builtin_inff();
-                    offer(&best[r], selection_key(score, n));
+#undef PRODUCTS
+                    for (int k = 0; k < count; ++k) factors[k] = key_factor(keys, keys_kind, offsets[k], dim);
+                } else {
+                    const float *key = key_row(keys, keys_kind, offsets[0], dim, widened, &factors[0]);
+                    for (int64_t g = 0; g < groups; ++g) products_4(padded + g * 4 * dim, key, dim, products + g * 4);
+                }
+                for (int k = 0; k < count; ++k, ++n) {
+                    const float *window_products = products + 4 * k;
+                    for (int64_t r = 0; r < rows; ++r) {
+                        float score = 0.0f;
+                        for (int64_t h = 0; h < heads; ++h) {
+                            float product = window_products[r * heads + h] * factors[k];
+                            product = product < 0.0f ? 0.0f : product; /* ReLU that keeps NaN, as torch's */
+                            float term = product * batch_weights[r * heads + h];
+                            score = h == 0 ? term : score + term;
+                        }
+                        int64_t bound = batch_visible[r];
+                        if (n < sink_windows || n >= bound - local_windows) score = __builtin_inff();
+                        if (n >= bound) score = -__builtin_inff();
+                        offer(&best[r], selection_key(score, n));
+                    }
                 }
             }
             for (int64_t r = 0; r < rows; ++r) {

@@ -81,3 +81,44 @@ def test_roofline_counts_weights_selected_keys_values_pooled_keys_and_states():
     pooled = 50 * config.index_head_dim * element
     embedding_row = config.hidden_size * element
     assert bench_decode.roofline_bytes(model, cache, 200) == weights + embedding_row + states + attended + pooled
+
+
+def test_fp8_index_keys_run_beside_the_model_dtype(capsys):
+    report = bench_decode.main(["--quick", "--contexts", "600", "--settings", "pooled_r4,qwen4_exp", "--topk", "32",
+                                "--hidden-size", "64", "--intermediate-size", "64", "--new-tokens", "2",
+                                "--index-key-dtypes", "auto,float8_e4m3fn"])
+    rows = {(row["setting"], row["index_key_dtype"]): row for row in report["results"]}
+    # Qwen4-Exp has no such option: it runs once.
+    assert set(rows) == {("pooled_r4", "auto"), ("pooled_r4", "float8_e4m3fn"), ("qwen4_exp", "auto")}
+    auto, fp8 = rows[("pooled_r4", "auto")], rows[("pooled_r4", "float8_e4m3fn")]
+    head_dim = 32
+    # The windows the prompt and the decoded tokens completed (the same for both); float32 model: 4 bytes per
+    # element, packed fp8: a byte per element and a 4-byte scale per window.
+    windows, rest = divmod(auto["cache_bytes"]["pooled_index_keys"], head_dim * 4)
+    assert rest == 0 and windows >= 600 // 4
+    assert fp8["cache_bytes"]["pooled_index_keys"] == windows * (head_dim + 4)
+    assert auto["cache_bytes"]["key_value"] == fp8["cache_bytes"]["key_value"]
+    # The roofline reads every pooled key as stored, everything else is the same.
+    assert auto["roofline_bytes"] - fp8["roofline_bytes"] == (600 // 4) * (head_dim * 4 - (head_dim + 4))
+    assert fp8["indexer_bytes"] * head_dim * 4 == auto["indexer_bytes"] * (head_dim + 4)
+    assert fp8["decode_ms"] > 0 and fp8["indexer_ms"] > 0
+    printed = capsys.readouterr().out
+    assert "index keys" in printed and " fp8" in printed and "model dtype" in printed
+
+
+def test_synthetic_fp8_cache_has_the_bytes_of_a_real_prefill():
+    args = bench_decode.parse_arguments(["--quick", "--topk", "32", "--hidden-size", "64", "--intermediate-size", "64",
+                                         "--new-tokens", "2", "--repeats", "1"])
+    real = bench_decode.measure("pooled_r4", 1003, args, "float8_e4m3fn")
+    args.synthetic_from = 1000
+    synthetic = bench_decode.measure("pooled_r4", 1003, args, "float8_e4m3fn")
+    assert synthetic["prefill_s"] is None
+    for component in ("key_value", "pooled_index_keys", "reserved"):
+        assert synthetic["cache_bytes"][component] == real["cache_bytes"][component], component
+    assert synthetic["indexer_bytes"] == real["indexer_bytes"] and synthetic["decode_ms"] > 0
+
+
+def test_unknown_index_key_dtype_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench_decode.parse_arguments(["--index-key-dtypes", "auto,int4"])
+    assert "int4" in capsys.readouterr().err
