@@ -17,7 +17,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
-from transformers.integrations.moe import use_experts_implementation
+from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward, use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -26,6 +26,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 
@@ -39,6 +40,8 @@ from .cache_hybrid_indexpool import HybridIndexPoolCache, IndexPoolLayerCache, L
 from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .token_layout import TokenLayout
 from .ngram_hash import hash_multipliers, head_table_sizes, shifted_in_segment
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -584,14 +587,45 @@ class HybridIndexPoolMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
 
 
-@use_experts_implementation
+def grouped_mm_fits(experts: nn.Module) -> bool:
+    """Whether torch's grouped matrix product accepts these experts' operands: it needs every row stride a multiple
+    of 16 bytes, that is `hidden_size` and `moe_intermediate_size` multiples of `16 / element size` (8 in half
+    precision, 4 in float32)."""
+    alignment = 16 // experts.down_proj.element_size()
+    hidden, inner = experts.down_proj.shape[-2:]
+    return hidden % alignment == 0 and inner % alignment == 0
+
+
+def grouped_mm_where_it_fits(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' `"grouped_mm"` experts, or the eager loop over the experts where torch's grouped kernel would
+    refuse the widths (it raises "strides should be multiple of 16 bytes"; transformers checks only the pointers)."""
+    if grouped_mm_fits(experts):
+        return grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
+    hidden, inner = experts.down_proj.shape[-2:]
+    alignment = 16 // experts.down_proj.element_size()
+    logger.warning_once(
+        f"The experts' widths (hidden_size {hidden}, moe_intermediate_size {inner}) are not both multiples of "
+        f"{alignment}, which torch's grouped matrix product needs in {experts.down_proj.dtype}: the experts run as a "
+        f"loop instead (same result, slower). Widths that are multiples of {alignment} use the grouped product."
+    )
+    return experts.expert_loop(hidden_states, top_k_index, top_k_weights)
+
+
+# transformers' experts implementations, with "grouped_mm" guarded by the alignment check above.
+EXPERTS_FUNCTIONS = ExpertsInterface()
+EXPERTS_FUNCTIONS["grouped_mm"] = grouped_mm_where_it_fits
+
+
+@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
 class HybridIndexPoolExperts(nn.Module):
     """The routed SwiGLU experts as fused weights: `gate_up_proj [experts, 2 * inner, hidden]`,
     `down_proj [experts, hidden, inner]`.
 
     transformers' experts integration dispatches the computation (`config._experts_implementation`): `"grouped_mm"`
     by default (one grouped matrix product per projection, no loop over experts and no host synchronisation, so a
-    decode step compiles whole), `"batched_mm"`, or `"eager"`, the loop over the experts that were hit below.
+    decode step compiles whole; the loop where the widths do not suit the grouped kernel), `"batched_mm"`, or
+    `"eager"`, the loop over the experts that were hit below.
     """
 
     def __init__(self, config: HybridIndexPoolConfig):
@@ -604,6 +638,10 @@ class HybridIndexPoolExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """`hidden_states [tokens, hidden]`, `top_k_index`/`top_k_weights [tokens, k]` -> `[tokens, hidden]`."""
+        return self.expert_loop(hidden_states, top_k_index, top_k_weights)
+
+    def expert_loop(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The `"eager"` implementation: one pass per expert that was hit."""
         output = torch.zeros_like(hidden_states)
         for expert in top_k_index.unique().tolist():
             token_index, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
