@@ -1,5 +1,7 @@
 """Configuration of the HybridIndexPool model: Gated DeltaNet layers interleaved with IndexPool sparse attention."""
 
+import math
+
 from huggingface_hub.dataclasses import strict
 from transformers import configuration_utils
 from transformers.configuration_utils import PreTrainedConfig
@@ -79,6 +81,10 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         moe_intermediate_size (`int`): Inner width of one routed expert.
         shared_expert_intermediate_size (`int`): Inner width of the shared expert (`0` for none).
         norm_topk_prob (`bool`): Renormalise the top-k router probabilities to sum to one.
+        output_router_logits (`bool`): Return the router logits of every MoE layer (`router_logits`) and, from the
+            language-model heads, the load-balancing loss `aux_loss` (Switch Transformer), added to `loss` weighted by
+            `router_aux_loss_coef` when labels are given. Turn it on to fine-tune a MoE model.
+        router_aux_loss_coef (`float`): Weight of the load-balancing loss in `loss`.
         hidden_act (`str`): Activation of the MLPs and of the Gated DeltaNet convolution.
         hc_count (`int`): Residual streams. `1` is the ordinary pre-norm residual; more turns on the hyper-connections
             of Qwen4-Exp: every mixer and MLP reads a gated mix of the normed streams and writes its output back into
@@ -191,6 +197,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    output_router_logits: bool = False
+    router_aux_loss_coef: float | int = 0.001
     hidden_act: str = "silu"
     # hyper-connections and per-layer n-gram embeddings (Qwen4-Exp)
     hc_count: int = 1
@@ -314,6 +322,11 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             fail(
                 f"`num_experts_per_tok` ({self.num_experts_per_tok}) must lie between 1 and `num_experts` "
                 f"({self.num_experts})."
+            )
+        if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
+            fail(
+                f"`router_aux_loss_coef` is {self.router_aux_loss_coef}; it must be a finite number >= 0 (0 leaves the "
+                "load-balancing loss out of `loss`; Qwen's MoE models use 0.001)."
             )
         if self.prefill_chunk_length is not None and self.prefill_chunk_length < 1:
             fail(f"`prefill_chunk_length` is {self.prefill_chunk_length}; use None (no chunking) or a positive size.")
