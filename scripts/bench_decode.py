@@ -4,7 +4,8 @@ Qwen4-Exp, side by side in one run.
 The HybridIndexPool settings share one model's weights (mean pooling, so r changes nothing else) and one prompt;
 "dense" is the same model with a budget beyond the context. Qwen4-Exp (`Qwen4ExpForCausalLM`, the mean-pooled QSA
 indexer this design modifies) gets the same widths and runs at the contexts it can finish (`--reference-max-context`).
-Each measurement runs in its own process (started from a fork server that has already imported everything). The
+Each measurement runs in its own process (started from a fork server that has already imported everything); one
+that raises or dies ends the benchmark with its traceback or cause of death and a non-zero exit status. The
 HybridIndexPool settings decode from a cache reserved the way `generate()` reserves it (prompt + new tokens). Per
 setting and context: prefill seconds, milliseconds per decoded token (median) in eager mode and, with `--compile`,
 compiled whole (`torch.compile(fullgraph=True)`, inductor; compile time reported apart), the aten operator calls of one
@@ -31,13 +32,14 @@ on the values). Those rows say `synthetic` in the prefill column.
 
 import argparse
 import json
-import multiprocessing
 import platform
 import statistics
 import time
 
 import torch
 from tqdm import tqdm
+
+from .measuring_process import MeasurementFailed, MeasuringProcesses
 
 SETTINGS = ("pooled_r4", "unpooled_r1", "dense", "qwen4_exp")
 DENSE_BUDGET = 1 << 22
@@ -412,19 +414,19 @@ def parse_arguments(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "transformers", "hybrid_indexpool", __name__])
+    processes = MeasuringProcesses(["torch", "transformers", "hybrid_indexpool", __name__])
     runs = [
         (setting, length) for length in (int(c) for c in args.contexts.split(","))
         for setting in args.settings.split(",")
         if not (setting == "qwen4_exp" and length > args.reference_max_context)
         and not (setting == "dense" and length > args.dense_max_context)
     ]
-    with context.Pool(1, maxtasksperchild=1) as pool:
-        bandwidth = pool.apply(machine_copy_bandwidth, (args,))
-        results = []
-        for setting, length in tqdm(runs, desc="bench_decode", unit="run"):
-            results.append(pool.apply(measure, (setting, length, args)))
+    try:
+        bandwidth = processes.run(machine_copy_bandwidth, args)
+        results = [processes.run(measure, setting, length, args, label=f"{setting} at {length:,} tokens")
+                   for setting, length in tqdm(runs, desc="bench_decode", unit="run")]
+    except MeasurementFailed as error:
+        raise SystemExit(f"bench_decode: {error}") from None
     print_table(results, bandwidth)
     report = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
