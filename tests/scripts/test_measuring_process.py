@@ -63,7 +63,7 @@ def test_bench_decode_exits_non_zero_with_the_measurement_error():
     # A reference config that transformers rejects (rotary width 64 beyond an indexer head of 32) raises the strict
     # config error that used to kill the process pool's result thread and hang the benchmark.
     command = [sys.executable, "-m", "hybrid_indexpool.scripts.bench_decode", "--quick", "--contexts", "300",
-               "--settings", "qwen4_exp", "--head-dim", "64", "--index-head-dim", "32"]
+               "--settings", "qwen4_exp", "--head-dim", "64", "--index-head-dim", "32", "--partial-rotary-factor", "1"]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert finished.returncode != 0
     assert "bench_decode: qwen4_exp at 300 tokens raised in its measuring process" in finished.stderr
