@@ -28,11 +28,11 @@ def _child(connection, function, args) -> None:
 
 
 def _death(exitcode: int) -> str:
+    """How a process that sent nothing ended, from its exit code (negative: the signal that killed it)."""
+    if exitcode == -signal.SIGKILL:
+        return "was killed by SIGKILL (out of memory, if the kernel's out-of-memory killer sent it)"
     if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name} (the out-of-memory killer sends SIGKILL)"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
+        return f"was killed by signal {-exitcode} ({signal.strsignal(-exitcode)})"
     return f"exited with status {exitcode} without a result"
 
 

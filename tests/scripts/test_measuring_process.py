@@ -28,8 +28,12 @@ def exit_abruptly():
     os._exit(3)
 
 
-def kill_self():
-    os.kill(os.getpid(), signal.SIGKILL)
+def kill_self(signal_number=signal.SIGKILL):
+    os.kill(os.getpid(), signal_number)
+
+
+def terminate_self():
+    kill_self(signal.SIGTERM)
 
 
 def return_unpicklable():
@@ -50,6 +54,7 @@ def test_result_comes_back():
     (return_unpicklable, "Can't pickle"),
     (exit_abruptly, "exited with status 3 without a result"),
     (kill_self, "was killed by SIGKILL"),
+    (terminate_self, "was killed by signal 15 (Terminated)"),
 ])
 def test_a_failing_or_dying_child_is_reported_quickly(function, message):
     start = time.perf_counter()
