@@ -1,0 +1,126 @@
+"""transformers' own common model and configuration tests (`ModelTesterMixin`, `ConfigTester`) run on HybridIndexPool.
+
+The mixins come from the sdist of the installed transformers, prepared into the git-ignored `.transformers_tests/`
+by `python tests/transformers_common/prepare.py`; without it this module is skipped. The tester follows transformers'
+causal-LM testers (Qwen3-Next's among them): a tiny config with one Gated DeltaNet and one IndexPool layer, whose
+token budget is small enough that the test sequences are attended sparsely; a second class runs the same tests with
+routed and shared experts.
+"""
+
+import sys
+import unittest
+from pathlib import Path
+
+import pytest
+
+import transformers
+
+PREPARED = Path(__file__).resolve().parents[2] / ".transformers_tests"
+PREPARE_COMMAND = "python tests/transformers_common/prepare.py"
+
+
+def prepared_version() -> str | None:
+    stamp = PREPARED / "TRANSFORMERS_VERSION"
+    return stamp.read_text().strip() if stamp.exists() else None
+
+
+if prepared_version() is None:
+    pytest.skip(f"transformers' common tests are not prepared; run `{PREPARE_COMMAND}`", allow_module_level=True)
+if prepared_version() != transformers.__version__:
+    pytest.skip(
+        f"the prepared common tests are transformers {prepared_version()}'s but {transformers.__version__} is "
+        f"installed; run `{PREPARE_COMMAND}` again", allow_module_level=True,
+    )
+
+sys.path.insert(0, str(PREPARED))
+import torch  # noqa: E402
+from transformers_tests.test_configuration_common import ConfigTester  # noqa: E402
+from transformers_tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask  # noqa: E402
+from transformers_tests.generation.test_utils import GenerationTesterMixin  # noqa: E402
+
+from hybrid_indexpool import (  # noqa: E402
+    HybridIndexPoolConfig,
+    HybridIndexPoolForCausalLM,
+    HybridIndexPoolForSequenceClassification,
+    HybridIndexPoolModel,
+)
+
+
+class HybridIndexPoolModelTester:
+    """Builds the tiny config and random inputs the common tests ask for (transformers' model-tester protocol)."""
+
+    def __init__(self, parent, batch_size=3, seq_length=13, is_training=True, vocab_size=99, num_labels=3,
+                 **config_overrides):
+        self.parent = parent
+        self.batch_size = batch_size
+        self.seq_length = seq_length
+        self.is_training = is_training
+        self.vocab_size = vocab_size
+        self.num_labels = num_labels
+        # Two layers, one of each mixer. Windows of 2 tokens and a budget of 2 windows: a 13-token row sees up to 6
+        # complete windows, so the IndexPool layer selects.
+        self.config_kwargs = dict(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "indexpool_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            partial_rotary_factor=0.5,
+            index_n_heads=2,
+            index_head_dim=8,
+            index_topk=4,
+            index_pool_size=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            max_position_embeddings=512,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        self.config_kwargs.update(config_overrides)
+        self.hidden_size = self.config_kwargs["hidden_size"]
+        self.num_hidden_layers = self.config_kwargs["num_hidden_layers"]
+        self.num_attention_heads = self.config_kwargs["num_attention_heads"]
+
+    def get_config(self) -> HybridIndexPoolConfig:
+        return HybridIndexPoolConfig(num_labels=self.num_labels, **self.config_kwargs)
+
+    def prepare_config_and_inputs(self):
+        input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
+        attention_mask = random_attention_mask([self.batch_size, self.seq_length])
+        return self.get_config(), input_ids, attention_mask
+
+    def prepare_config_and_inputs_for_common(self):
+        config, input_ids, attention_mask = self.prepare_config_and_inputs()
+        return config, {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class HybridIndexPoolConfigTest(unittest.TestCase):
+    """transformers' configuration checks (JSON round trips, `save_pretrained`, common kwargs, num_labels)."""
+
+    def test_config(self):
+        self.model_tester = HybridIndexPoolModelTester(self)
+        ConfigTester(self, config_class=HybridIndexPoolConfig, **self.model_tester.config_kwargs).run_common_tests()
+
+
+class HybridIndexPoolModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+    """transformers' common model tests, dense MLP."""
+
+    all_model_classes = (HybridIndexPoolModel, HybridIndexPoolForCausalLM, HybridIndexPoolForSequenceClassification)
+    model_tester_overrides = {}
+
+    def setUp(self):
+        self.model_tester = HybridIndexPoolModelTester(self, **self.model_tester_overrides)
+
+
+class HybridIndexPoolMoeModelTest(HybridIndexPoolModelTest):
+    """The same tests with a mixture of experts in every layer (routed top-2 of 4, plus a shared expert)."""
+
+    model_tester_overrides = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+    )
