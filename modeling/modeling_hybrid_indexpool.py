@@ -223,8 +223,10 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
             self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False,
             padding=self.conv_kernel_size - 1,
         )
-        self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads))
-        self.A_log = nn.Parameter(torch.empty(self.num_value_heads).uniform_(1, 16).log_())
+        # float32 whatever the default dtype: `_keep_in_fp32_modules_strict` keeps them so when loading, and a model
+        # built directly (e.g. under a half-precision default dtype) must agree.
+        self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32).uniform_(1, 16).log_())
         self.norm = HybridIndexPoolRMSNormGated(
             self.value_head_dim, eps=config.rms_norm_eps, activation=config.linear_output_gate_act
         )
