@@ -113,9 +113,60 @@ class HybridIndexPoolModelTest(ModelTesterMixin, GenerationTesterMixin, unittest
 
     all_model_classes = (HybridIndexPoolModel, HybridIndexPoolForCausalLM, HybridIndexPoolForSequenceClassification)
     model_tester_overrides = {}
+    # The indexer's parameters get no gradient from the language-model loss by design (DESIGN §3: its input is
+    # detached, the top-k passes none; only the indexer loss trains it): test_parameters_get_gradients checks the rest.
+    test_all_params_have_gradient = False
 
     def setUp(self):
         self.model_tester = HybridIndexPoolModelTester(self, **self.model_tester_overrides)
+        experts_test = self._testMethodName.startswith("test_eager_matches_batched_and_grouped_inference")
+        if experts_test and not self.model_tester.config_kwargs.get("num_experts"):
+            self.skipTest("no experts in this config (HybridIndexPoolMoeModelTest runs it)")
+
+    def test_attention_outputs(self):
+        """Only the IndexPool layers return attention weights (Qwen3-Next's convention for its linear layers),
+        `[batch, heads, queries, keys]` over every mask column, through the argument or the config."""
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        config._attn_implementation = "eager"  # transformers accepts output_attentions in the config only so
+        attention_layers = config.layer_types.count("indexpool_attention")
+        expected = (self.model_tester.batch_size, self.model_tester.num_attention_heads,
+                    self.model_tester.seq_length, self.model_tester.seq_length)
+        for model_class in self.all_model_classes:
+            model = model_class(config).eval()
+            with torch.no_grad():
+                by_argument = model(**inputs, output_attentions=True).attentions
+            config.output_attentions = True
+            with torch.no_grad():
+                by_config = model_class(config).eval()(**inputs).attentions
+            config.output_attentions = False
+            for attentions in (by_argument, by_config):
+                self.assertEqual(len(attentions), attention_layers)
+                self.assertEqual(tuple(attentions[0].shape), expected)
+            # Nothing attends to padding, and each real query's weights sum to one.
+            padding = inputs["attention_mask"] == 0
+            self.assertTrue(bool((by_argument[0].permute(0, 3, 1, 2)[padding] == 0).all()))
+            sums = by_argument[0].sum(-1).transpose(1, 2)[~padding]
+            torch.testing.assert_close(sums, torch.ones_like(sums))
+
+    def test_retain_grad_hidden_states_attentions(self):
+        # Hidden states only: with padding, the attention weights (computed over each row's real tokens) are
+        # returned laid out over the mask columns, a copy rather than the tensor the output was computed from.
+        self.has_attentions = False
+        super().test_retain_grad_hidden_states_attentions()
+
+    def test_parameters_get_gradients(self):
+        """The language-model loss reaches every parameter but the indexer's; the indexer loss reaches those."""
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        model = HybridIndexPoolForCausalLM(config).train()
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+        for name, parameter in model.named_parameters():
+            self.assertEqual(parameter.grad is None, ".indexer." in name, name)
+        model.zero_grad(set_to_none=True)
+        model(**inputs, indexer_loss="sparse").loss.backward()
+        for name, parameter in model.named_parameters():
+            if ".indexer." in name:
+                self.assertIsNotNone(parameter.grad, name)
+
 
 
 class HybridIndexPoolMoeModelTest(HybridIndexPoolModelTest):
