@@ -1024,8 +1024,11 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             layout = TokenLayout.unpack(text_positions, token_is_real)
         elif seq_len > 1:
             layout = TokenLayout.compact(token_is_real)
-        # Attention weights are returned over every mask column, past and new (transformers' convention).
-        kv_length = seq_len + (0 if cache is None else cache.get_seq_length())
+        # Attention weights are returned over every mask column, past and new (transformers' convention). Only read
+        # when asked: the cache's count lives on the device, and a decode step must not wait for it.
+        kv_length = None
+        if output_attentions:
+            kv_length = seq_len + (0 if cache is None else cache.get_seq_length())
         if use_cache and cache is None:
             cache = HybridIndexPoolCache(self.config)
         ple_token_ids = None

