@@ -133,7 +133,7 @@ class HybridIndexPoolModelTest(ModelTesterMixin, GenerationTesterMixin, unittest
         """Only the IndexPool layers return attention weights (Qwen3-Next's convention for its linear layers),
         `[batch, heads, queries, keys]` over every mask column, through the argument or the config."""
         config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
-        config._attn_implementation = "eager"  # transformers accepts output_attentions in the config only so
+        config._attn_implementation = "eager"  # transformers refuses config.output_attentions under "sdpa"
         attention_layers = config.layer_types.count("indexpool_attention")
         expected = (self.model_tester.batch_size, self.model_tester.num_attention_heads,
                     self.model_tester.seq_length, self.model_tester.seq_length)
@@ -172,7 +172,6 @@ class HybridIndexPoolModelTest(ModelTesterMixin, GenerationTesterMixin, unittest
         for name, parameter in model.named_parameters():
             if ".indexer." in name:
                 self.assertIsNotNone(parameter.grad, name)
-
 
 
 class HybridIndexPoolMoeModelTest(HybridIndexPoolModelTest):
