@@ -1,6 +1,7 @@
 """Configuration of the HybridIndexPool model: Gated DeltaNet layers interleaved with IndexPool sparse attention."""
 
 import math
+from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers import configuration_utils
@@ -117,8 +118,9 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     # Multimodal RoPE settings, read by the rotary embedding itself.
     ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}
     # Tensor parallelism (transformers' styles; `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))`
-    # under torchrun). Every rank keeps whole heads: see `check_tensor_parallel_size`.
-    base_model_tp_plan = {
+    # under torchrun). Every rank keeps whole heads: see `check_tensor_parallel_size`. The plan of a config, the
+    # `base_model_tp_plan` property, keeps the entries of `TENSOR_PARALLEL_PLAN` whose modules its model has.
+    TENSOR_PARALLEL_PLAN: ClassVar[dict[str, str]] = {
         # IndexPool attention, split by query and key/value heads. `q_proj` holds each head's query and output gate
         # side by side, so a contiguous split keeps both halves of a head together. The cache holds the rank's heads.
         "layers.*.self_attn.q_proj": "colwise",
@@ -381,6 +383,25 @@ class HybridIndexPoolConfig(PreTrainedConfig):
                 f"HybridIndexPoolConfig: tensor parallel size {tp_size} does not divide {', '.join(uneven)}; every "
                 "rank holds whole heads, so use a tensor parallel size that divides them (or pipeline parallelism)."
             )
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """The entries of `TENSOR_PARALLEL_PLAN` that name modules this config's model has (no dense-MLP entries with
+        experts, no hyper-connection entries without them, ...): every entry of a plan must match a module."""
+        # The first of these parts found in an entry's name says whether the model has that module.
+        parts = (
+            ("hyper_connection", self.hc_count > 1),
+            (".ple.", bool(self.ple_layers)),
+            (".self_attn.", "indexpool_attention" in self.layer_types),
+            (".linear_attn.", "linear_attention" in self.layer_types),
+            (".mlp.shared_expert.", self.num_experts > 0 and self.shared_expert_intermediate_size > 0),
+            (".mlp.experts", self.num_experts > 0),
+            (".mlp.", self.num_experts == 0),
+        )
+        return {
+            rule: style for rule, style in self.TENSOR_PARALLEL_PLAN.items()
+            if next(present for part, present in parts if part in rule)
+        }
 
     @property
     def ple_eos_token_id(self) -> int:

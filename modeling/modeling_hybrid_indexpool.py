@@ -263,8 +263,10 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
             self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False,
             padding=self.conv_kernel_size - 1,
         )
-        self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads))
-        self.A_log = nn.Parameter(torch.empty(self.num_value_heads).uniform_(1, 16).log_())
+        # float32 whatever the default dtype: `_keep_in_fp32_modules_strict` keeps them so when loading, and a model
+        # built directly (e.g. under a half-precision default dtype) must agree.
+        self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32).uniform_(1, 16).log_())
         self.norm = HybridIndexPoolRMSNormGated(
             self.value_head_dim, eps=config.rms_norm_eps, activation=config.linear_output_gate_act
         )
@@ -1125,6 +1127,11 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             layout = TokenLayout.unpack(text_positions, token_is_real)
         elif seq_len > 1:
             layout = TokenLayout.compact(token_is_real)
+        # Attention weights are returned over every mask column, past and new (transformers' convention). Only read
+        # when asked: the cache's count lives on the device, and a decode step must not wait for it.
+        kv_length = None
+        if output_attentions:
+            kv_length = seq_len + (0 if cache is None else cache.get_seq_length())
         if use_cache and cache is None:
             cache = HybridIndexPoolCache(self.config)
         ple_token_ids = None
@@ -1160,12 +1167,16 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         chunk = self.config.prefill_chunk_length
         if cache is None or chunk is None or grid_length <= chunk or output_attentions or indexer_loss:
             chunk = grid_length
+        starts = range(0, grid_length, chunk)
+        # In one piece, the layers record their input hidden states in the input's layout and continue from those,
+        # so the returned states are tensors the output was computed from (their gradients can be retained).
+        record_layout = layout if len(starts) == 1 else None
         pieces = [
             self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
                              rope_positions[:, :, start:start + chunk], token_is_real[:, start:start + chunk], cache,
                              output_attentions, output_hidden_states,
                              indexer_loss, None if ple_token_ids is None else ple_token_ids[:, start:start + chunk],
-                             output_router_logits)
+                             record_layout, output_router_logits)
             for start in range(0, grid_length, chunk)
         ]
         hidden_states = torch.cat([piece[0] for piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
@@ -1179,7 +1190,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                                   for logits in zip(*(piece[4] for piece in pieces))) or None
         if layout is not None:
             hidden_states = layout.from_grid(hidden_states)
-            if all_hidden_states is not None:
+            if all_hidden_states is not None and record_layout is None:
                 all_hidden_states = tuple(layout.from_grid(states) for states in all_hidden_states)
             if all_attentions is not None:  # [rows, heads, queries, positions]: move the queries
                 all_attentions = tuple(layout.from_grid(weights.transpose(1, 2)).transpose(1, 2)
@@ -1188,6 +1199,9 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 all_router_logits = tuple(layout.from_grid(logits) for logits in all_router_logits)
         if all_router_logits is not None:
             all_router_logits = tuple(logits.flatten(0, 1) for logits in all_router_logits)
+        if all_attentions is not None:
+            columns = self._columns_of_positions(attention_mask, layout, batch_size, kv_length, inputs_embeds.device)
+            all_attentions = tuple(self._attention_by_column(weights, columns, kv_length) for weights in all_attentions)
         return HybridIndexPoolModelOutput(
             last_hidden_state=hidden_states,
             cache=cache if use_cache else None,
@@ -1198,16 +1212,24 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         )
 
     def _run_layers(self, hidden_states, positions, rope_positions, token_is_real, cache, output_attentions,
-                    output_hidden_states, indexer_loss=None, ple_token_ids=None, output_router_logits=False):
+                    output_hidden_states, indexer_loss=None, ple_token_ids=None, record_layout=None,
+                    output_router_logits=False):
         """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions, the
-        IndexPool layers' indexer losses and the MoE layers' router logits `[rows, seq, num_experts]`."""
+        IndexPool layers' indexer losses and the MoE layers' router logits `[rows, seq, num_experts]`. With
+        `record_layout`, the per-layer states are recorded in the input's layout (the final ones stay on the
+        grid)."""
         position_embeddings = self.rotary_emb(hidden_states, rope_positions[0] if len(rope_positions) == 1
                                               else rope_positions)
         all_hidden_states, all_attentions, indexer_losses, all_router_logits = (), (), [], ()
         for decoder_layer in self.layers:
             if not isinstance(decoder_layer, HybridIndexPoolDecoderLayer):
                 continue  # another pipeline stage runs this layer (transformers' pipeline parallelism left a stub)
-            if output_hidden_states:
+            if output_hidden_states and record_layout is not None:
+                # Real tokens' cells come back unchanged; padding cells, never read by a real token, may not.
+                recorded = record_layout.from_grid(hidden_states)
+                all_hidden_states += (recorded,)
+                hidden_states = record_layout.to_grid(recorded)
+            elif output_hidden_states:
                 all_hidden_states += (hidden_states,)
             hidden_states, weights, kl, router_logits = decoder_layer(
                 hidden_states, position_embeddings, positions, rope_positions, token_is_real, self.rotary_emb,
@@ -1225,8 +1247,38 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         else:
             hidden_states = self.norm(hidden_states)
         if output_hidden_states:
-            all_hidden_states += (hidden_states,)
+            all_hidden_states += (hidden_states if record_layout is None else record_layout.from_grid(hidden_states),)
         return hidden_states, all_hidden_states, all_attentions, indexer_losses, all_router_logits
+
+    @staticmethod
+    def _columns_of_positions(attention_mask, layout, batch_size, kv_length, device) -> torch.Tensor | None:
+        """`[batch, queries or 1, positions]`: the mask column (past and new) of each stored position a query can
+        attend to, or None when position `p` is column `p` (no padding anywhere). Positions count a row's real
+        tokens, so position `p` is its `p`-th real column; in a row of packed sequences, the `p`-th column of the
+        query's own sequence."""
+        if layout is not None and layout.rows.shape[0] != batch_size:  # packed: one grid row per sequence
+            return layout.columns[layout.source_rows]
+        if layout is None and (attention_mask is None or bool(attention_mask.all())):
+            return None
+        # A stable sort puts each row's real columns first, in order; its padding columns follow.
+        padding = attention_mask.to(device=device) == 0
+        return torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices[:, None]
+
+    @staticmethod
+    def _attention_by_column(weights, columns, kv_length) -> torch.Tensor:
+        """Attention weights `[batch, heads, queries, positions]` laid out over the mask columns instead,
+        `[batch, heads, queries, kv_length]`, zero where nothing was attended (padding, unselected windows)."""
+        if columns is None and weights.shape[-1] == kv_length:
+            return weights  # the very weights the output used (their gradient can be retained)
+        if columns is None:  # a decode step's weights cover the cache's reserved positions
+            return F.pad(weights, (0, kv_length - weights.shape[-1]))[..., :kv_length]
+        batch_size, num_heads, num_queries, _ = weights.shape
+        num_positions = min(weights.shape[-1], columns.shape[-1], kv_length)
+        index = columns[..., :num_positions].expand(batch_size, num_queries, num_positions)
+        index = index[:, None].expand(batch_size, num_heads, num_queries, num_positions)
+        # Added, not written: cells past the end of a packed sequence repeat a column with zero weight.
+        return weights.new_zeros(batch_size, num_heads, num_queries, kv_length).scatter_add_(
+            -1, index, weights[..., :num_positions])
 
     def _check_inputs(self, input_ids, inputs_embeds) -> None:
         """Refuse malformed inputs with a message that names the argument and the fix."""
