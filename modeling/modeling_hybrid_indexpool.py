@@ -17,7 +17,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
-from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward, use_experts_implementation
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     MoeCausalLMOutputWithPast,
@@ -639,8 +639,8 @@ def grouped_mm_where_it_fits(experts: nn.Module, hidden_states: torch.Tensor, to
                              top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' `"grouped_mm"` experts, or the eager loop over the experts where torch's grouped kernel would
     refuse the widths (it raises "strides should be multiple of 16 bytes"; transformers checks only the pointers)."""
-    if grouped_mm_fits(experts):
-        return grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
+    if grouped_mm_fits(experts):  # transformers' own entry (looked up each call, as transformers dispatches)
+        return ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, hidden_states, top_k_index, top_k_weights)
     hidden, inner = experts.down_proj.shape[-2:]
     alignment = 16 // experts.down_proj.element_size()
     logger.warning_once(
