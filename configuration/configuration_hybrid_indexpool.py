@@ -1,5 +1,8 @@
 """Configuration of the HybridIndexPool model: Gated DeltaNet layers interleaved with IndexPool sparse attention."""
 
+import math
+from typing import ClassVar
+
 from huggingface_hub.dataclasses import strict
 from transformers import configuration_utils
 from transformers.configuration_utils import PreTrainedConfig
@@ -85,6 +88,10 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         moe_intermediate_size (`int`): Inner width of one routed expert.
         shared_expert_intermediate_size (`int`): Inner width of the shared expert (`0` for none).
         norm_topk_prob (`bool`): Renormalise the top-k router probabilities to sum to one.
+        output_router_logits (`bool`): Return the router logits of every MoE layer (`router_logits`) and, from the
+            language-model heads, the load-balancing loss `aux_loss` (Switch Transformer), added to `loss` weighted by
+            `router_aux_loss_coef` when labels are given. Turn it on to fine-tune a MoE model.
+        router_aux_loss_coef (`float`): Weight of the load-balancing loss in `loss`.
         hidden_act (`str`): Activation of the MLPs and of the Gated DeltaNet convolution.
         hc_count (`int`): Residual streams. `1` is the ordinary pre-norm residual; more turns on the hyper-connections
             of Qwen4-Exp: every mixer and MLP reads a gated mix of the normed streams and writes its output back into
@@ -117,8 +124,9 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     # Multimodal RoPE settings, read by the rotary embedding itself.
     ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}
     # Tensor parallelism (transformers' styles; `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))`
-    # under torchrun). Every rank keeps whole heads: see `check_tensor_parallel_size`.
-    base_model_tp_plan = {
+    # under torchrun). Every rank keeps whole heads: see `check_tensor_parallel_size`. The plan of a config, the
+    # `base_model_tp_plan` property, keeps the entries of `TENSOR_PARALLEL_PLAN` whose modules its model has.
+    TENSOR_PARALLEL_PLAN: ClassVar[dict[str, str]] = {
         # IndexPool attention, split by query and key/value heads. `q_proj` holds each head's query and output gate
         # side by side, so a contiguous split keeps both halves of a head together. The cache holds the rank's heads.
         "layers.*.self_attn.q_proj": "colwise",
@@ -198,6 +206,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    output_router_logits: bool = False
+    router_aux_loss_coef: float | int = 0.001
     hidden_act: str = "silu"
     # hyper-connections and per-layer n-gram embeddings (Qwen4-Exp)
     hc_count: int = 1
@@ -329,6 +339,11 @@ class HybridIndexPoolConfig(PreTrainedConfig):
                 f"`num_experts_per_tok` ({self.num_experts_per_tok}) must lie between 1 and `num_experts` "
                 f"({self.num_experts})."
             )
+        if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
+            fail(
+                f"`router_aux_loss_coef` is {self.router_aux_loss_coef}; it must be a finite number >= 0 (0 leaves the "
+                "load-balancing loss out of `loss`; Qwen's MoE models use 0.001)."
+            )
         if self.prefill_chunk_length is not None and self.prefill_chunk_length < 1:
             fail(f"`prefill_chunk_length` is {self.prefill_chunk_length}; use None (no chunking) or a positive size.")
         if not 0.0 <= float(self.attention_dropout) < 1.0:
@@ -382,6 +397,25 @@ class HybridIndexPoolConfig(PreTrainedConfig):
                 f"HybridIndexPoolConfig: tensor parallel size {tp_size} does not divide {', '.join(uneven)}; every "
                 "rank holds whole heads, so use a tensor parallel size that divides them (or pipeline parallelism)."
             )
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """The entries of `TENSOR_PARALLEL_PLAN` that name modules this config's model has (no dense-MLP entries with
+        experts, no hyper-connection entries without them, ...): every entry of a plan must match a module."""
+        # The first of these parts found in an entry's name says whether the model has that module.
+        parts = (
+            ("hyper_connection", self.hc_count > 1),
+            (".ple.", bool(self.ple_layers)),
+            (".self_attn.", "indexpool_attention" in self.layer_types),
+            (".linear_attn.", "linear_attention" in self.layer_types),
+            (".mlp.shared_expert.", self.num_experts > 0 and self.shared_expert_intermediate_size > 0),
+            (".mlp.experts", self.num_experts > 0),
+            (".mlp.", self.num_experts == 0),
+        )
+        return {
+            rule: style for rule, style in self.TENSOR_PARALLEL_PLAN.items()
+            if next(present for part, present in parts if part in rule)
+        }
 
     @property
     def ple_eos_token_id(self) -> int:

@@ -89,6 +89,12 @@ class FinetuneArguments(ModelDataArguments):
     merge_lora: bool = field(
         default=True, metadata={"help": "Merge the adapters into the weights for the final checkpoint."}
     )
+    router_aux_loss: bool = field(
+        default=True,
+        metadata={"help": "Mixture-of-experts models: add the routers' load-balancing loss, weighted by the config's "
+                          "router_aux_loss_coef, to the training loss (config.output_router_logits during training, as "
+                          "transformers' MoE models do); False trains on the language-model loss alone."},
+    )
     fsdp_size: int | None = field(
         default=None,
         metadata={"help": "Shard parameters, gradients and optimizer state over this many processes with FSDP2, "
@@ -335,6 +341,10 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
     # A fresh model starts from the run's seed: the same weights in every process and in a one-process run.
     set_seed(training_args.seed)
     model = build_model(args, tokenizer)
+    output_router_logits = model.config.output_router_logits
+    if model.config.num_experts > 0:
+        # Without router logits a MoE model trains with no load-balancing loss, and its routing may collapse.
+        model.config.output_router_logits = args.router_aux_loss
     train_dataset, eval_dataset = load_datasets(args, tokenizer)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -348,6 +358,8 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
     metrics["log_history"] = trainer.state.log_history
     if eval_dataset is not None:
         metrics.update(trainer.evaluate())
+    # The router logits were for the loss: the final model returns them only when the model it started from did.
+    model.config.output_router_logits = output_router_logits
 
     sharding = sharding_name(trainer)
     if sharding is not None and not (args.lora and args.merge_lora):

@@ -21,11 +21,14 @@ is `metadata.shared`, which Triton checks against the device's limit at launch.
 """
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import re
 import subprocess
 import tempfile
+import traceback
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -231,14 +234,27 @@ def _keys_task(sizes) -> dict[str, str]:
     return {name: specialisation_key(launch) for name, launch in size_launches(sizes)}
 
 
+def _reporting(function, task):
+    """`(True, function(task))`, or `(False, the formatted traceback)`: an exception object may not survive the trip
+    back (one whose constructor takes other arguments than its message cannot be unpickled)."""
+    try:
+        return True, function(task)
+    except Exception:  # noqa: BLE001 - every failure goes back to the parent as text
+        return False, traceback.format_exc()
+
+
 def _in_workers(function, tasks, workers: int | None):
     """`map(function, tasks)` in spawned processes (default: one per CPU) started without Triton's code-generation
-    variables, the interpreter's among them."""
+    variables, the interpreter's among them. A task that raises, or a worker that dies, ends the map with a
+    `RuntimeError` carrying the worker's traceback (a process pool would wait forever for a dead worker's task)."""
     workers = max(1, min(len(tasks), workers or os.cpu_count() or 1))
-    with compiler_environment():  # spawned workers start from this environment
-        pool = multiprocessing.get_context("spawn").Pool(workers)
-    with pool:
-        return pool.map(function, tasks, chunksize=1)
+    with compiler_environment():  # the workers start, from this environment, as the tasks are submitted
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as executor:
+            results = list(executor.map(functools.partial(_reporting, function), tasks))
+    for task, (ok, value) in zip(tasks, results):
+        if not ok:
+            raise RuntimeError(f"Compiling {task} failed in its worker:\n{value}")
+    return [value for _, value in results]
 
 
 def compile_sizes(sizes_list, capabilities=CAPABILITIES, workers: int | None = None) -> list[KernelResources]:

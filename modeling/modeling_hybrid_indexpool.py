@@ -17,15 +17,16 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
-from transformers.integrations.moe import use_experts_implementation
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
-    BaseModelOutputWithPast,
-    CausalLMOutputWithPast,
+    MoeCausalLMOutputWithPast,
+    MoeModelOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 
@@ -40,19 +41,58 @@ from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .token_layout import TokenLayout
 from .ngram_hash import hash_multipliers, head_table_sizes, shifted_in_segment
 
+logger = logging.get_logger(__name__)
+
 
 @dataclass
-class HybridIndexPoolModelOutput(BaseModelOutputWithPast):
-    """`BaseModelOutputWithPast` plus `indexer_loss`, the IndexPool layers' mean KL loss when it was asked for."""
+class HybridIndexPoolModelOutput(MoeModelOutputWithPast):
+    """`MoeModelOutputWithPast` (`router_logits`: one `[batch * seq, num_experts]` per MoE layer, when asked for) plus
+    `indexer_loss`, the IndexPool layers' mean KL loss when it was asked for."""
 
     indexer_loss: torch.FloatTensor | None = None
 
 
 @dataclass
-class HybridIndexPoolCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus `indexer_loss` (already included, weighted, in `loss`)."""
+class HybridIndexPoolCausalLMOutput(MoeCausalLMOutputWithPast):
+    """`MoeCausalLMOutputWithPast` (`aux_loss`, the load-balancing loss, and `router_logits`, when router logits were
+    asked for) plus `indexer_loss`; both losses are already included, weighted, in `loss`."""
 
     indexer_loss: torch.FloatTensor | None = None
+
+
+@dataclass
+class HybridIndexPoolSequenceClassifierOutput(SequenceClassifierOutputWithPast):
+    """`SequenceClassifierOutputWithPast` plus the load-balancing `aux_loss` (included, weighted, in `loss`) and the
+    `router_logits`, when router logits were asked for."""
+
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss over the MoE layers, as transformers' MoE models compute it:
+    `num_experts * sum_e f_e * P_e`, with `f_e` the top-k assignments expert `e` receives per token and `P_e` its mean
+    router probability, both over the real tokens of every layer. Only `P_e` carries a gradient (to the routers).
+
+    `router_logits`: one `[batch * seq, num_experts]` per layer; `attention_mask`: `[batch, seq]`, 0 for padding,
+    which then counts for nothing.
+    """
+    num_experts = router_logits[0].shape[-1]
+    device = router_logits[0].device
+    token_weights = torch.ones(router_logits[0].shape[0], device=device)
+    if attention_mask is not None:
+        token_weights = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    assignments = torch.zeros(num_experts, device=device)
+    probability = torch.zeros(num_experts, device=device)
+    # Summed one layer at a time: memory stays that of one layer's probabilities.
+    for logits in router_logits:
+        probs = logits.to(device).float().softmax(dim=-1)
+        selected = probs.topk(top_k, dim=-1).indices
+        assignments = assignments.index_add(0, selected.reshape(-1), token_weights.repeat_interleave(top_k))
+        probability = probability + (probs * token_weights[:, None]).sum(dim=0)
+    tokens = (token_weights.sum() * len(router_logits)).clamp(min=1.0)  # an all-padding batch gives 0, not NaN
+    return num_experts * ((assignments / tokens) * (probability / tokens)).sum()
 
 
 class HybridIndexPoolLinear(nn.Linear):
@@ -223,8 +263,10 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
             self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False,
             padding=self.conv_kernel_size - 1,
         )
-        self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads))
-        self.A_log = nn.Parameter(torch.empty(self.num_value_heads).uniform_(1, 16).log_())
+        # float32 whatever the default dtype: `_keep_in_fp32_modules_strict` keeps them so when loading, and a model
+        # built directly (e.g. under a half-precision default dtype) must agree.
+        self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32).uniform_(1, 16).log_())
         self.norm = HybridIndexPoolRMSNormGated(
             self.value_head_dim, eps=config.rms_norm_eps, activation=config.linear_output_gate_act
         )
@@ -589,14 +631,45 @@ class HybridIndexPoolMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
 
 
-@use_experts_implementation
+def grouped_mm_fits(experts: nn.Module) -> bool:
+    """Whether torch's grouped matrix product accepts these experts' operands: it needs every row stride a multiple
+    of 16 bytes, that is `hidden_size` and `moe_intermediate_size` multiples of `16 / element size` (8 in half
+    precision, 4 in float32)."""
+    alignment = 16 // experts.down_proj.element_size()
+    hidden, inner = experts.down_proj.shape[-2:]
+    return hidden % alignment == 0 and inner % alignment == 0
+
+
+def grouped_mm_where_it_fits(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' `"grouped_mm"` experts, or the eager loop over the experts where torch's grouped kernel would
+    refuse the widths (it raises "strides should be multiple of 16 bytes"; transformers checks only the pointers)."""
+    if grouped_mm_fits(experts):  # transformers' own entry (looked up each call, as transformers dispatches)
+        return ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, hidden_states, top_k_index, top_k_weights)
+    hidden, inner = experts.down_proj.shape[-2:]
+    alignment = 16 // experts.down_proj.element_size()
+    logger.warning_once(
+        f"The experts' widths (hidden_size {hidden}, moe_intermediate_size {inner}) are not both multiples of "
+        f"{alignment}, which torch's grouped matrix product needs in {experts.down_proj.dtype}: the experts run as a "
+        f"loop instead (same result, slower). Widths that are multiples of {alignment} use the grouped product."
+    )
+    return experts.expert_loop(hidden_states, top_k_index, top_k_weights)
+
+
+# transformers' experts implementations, with "grouped_mm" guarded by the alignment check above.
+EXPERTS_FUNCTIONS = ExpertsInterface()
+EXPERTS_FUNCTIONS["grouped_mm"] = grouped_mm_where_it_fits
+
+
+@use_experts_implementation(experts_interface=EXPERTS_FUNCTIONS)
 class HybridIndexPoolExperts(nn.Module):
     """The routed SwiGLU experts as fused weights: `gate_up_proj [experts, 2 * inner, hidden]`,
     `down_proj [experts, hidden, inner]`.
 
     transformers' experts integration dispatches the computation (`config._experts_implementation`): `"grouped_mm"`
     by default (one grouped matrix product per projection, no loop over experts and no host synchronisation, so a
-    decode step compiles whole), `"batched_mm"`, or `"eager"`, the loop over the experts that were hit below.
+    decode step compiles whole; the loop where the widths do not suit the grouped kernel), `"batched_mm"`, or
+    `"eager"`, the loop over the experts that were hit below.
     """
 
     def __init__(self, config: HybridIndexPoolConfig):
@@ -609,6 +682,10 @@ class HybridIndexPoolExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """`hidden_states [tokens, hidden]`, `top_k_index`/`top_k_weights [tokens, k]` -> `[tokens, hidden]`."""
+        return self.expert_loop(hidden_states, top_k_index, top_k_weights)
+
+    def expert_loop(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The `"eager"` implementation: one pass per expert that was hit."""
         output = torch.zeros_like(hidden_states)
         for expert in top_k_index.unique().tolist():
             token_index, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
@@ -621,7 +698,8 @@ class HybridIndexPoolExperts(nn.Module):
 
 class HybridIndexPoolSparseMoeBlock(nn.Module):
     """Mixture of experts: softmax router with top-k (renormalised when `norm_topk_prob`), routed experts, and an
-    optional shared expert scaled by a sigmoid gate."""
+    optional shared expert scaled by a sigmoid gate. Returns the output and the router logits
+    `[..., num_experts]` (for the load-balancing loss)."""
 
     def __init__(self, config: HybridIndexPoolConfig):
         super().__init__()
@@ -634,17 +712,18 @@ class HybridIndexPoolSparseMoeBlock(nn.Module):
             self.shared_expert = HybridIndexPoolMLP(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = HybridIndexPoolLinear(config.hidden_size, 1, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
-        probs = self.gate(flat).float().softmax(dim=-1)
+        router_logits = self.gate(flat)
+        probs = router_logits.float().softmax(dim=-1)
         expert_weights, expert_ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             expert_weights = expert_weights / expert_weights.sum(dim=-1, keepdim=True)
         output = self.experts(flat, expert_ids, expert_weights.to(flat.dtype))
         if self.shared_expert is not None:
             output = output + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return output.reshape(shape)
+        return output.reshape(shape), router_logits.reshape(*shape[:-1], -1)
 
 
 class HybridIndexPoolHyperConnection(nn.Module):
@@ -829,9 +908,10 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         output_attentions: bool = False,
         indexer_loss: str | None = None,
         ple_token_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`hidden_states [batch, seq, hc_count * hidden]` -> the same, the attention weights and the indexer loss
-        (when asked). `ple_token_ids` (pads replaced by the end-of-sequence id) feed a PLE layer."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """`hidden_states [batch, seq, hc_count * hidden]` -> the same, the attention weights, the indexer loss
+        (when asked) and the router logits `[batch, seq, num_experts]` (MoE layers). `ple_token_ids` (pads replaced
+        by the end-of-sequence id) feed a PLE layer."""
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
         if self.ple is not None:
             hidden_states = hidden_states + self.ple(hidden_states, ple_token_ids, token_is_real, layer_cache)
@@ -852,9 +932,17 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         if self.hyper_connections:
             streams = self.attn_hyper_connection.inject(streams, hidden_states, write_gates)
             hidden_states, write_gates = self.mlp_hyper_connection(streams)
-            return self.mlp_hyper_connection.inject(streams, self.mlp(hidden_states), write_gates), weights, kl
+            mlp_output, router_logits = self._feed_forward(hidden_states)
+            return self.mlp_hyper_connection.inject(streams, mlp_output, write_gates), weights, kl, router_logits
         hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), weights, kl
+        mlp_output, router_logits = self._feed_forward(self.post_attention_layernorm(hidden_states))
+        return hidden_states + mlp_output, weights, kl, router_logits
+
+    def _feed_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MLP's output and, from a MoE block, its router logits (None from a dense MLP)."""
+        if isinstance(self.mlp, HybridIndexPoolSparseMoeBlock):
+            return self.mlp(hidden_states)
+        return self.mlp(hidden_states), None
 
 
 class HybridIndexPoolPreTrainedModel(PreTrainedModel):
@@ -905,6 +993,17 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
             write_model_card(self, save_directory)
         self.config.auto_map = auto_map_for(self.config)
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def router_aux_loss(self, router_logits: tuple[torch.Tensor, ...] | None,
+                        attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The load-balancing loss of the router logits a forward returned (None when it returned none), over the
+        real tokens of `attention_mask` `[batch, past + new]`."""
+        if router_logits is None:
+            return None
+        if attention_mask is not None:
+            new_tokens = router_logits[0].shape[0] // attention_mask.shape[0]
+            attention_mask = attention_mask[:, attention_mask.shape[1] - new_tokens:]  # the cached tokens ran before
+        return load_balancing_loss(router_logits, self.config.get_text_config().num_experts_per_tok, attention_mask)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -963,6 +1062,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         output_hidden_states: bool | None = None,
         indexer_loss: str | None = None,
         ple_input_ids: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
         **kwargs,
     ) -> "HybridIndexPoolModelOutput":
         """Run the decoder.
@@ -982,12 +1082,17 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 makes the attention dense at any length.
             ple_input_ids: the token ids for the per-layer n-gram embeddings when `inputs_embeds` replace
                 `input_ids` (models with `ple_layers` only).
+            output_router_logits: also return each MoE layer's router logits `[batch * seq, num_experts]`, in
+                the input's token order (default `config.output_router_logits`; None for a model without experts).
         """
         if indexer_loss not in (None, "dense", "sparse"):
             raise ValueError(f"indexer_loss is {indexer_loss!r}; use None, 'dense' or 'sparse'.")
         output_attentions = bool(output_attentions if output_attentions is not None else self.config.output_attentions)
         output_hidden_states = bool(
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        output_router_logits = bool(
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
         use_cache_asked = use_cache
         use_cache = use_cache if use_cache is not None else self.config.use_cache
@@ -1027,6 +1132,11 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             layout = TokenLayout.unpack(text_positions, token_is_real)
         elif seq_len > 1:
             layout = TokenLayout.compact(token_is_real)
+        # Attention weights are returned over every mask column, past and new (transformers' convention). Only read
+        # when asked: the cache's count lives on the device, and a decode step must not wait for it.
+        kv_length = None
+        if output_attentions:
+            kv_length = seq_len + (0 if cache is None else cache.get_seq_length())
         if use_cache and cache is None:
             cache = HybridIndexPoolCache(self.config)
         ple_token_ids = None
@@ -1062,11 +1172,16 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         chunk = self.config.prefill_chunk_length
         if cache is None or chunk is None or grid_length <= chunk or output_attentions or indexer_loss:
             chunk = grid_length
+        starts = range(0, grid_length, chunk)
+        # In one piece, the layers record their input hidden states in the input's layout and continue from those,
+        # so the returned states are tensors the output was computed from (their gradients can be retained).
+        record_layout = layout if len(starts) == 1 else None
         pieces = [
             self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
                              rope_positions[:, :, start:start + chunk], token_is_real[:, start:start + chunk], cache,
                              output_attentions, output_hidden_states,
-                             indexer_loss, None if ple_token_ids is None else ple_token_ids[:, start:start + chunk])
+                             indexer_loss, None if ple_token_ids is None else ple_token_ids[:, start:start + chunk],
+                             record_layout, output_router_logits)
             for start in range(0, grid_length, chunk)
         ]
         hidden_states = torch.cat([piece[0] for piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
@@ -1076,34 +1191,52 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                                       for states in zip(*(piece[1] for piece in pieces)))
         all_attentions = pieces[0][2] if output_attentions else None
         layer_losses = pieces[0][3]
+        all_router_logits = tuple(torch.cat(logits, dim=1) if len(logits) > 1 else logits[0]
+                                  for logits in zip(*(piece[4] for piece in pieces))) or None
         if layout is not None:
             hidden_states = layout.from_grid(hidden_states)
-            if all_hidden_states is not None:
+            if all_hidden_states is not None and record_layout is None:
                 all_hidden_states = tuple(layout.from_grid(states) for states in all_hidden_states)
             if all_attentions is not None:  # [rows, heads, queries, positions]: move the queries
                 all_attentions = tuple(layout.from_grid(weights.transpose(1, 2)).transpose(1, 2)
                                        for weights in all_attentions)
+            if all_router_logits is not None:  # back in the input's order, so that its padding mask lines up
+                all_router_logits = tuple(layout.from_grid(logits) for logits in all_router_logits)
+        if all_router_logits is not None:
+            all_router_logits = tuple(logits.flatten(0, 1) for logits in all_router_logits)
+        if all_attentions is not None:
+            columns = self._columns_of_positions(attention_mask, layout, batch_size, kv_length, inputs_embeds.device)
+            all_attentions = tuple(self._attention_by_column(weights, columns, kv_length) for weights in all_attentions)
         return HybridIndexPoolModelOutput(
             last_hidden_state=hidden_states,
             cache=cache if use_cache else None,
             hidden_states=all_hidden_states,
             attentions=all_attentions,
+            router_logits=all_router_logits,
             indexer_loss=torch.stack(layer_losses).mean() if layer_losses else None,
         )
 
     def _run_layers(self, hidden_states, positions, rope_positions, token_is_real, cache, output_attentions,
-                    output_hidden_states, indexer_loss=None, ple_token_ids=None):
-        """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions and
-        the IndexPool layers' indexer losses."""
+                    output_hidden_states, indexer_loss=None, ple_token_ids=None, record_layout=None,
+                    output_router_logits=False):
+        """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions, the
+        IndexPool layers' indexer losses and the MoE layers' router logits `[rows, seq, num_experts]`. With
+        `record_layout`, the per-layer states are recorded in the input's layout (the final ones stay on the
+        grid)."""
         position_embeddings = self.rotary_emb(hidden_states, rope_positions[0] if len(rope_positions) == 1
                                               else rope_positions)
-        all_hidden_states, all_attentions, indexer_losses = (), (), []
+        all_hidden_states, all_attentions, indexer_losses, all_router_logits = (), (), [], ()
         for decoder_layer in self.layers:
             if not isinstance(decoder_layer, HybridIndexPoolDecoderLayer):
                 continue  # another pipeline stage runs this layer (transformers' pipeline parallelism left a stub)
-            if output_hidden_states:
+            if output_hidden_states and record_layout is not None:
+                # Real tokens' cells come back unchanged; padding cells, never read by a real token, may not.
+                recorded = record_layout.from_grid(hidden_states)
+                all_hidden_states += (recorded,)
+                hidden_states = record_layout.to_grid(recorded)
+            elif output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, weights, kl = decoder_layer(
+            hidden_states, weights, kl, router_logits = decoder_layer(
                 hidden_states, position_embeddings, positions, rope_positions, token_is_real, self.rotary_emb,
                 cache=cache,
                 output_attentions=output_attentions, indexer_loss=indexer_loss, ple_token_ids=ple_token_ids,
@@ -1112,13 +1245,45 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 all_attentions += (weights,)
             if kl is not None:
                 indexer_losses.append(kl)
+            if output_router_logits and router_logits is not None:
+                all_router_logits += (router_logits,)
         if self.config.hc_count > 1:
             hidden_states = self.hyper_connection_mixer(hidden_states)[0]
         else:
             hidden_states = self.norm(hidden_states)
         if output_hidden_states:
-            all_hidden_states += (hidden_states,)
-        return hidden_states, all_hidden_states, all_attentions, indexer_losses
+            all_hidden_states += (hidden_states if record_layout is None else record_layout.from_grid(hidden_states),)
+        return hidden_states, all_hidden_states, all_attentions, indexer_losses, all_router_logits
+
+    @staticmethod
+    def _columns_of_positions(attention_mask, layout, batch_size, kv_length, device) -> torch.Tensor | None:
+        """`[batch, queries or 1, positions]`: the mask column (past and new) of each stored position a query can
+        attend to, or None when position `p` is column `p` (no padding anywhere). Positions count a row's real
+        tokens, so position `p` is its `p`-th real column; in a row of packed sequences, the `p`-th column of the
+        query's own sequence."""
+        if layout is not None and layout.rows.shape[0] != batch_size:  # packed: one grid row per sequence
+            return layout.columns[layout.source_rows]
+        if layout is None and (attention_mask is None or bool(attention_mask.all())):
+            return None
+        # A stable sort puts each row's real columns first, in order; its padding columns follow.
+        padding = attention_mask.to(device=device) == 0
+        return torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices[:, None]
+
+    @staticmethod
+    def _attention_by_column(weights, columns, kv_length) -> torch.Tensor:
+        """Attention weights `[batch, heads, queries, positions]` laid out over the mask columns instead,
+        `[batch, heads, queries, kv_length]`, zero where nothing was attended (padding, unselected windows)."""
+        if columns is None and weights.shape[-1] == kv_length:
+            return weights  # the very weights the output used (their gradient can be retained)
+        if columns is None:  # a decode step's weights cover the cache's reserved positions
+            return F.pad(weights, (0, kv_length - weights.shape[-1]))[..., :kv_length]
+        batch_size, num_heads, num_queries, _ = weights.shape
+        num_positions = min(weights.shape[-1], columns.shape[-1], kv_length)
+        index = columns[..., :num_positions].expand(batch_size, num_queries, num_positions)
+        index = index[:, None].expand(batch_size, num_heads, num_queries, num_positions)
+        # Added, not written: cells past the end of a packed sequence repeat a column with zero weight.
+        return weights.new_zeros(batch_size, num_heads, num_queries, kv_length).scatter_add_(
+            -1, index, weights[..., :num_positions])
 
     def _check_inputs(self, input_ids, inputs_embeds) -> None:
         """Refuse malformed inputs with a message that names the argument and the fix."""
@@ -1239,21 +1404,26 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
     the 2-D padding mask passed through to a (possibly compiled) decode step."""
 
     def language_model_output(self, outputs, labels=None, logits_to_keep: int | torch.Tensor = 0,
-                              **kwargs) -> "HybridIndexPoolCausalLMOutput":
+                              attention_mask: torch.Tensor | None = None, **kwargs) -> "HybridIndexPoolCausalLMOutput":
         """Logits of the last `logits_to_keep` positions (all when 0) and, given `labels`, the loss; a requested
-        indexer loss is added, weighted by `indexer_loss_weight`."""
+        indexer loss is added, weighted by `indexer_loss_weight`. With router logits, `aux_loss` is their
+        load-balancing loss over the real tokens of `attention_mask`, added to a labelled loss weighted by
+        `router_aux_loss_coef` (as transformers' MoE models do)."""
         text_config = self.config.get_text_config()
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(outputs.last_hidden_state[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
+        aux_loss = self.router_aux_loss(outputs.router_logits, attention_mask)
+        if aux_loss is not None and loss is not None:
+            loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
         if outputs.indexer_loss is not None:
             weighted = text_config.indexer_loss_weight * outputs.indexer_loss
             loss = weighted if loss is None else loss + weighted
         return HybridIndexPoolCausalLMOutput(
-            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, indexer_loss=outputs.indexer_loss,
+            loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions, router_logits=outputs.router_logits, indexer_loss=outputs.indexer_loss,
         )
 
     def _prepare_cache_for_generation(
@@ -1330,19 +1500,23 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
         logits_to_keep: int | torch.Tensor = 0,
         indexer_loss: str | None = None,
         ple_input_ids: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
         **kwargs,
     ) -> "HybridIndexPoolCausalLMOutput":
         """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss.
 
         With `indexer_loss` (`"dense"` or `"sparse"`, see [`HybridIndexPoolModel.forward`]) the output also carries
-        `indexer_loss`, and `loss` adds it weighted by `config.indexer_loss_weight`.
+        `indexer_loss`, and `loss` adds it weighted by `config.indexer_loss_weight`. With `output_router_logits`
+        (default `config.output_router_logits`) a MoE model also returns `router_logits` and the load-balancing
+        `aux_loss`, which `loss` adds weighted by `config.router_aux_loss_coef`.
         """
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, indexer_loss=indexer_loss, ple_input_ids=ple_input_ids,
+            output_router_logits=output_router_logits,
         )
-        return self.language_model_output(outputs, labels, logits_to_keep, **kwargs)
+        return self.language_model_output(outputs, labels, logits_to_keep, attention_mask, **kwargs)
 
 
 class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
@@ -1369,13 +1543,16 @@ class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         ple_input_ids: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
         **kwargs,
-    ) -> SequenceClassifierOutputWithPast:
-        """Class logits `[batch, num_labels]` of the last real token of each row and, given `labels`, the loss."""
+    ) -> HybridIndexPoolSequenceClassifierOutput:
+        """Class logits `[batch, num_labels]` of the last real token of each row and, given `labels`, the loss (plus
+        the load-balancing loss weighted by `config.router_aux_loss_coef`, with `output_router_logits`)."""
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, ple_input_ids=ple_input_ids,
+            output_router_logits=output_router_logits,
         )
         logits = self.score(outputs.last_hidden_state)
         batch_size = logits.shape[0]
@@ -1391,9 +1568,12 @@ class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
-        return SequenceClassifierOutputWithPast(
+        aux_loss = self.router_aux_loss(outputs.router_logits, attention_mask)
+        if aux_loss is not None and loss is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return HybridIndexPoolSequenceClassifierOutput(
             loss=loss, logits=pooled_logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+            attentions=outputs.attentions, aux_loss=aux_loss, router_logits=outputs.router_logits,
         )
 
 

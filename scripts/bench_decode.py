@@ -4,7 +4,8 @@ Qwen4-Exp, side by side in one run.
 The HybridIndexPool settings share one model's weights (mean pooling, so r changes nothing else) and one prompt;
 "dense" is the same model with a budget beyond the context. Qwen4-Exp (`Qwen4ExpForCausalLM`, the mean-pooled QSA
 indexer this design modifies) gets the same widths and runs at the contexts it can finish (`--reference-max-context`).
-Each measurement runs in its own process (started from a fork server that has already imported everything). The
+Each measurement runs in its own process (started from a fork server that has already imported everything); one
+that raises or dies ends the benchmark with its traceback or cause of death and a non-zero exit status. The
 HybridIndexPool settings decode from a cache reserved the way `generate()` reserves it (prompt + new tokens). Per
 setting and context: prefill seconds, milliseconds per decoded token (median) in eager mode and, with `--compile`,
 compiled whole (`torch.compile(fullgraph=True)`, inductor; compile time reported apart), the aten operator calls of one
@@ -34,7 +35,6 @@ keys (`index_key_cache_dtype`: the model's dtype, or packed fp8 values and a sca
 
 import argparse
 import json
-import multiprocessing
 import platform
 import statistics
 import time
@@ -42,17 +42,20 @@ import time
 import torch
 from tqdm import tqdm
 
+from .measuring_process import MeasurementFailed, MeasuringProcesses
+
 SETTINGS = ("pooled_r4", "unpooled_r1", "dense", "qwen4_exp")
 DENSE_BUDGET = 1 << 22
-# Layer widths. flash-next: Qwen3.8-Flash-Next's attention (16 query heads of 256, 2 key/value heads), Gated DeltaNet
-# (16 key heads and 32 value heads of 128) and indexer (4 heads of 128, budget 2048) in 4 layers (3 Gated DeltaNet +
-# 1 IndexPool); unlike the real model it has 4 layers instead of 48, a dense MLP of 1024 instead of 512 experts, a
-# 16K vocabulary instead of 248K, and no hyper-connections or n-gram embeddings.
+# Layer widths. flash-next: Qwen3.8-Flash-Next's attention (16 query heads of 256, 2 key/value heads, a quarter of
+# each head rotated by RoPE of base 10^7), Gated DeltaNet (16 key heads and 32 value heads of 128) and indexer (4 heads
+# of 128, budget 2048) in 4 layers (3 Gated DeltaNet + 1 IndexPool); unlike the real model it has 4 layers instead of
+# 48, a dense MLP of 1024 instead of 512 experts, a 16K vocabulary instead of 248K, and no hyper-connections or n-gram
+# embeddings. The rotated channels must fit the indexer head, which shares them: Qwen4-Exp's config rejects 256 of 128.
 PRESETS = {
     "tiny": {},
     "flash-next": dict(hidden_size=2048, intermediate_size=1024, layers=4, heads=16, kv_heads=2, head_dim=256,
-                       index_heads=4, index_head_dim=128, topk=2048, linear_key_heads=16, linear_value_heads=32,
-                       linear_head_dim=128, vocab_size=16384),
+                       partial_rotary_factor=0.25, rope_theta=1e7, index_heads=4, index_head_dim=128, topk=2048,
+                       linear_key_heads=16, linear_value_heads=32, linear_head_dim=128, vocab_size=16384),
 }
 
 
@@ -64,15 +67,17 @@ FROZEN_OPTIONS = {"freezing": True, "guard_filter_fn": torch.compiler.skip_guard
 
 def model_config(setting: str, args, index_key_dtype: str = "auto"):
     """Config of one setting; every HybridIndexPool setting has the same weights (whatever `index_key_dtype`, the
-    config's `index_key_cache_dtype`)."""
+    config's `index_key_cache_dtype`), and Qwen4-Exp the same RoPE."""
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta, "partial_rotary_factor": args.partial_rotary_factor}
     if setting == "qwen4_exp":
         from transformers import Qwen4ExpTextConfig
 
         return Qwen4ExpTextConfig(
             vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-            linear_num_key_heads=args.linear_key_heads, linear_num_value_heads=args.linear_value_heads,
-            linear_key_head_dim=args.linear_head_dim, linear_value_head_dim=args.linear_head_dim,
+            rope_parameters=rope, linear_num_key_heads=args.linear_key_heads,
+            linear_num_value_heads=args.linear_value_heads, linear_key_head_dim=args.linear_head_dim,
+            linear_value_head_dim=args.linear_head_dim,
             num_experts=1, num_experts_per_tok=1, moe_intermediate_size=args.intermediate_size,
             shared_expert_intermediate_size=args.intermediate_size, hc_count=2, hc_lowrank=16, ple_layer_ids=[],
             indexer_n_heads=args.index_heads, indexer_kv_heads=1, indexer_head_dim=args.index_head_dim,
@@ -84,7 +89,8 @@ def model_config(setting: str, args, index_key_dtype: str = "auto"):
     return HybridIndexPoolConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, linear_num_key_heads=args.linear_key_heads,
+        head_dim=args.head_dim, partial_rotary_factor=args.partial_rotary_factor, rope_parameters=rope,
+        linear_num_key_heads=args.linear_key_heads,
         linear_num_value_heads=args.linear_value_heads, linear_key_head_dim=args.linear_head_dim,
         linear_value_head_dim=args.linear_head_dim, index_n_heads=args.index_heads, index_head_dim=args.index_head_dim,
         index_topk=DENSE_BUDGET if setting == "dense" else args.topk,
@@ -400,6 +406,9 @@ def parse_arguments(argv=None):
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--partial-rotary-factor", type=float, default=0.25,
+                        help="fraction of each attention head (and indexer head) rotated by RoPE, for every setting")
+    parser.add_argument("--rope-theta", type=float, default=1e7, help="RoPE base, for every setting")
     parser.add_argument("--index-heads", type=int, default=2)
     parser.add_argument("--index-head-dim", type=int, default=32)
     parser.add_argument("--linear-key-heads", type=int, default=2, help="Gated DeltaNet key heads")
@@ -439,8 +448,7 @@ def parse_arguments(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "transformers", "hybrid_indexpool", __name__])
+    processes = MeasuringProcesses(["torch", "transformers", "hybrid_indexpool", __name__])
     runs = [
         (setting, length, key_dtype) for length in (int(c) for c in args.contexts.split(","))
         for setting in args.settings.split(",")
@@ -448,11 +456,13 @@ def main(argv=None) -> dict:
         if not (setting == "qwen4_exp" and length > args.reference_max_context)
         and not (setting == "dense" and length > args.dense_max_context)
     ]
-    with context.Pool(1, maxtasksperchild=1) as pool:
-        bandwidth = pool.apply(machine_copy_bandwidth, (args,))
-        results = []
-        for setting, length, key_dtype in tqdm(runs, desc="bench_decode", unit="run"):
-            results.append(pool.apply(measure, (setting, length, args, key_dtype)))
+    try:
+        bandwidth = processes.run(machine_copy_bandwidth, args)
+        results = [processes.run(measure, setting, length, args, key_dtype,
+                                 label=f"{setting} ({key_dtype} index keys) at {length:,} tokens")
+                   for setting, length, key_dtype in tqdm(runs, desc="bench_decode", unit="run")]
+    except MeasurementFailed as error:
+        raise SystemExit(f"bench_decode: {error}") from None
     print_table(results, bandwidth)
     report = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,

@@ -63,16 +63,20 @@ def measure(windows: int, storage: str, args) -> dict:
 def run(args) -> dict:
     results = []
     dtypes = args.dtypes.split(",")
-    for threads in (int(value) for value in args.threads.split(",")):
-        torch.set_num_threads(threads)
-        bandwidth = copy_bandwidth()
-        for windows in tqdm([int(value) for value in args.windows.split(",")], desc=f"{threads} threads"):
-            for dtype in dtypes:
-                row = measure(windows, dtype, args)
-                row.update(threads=threads, copy_bytes_per_second=bandwidth)
-                for path in ("kernel", "reference"):
-                    row[f"{path}_bandwidth_fraction"] = row["key_bytes"] / (row[f"{path}_ms"] / 1e3) / bandwidth
-                results.append(row)
+    caller_threads = torch.get_num_threads()
+    try:
+        for threads in (int(value) for value in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            bandwidth = copy_bandwidth()
+            for windows in tqdm([int(value) for value in args.windows.split(",")], desc=f"{threads} threads"):
+                for dtype in dtypes:
+                    row = measure(windows, dtype, args)
+                    row.update(threads=threads, copy_bytes_per_second=bandwidth)
+                    for path in ("kernel", "reference"):
+                        row[f"{path}_bandwidth_fraction"] = row["key_bytes"] / (row[f"{path}_ms"] / 1e3) / bandwidth
+                    results.append(row)
+    finally:  # the caller's thread count as it was (tests call run in-process)
+        torch.set_num_threads(caller_threads)
     add_fp8_speedups(results)
     return {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                         "cpu_count": os.cpu_count(), "torch": torch.__version__},

@@ -249,13 +249,10 @@ def key_cache_rows(setting: str, model, blocks: torch.Tensor, passkeys: torch.Te
 
 def run(args) -> dict:
     from transformers import DataCollatorForLanguageModeling, Trainer
-    from transformers.utils import logging as transformers_logging
-
     from hybrid_indexpool import HybridIndexPoolForCausalLM
     from hybrid_indexpool.indexer_training import kl_summary, train_indexer_stage
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
-    transformers_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     started = time.time()
     tokenizer = byte_level_tokenizer()
@@ -635,8 +632,16 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
+    from transformers.utils import logging as transformers_logging
+
     args = parse_arguments(argv)
-    report = run(args)
+    verbosity, threads = transformers_logging.get_verbosity(), torch.get_num_threads()
+    transformers_logging.set_verbosity_error()  # the Trainer's per-run notices would bury the progress bars
+    try:
+        report = run(args)
+    finally:  # the caller's logging and threads as they were (tests call main in-process)
+        transformers_logging.set_verbosity(verbosity)
+        torch.set_num_threads(threads)
     print(format_table(report), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from hybrid_indexpool import HybridIndexPoolForCausalLM
+from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
 from hybrid_indexpool.scripts import finetune
 from hybrid_indexpool.tokenization import byte_level_tokenizer
 from hybrid_indexpool.training import FinetuneArguments, build_model
@@ -114,17 +114,20 @@ def test_pipeline_parallel_refuses_hyper_connections_and_ple():
         HybridIndexPoolForCausalLM.maybe_distribute_model(model, DistributedConfig(pp_size=2), mesh_manager=object())
 
 
-def test_the_plans_name_only_modules_the_model_has():
-    model = HybridIndexPoolForCausalLM(tiny_config(**FULL_FEATURED))
+@pytest.mark.parametrize("features", [FULL_FEATURED, {}], ids=["full_featured", "dense"])
+def test_the_plans_name_only_modules_the_model_has(features):
+    model = HybridIndexPoolForCausalLM(tiny_config(**features))
     names = {name for name, _ in model.named_modules()} | {name for name, _ in model.named_parameters()}
     generic = {".".join("*" if part.isdigit() else part for part in name.split(".")) for name in names}
-    dense = HybridIndexPoolForCausalLM(tiny_config())
-    generic |= {".".join("*" if part.isdigit() else part for part in name.split("."))
-                for name, _ in dense.named_modules()}
     for rule in model.config.base_model_tp_plan:
         assert f"model.{rule}" in generic, rule
     assert not any("indexer" in rule for rule in model.config.base_model_tp_plan)  # replicated
     assert model.tp_plan["lm_head"] == "colwise_gather_output"
+
+
+def test_the_plans_of_a_dense_and_a_full_featured_model_cover_every_entry():
+    plans = tiny_config().base_model_tp_plan | tiny_config(**FULL_FEATURED).base_model_tp_plan
+    assert plans == HybridIndexPoolConfig.TENSOR_PARALLEL_PLAN
 
 
 # ---- FSDP2 training ------------------------------------------------------------------------------------------------

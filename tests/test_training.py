@@ -163,3 +163,21 @@ def test_warns_when_the_block_size_passes_the_trained_positions(tmp_path, text_f
     with pytest.warns(UserWarning, match="beyond the model's max_position_embeddings"):
         load_model(FinetuneArguments(init_config=small, train_files=[text_file], block_size=128),
                    byte_level_tokenizer())
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_mixture_of_experts_trains_with_the_load_balancing_loss(tmp_path, text_file, packing):
+    # A coefficient large enough that the aux loss (at least num_experts_per_tok = 2 by construction) shows.
+    moe = json.dumps({**json.loads(TINY), "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                      "router_aux_loss_coef": 100.0})
+    first_losses = {}
+    for router_aux_loss in (True, False):
+        args = FinetuneArguments(init_config=moe, train_files=[text_file], block_size=64, packing=packing,
+                                 router_aux_loss=router_aux_loss)
+        output_dir = tmp_path / f"run-{router_aux_loss}"
+        metrics = run_finetune(args, training_arguments(output_dir, max_steps=1, save_steps=100,
+                                                        per_device_train_batch_size=2))
+        first_losses[router_aux_loss] = [entry["loss"] for entry in metrics["log_history"] if "loss" in entry][0]
+        # The router logits were for training: the saved model does not return them by default.
+        assert AutoModelForCausalLM.from_pretrained(output_dir).config.output_router_logits is False
+    assert first_losses[True] - first_losses[False] > 100 * 1.5

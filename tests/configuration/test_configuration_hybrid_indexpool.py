@@ -12,6 +12,11 @@ def test_defaults_interleave_three_linear_then_one_indexpool():
     assert config.rope_parameters["partial_rotary_factor"] == config.partial_rotary_factor
 
 
+def test_router_outputs_are_off_by_default_with_qwens_coefficient():
+    config = HybridIndexPoolConfig(num_experts=4)
+    assert config.output_router_logits is False and config.router_aux_loss_coef == 0.001
+
+
 def test_save_and_load_round_trip(tmp_path):
     config = HybridIndexPoolConfig(num_hidden_layers=2, layer_types=["indexpool_attention", "linear_attention"],
                                    index_topk=64, index_pool_size=8, index_head_weights=True)
@@ -35,6 +40,8 @@ def test_save_and_load_round_trip(tmp_path):
         (dict(head_dim=10, partial_rotary_factor=0.5), "odd number of rotated channels"),
         (dict(num_experts=4, num_experts_per_tok=5), "`num_experts_per_tok` (5) must lie between 1"),
         (dict(attention_dropout=1.5), "`attention_dropout` is 1.5"),
+        (dict(router_aux_loss_coef=-0.01), "`router_aux_loss_coef` is -0.01"),
+        (dict(router_aux_loss_coef=float("inf")), "`router_aux_loss_coef` is inf"),
         (dict(partial_rotary_factor=0.0), "`partial_rotary_factor` is 0.0"),
         (dict(index_sink_windows=-1), "`index_sink_windows` is -1"),
         (dict(index_local_windows=-2), "`index_local_windows` is -2"),

@@ -74,3 +74,18 @@ def test_decode_compiles_once_for_every_batch_size():
     keys = aot.specialisation_keys([dataclasses.replace(base, batch=batch) for batch in (1, 2, 3, 8, 64, 200)])
     assert set(keys[0]) == {"pooled_index_scores", "sparse_attention_forward", "combine_splits"}
     assert all(batch_keys == keys[0] for batch_keys in keys[1:])
+
+
+def _refuse(task):
+    raise UnpicklableError(f"cannot compile {task}", "a second argument")
+
+
+class UnpicklableError(Exception):
+    def __init__(self, message, cause):  # two arguments: pickling keeps only the message, so unpickling fails
+        super().__init__(message)
+        self.cause = cause
+
+
+def test_a_failing_compile_worker_is_reported_not_waited_for():
+    with pytest.raises(RuntimeError, match=r"Compiling 7 failed in its worker:(.|\n)*cannot compile 7"):
+        aot._in_workers(_refuse, [7], workers=1)

@@ -156,6 +156,32 @@ def test_outputs_hidden_states_attentions_embeds_and_logits_to_keep():
     torch.testing.assert_close(last, out.logits[:, -1:])
 
 
+def test_attention_weights_cover_every_mask_column_with_zeros_on_padding():
+    """transformers' convention `[batch, heads, queries, past + new columns]`: a padded row's weights are the row's
+    own at its real columns (left padding and a hole), zero elsewhere; a decode step covers past and new columns;
+    packed sequences attend only within their own columns."""
+    model = tiny_model(prefill_chunk_length=None)
+    input_ids, mask = left_padded_batch([26, 17], 26)
+    mask[1, 15] = 0  # a hole
+    real = mask[1].bool()
+    with torch.no_grad():
+        batched = model(input_ids, attention_mask=mask, output_attentions=True)
+        alone = model(input_ids[1:, real], output_attentions=True)
+        step = model(torch.tensor([[5], [6]]), attention_mask=torch.cat([mask, torch.ones(2, 1)], 1).long(),
+                     cache=batched.cache, output_attentions=True)
+        packed_ids = torch.cat([input_ids[:1, :10], input_ids[:1, 10:16]], dim=1)
+        packed = model(packed_ids, position_ids=torch.cat([torch.arange(10), torch.arange(6)])[None],
+                       output_attentions=True, use_cache=False)
+    weights = batched.attentions[0]
+    assert weights.shape == (2, 4, 26, 26)
+    torch.testing.assert_close(weights[1][:, real][:, :, real], alone.attentions[0][0])
+    assert torch.count_nonzero(weights[1][:, real][:, :, ~real]) == 0
+    assert step.attentions[0].shape == (2, 4, 1, 27)
+    torch.testing.assert_close(step.attentions[0].sum(-1), torch.ones(2, 4, 1))
+    assert torch.count_nonzero(step.attentions[0][1, :, :, :27 - 1][:, :, ~real]) == 0
+    assert torch.count_nonzero(packed.attentions[0][0, :, 10:, :10]) == 0  # the second sequence sees only itself
+
+
 def test_sequence_classification_scores_the_last_real_token():
     torch.manual_seed(0)
     model = HybridIndexPoolForSequenceClassification(tiny_config(num_labels=3)).eval()

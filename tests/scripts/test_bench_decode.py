@@ -61,6 +61,15 @@ def test_flash_next_preset_sets_the_real_widths_and_explicit_options_win():
     assert (args.hidden_size, args.heads, args.kv_heads, args.head_dim) == (2048, 16, 2, 256)
     assert (args.linear_key_heads, args.linear_value_heads, args.linear_head_dim) == (16, 32, 128)
     assert (args.index_heads, args.index_head_dim, args.topk) == (4, 128, 64)
+    assert (args.partial_rotary_factor, args.rope_theta) == (0.25, 1e7)
+
+
+def test_flash_next_reference_config_passes_validation_with_the_same_partial_rope():
+    args = bench_decode.parse_arguments(["--preset", "flash-next"])
+    ours, reference = bench_decode.model_config("pooled_r4", args), bench_decode.model_config("qwen4_exp", args)
+    assert ours.rope_parameters == reference.rope_parameters == {
+        "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    assert ours.rotary_dim == 64 <= reference.indexer_head_dim
 
 
 def test_roofline_counts_weights_selected_keys_values_pooled_keys_and_states():
