@@ -459,7 +459,8 @@ def main(argv=None) -> dict:
     try:
         bandwidth = processes.run(machine_copy_bandwidth, args)
         results = [processes.run(measure, setting, length, args, key_dtype,
-                                 label=f"{setting} ({key_dtype} index keys) at {length:,} tokens")
+                                 label=f"{setting} at {length:,} tokens"
+                                 + ("" if key_dtype == "auto" else f" with {key_dtype} index keys"))
                    for setting, length, key_dtype in tqdm(runs, desc="bench_decode", unit="run")]
     except MeasurementFailed as error:
         raise SystemExit(f"bench_decode: {error}") from None
