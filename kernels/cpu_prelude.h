@@ -60,11 +60,9 @@ static inline lanes load_fp8_lanes(const uint8_t *p) {
    7), so the float16 is exactly the fp8 value times 2^-8, subnormals included (an fp8 subnormal lands on a float16
    subnormal, which the conversion widens exactly; the float32 result is normal). Four vector instructions per 8
    values: the caller multiplies by 2^8 later (folded into the key's scale). The intrinsic, because GCC 12 widens a
-   _Float16 vector one element at a time. FP8_BY_FLOAT16 says whether this path exists; without it,
-   load_fp8_lanes times 2^-8. */
+   _Float16 vector one element at a time. Without F16C: load_fp8_lanes times 2^-8. */
 #if defined(__F16C__)
 #include <immintrin.h>
-#define FP8_BY_FLOAT16 1
 typedef int16_t shorts8 __attribute__((vector_size(16)));
 typedef int8_t signed_bytes8 __attribute__((vector_size(8)));
 
@@ -81,7 +79,6 @@ static inline lanes load_fp8_lanes_over_256(const uint8_t *p) {
     return v;
 }
 #else
-#define FP8_BY_FLOAT16 0
 static inline lanes load_fp8_lanes_over_256(const uint8_t *p) { return load_fp8_lanes(p) * 0x1p-8f; }
 #endif
 

@@ -495,8 +495,8 @@ class IndexPoolLayerCache(_LayerCache):
 def cache_layout(config) -> dict:
     """The settings that decide what a cache holds and how: two models with the same ones can share caches."""
     names = ("layer_types", "index_pool_size", "num_key_value_heads", "head_dim", "index_head_dim",
-             "index_pool_weighting", "index_key_cache_dtype", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-             "linear_value_head_dim", "linear_conv_kernel_dim", "ple_layers", "hc_count")
+             "index_pool_weighting", "index_key_cache_dtype", "linear_num_key_heads", "linear_num_value_heads",
+             "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "ple_layers", "hc_count")
     return {name: (list(value) if isinstance(value := getattr(config, name), (list, tuple)) else value)
             for name in names}
 

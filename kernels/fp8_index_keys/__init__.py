@@ -14,5 +14,5 @@ from .reference import (
     unpack,
 )
 
-__all__ = ["FP8_DTYPE", "SCALE_BYTES", "dequantize_pooled_keys", "fp8_round_trip_unrotated", "hadamard_transform", "is_packed", "packed_width",
-           "quantize_pooled_keys", "unpack"]
+__all__ = ["FP8_DTYPE", "SCALE_BYTES", "dequantize_pooled_keys", "fp8_round_trip_unrotated", "hadamard_transform",
+           "is_packed", "packed_width", "quantize_pooled_keys", "rotate_queries", "unpack"]
