@@ -22,7 +22,7 @@ from transformers.utils import logging
 
 from .kernels.fp8_index_keys import fp8_round_trip_unrotated, quantize_pooled_keys
 from .kernels.pooled_index_topk import pooled_index_topk
-from .modeling.modeling_hybrid_indexpool import HybridIndexPoolAttention
+from .modeling.attention_gqa import HybridIndexPoolAttention
 from .training import (
     ModelDataArguments,
     check_output_dir,

@@ -22,9 +22,9 @@ from .modeling_hybrid_indexpool import (
     HybridIndexPoolCausalLMOutput,
     HybridIndexPoolGenerationMixin,
     HybridIndexPoolModel,
-    HybridIndexPoolLinear,
     HybridIndexPoolPreTrainedModel,
 )
+from .layers import HybridIndexPoolLinear
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 

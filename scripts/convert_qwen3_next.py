@@ -38,7 +38,7 @@ from hybrid_indexpool.conversion import (
     rename,
     run_conversion_command,
 )
-from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolIndexer
+from hybrid_indexpool.modeling.indexer import HybridIndexPoolIndexer
 
 SCRIPT = "scripts/convert_qwen3_next.py"
 TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")

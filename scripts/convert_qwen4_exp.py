@@ -39,7 +39,7 @@ from hybrid_indexpool.conversion import (
     rename,
     run_conversion_command,
 )
-from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolNGramEmbedding
+from hybrid_indexpool.modeling.per_layer_embedding import HybridIndexPoolNGramEmbedding
 
 SCRIPT = "scripts/convert_qwen4_exp.py"
 TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE = "qwen4_exp_text", "qwen4_exp"

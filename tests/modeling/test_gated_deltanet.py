@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import LinearAttentionLayerCache
-from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolGatedDeltaNet
+from hybrid_indexpool.modeling.linear_attention_gdn import HybridIndexPoolGatedDeltaNet
 
 from model_factory import tiny_config
 

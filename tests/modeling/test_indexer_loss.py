@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybrid_indexpool.modeling.modeling_hybrid_indexpool import window_kl_divergence
+from hybrid_indexpool.modeling.indexer import window_kl_divergence
 from hybrid_indexpool import HybridIndexPoolForCausalLM
 from model_factory import tiny_config, tiny_model
 

@@ -6,7 +6,7 @@ import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func as qwen_load_balancing_loss
 
 from hybrid_indexpool import HybridIndexPoolForSequenceClassification
-from hybrid_indexpool.modeling.modeling_hybrid_indexpool import (
+from hybrid_indexpool.modeling.moe import (
     HybridIndexPoolExperts,
     grouped_mm_fits,
     load_balancing_loss,
