@@ -164,3 +164,11 @@ def test_glm_like_model_saves_and_loads(tmp_path):
                                model.model.layers[1].mlp.gate.e_score_correction_bias)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits)
+    # In half precision, what GLM-5.3-Flash keeps in float32 stays float32: the router and the streams' mixing.
+    half = HybridIndexPoolForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    layer = half.model.layers[1]
+    for tensor in (layer.mlp.gate.weight, layer.mlp.gate.e_score_correction_bias, layer.attn_hyper_connection.base,
+                   layer.mlp_hyper_connection.scale):
+        assert tensor.dtype == torch.float32
+    assert layer.attn_hyper_connection.fn.dtype == layer.mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    assert half.model.layers[0].mlp.gate_proj.weight.dtype == torch.bfloat16
