@@ -217,3 +217,73 @@ def test_cache_keeps_one_latent_per_token_and_no_indexer_state_in_shared_layers(
     footprint = shared.memory_footprint()
     assert footprint["pooled_index_keys"] == (0, 0) and footprint["open_window"] == (0, 0)
     assert footprint["key_value"][0] == (22 + 19) * config.kv_lora_rank * 4
+
+
+def glm_like_model(seed: int = 0):
+    """A whole tiny model with MLA IndexPool layers, GLM's indexer options and a shared-indexer layer."""
+    from model_factory import randomize_indexer
+
+    config = mla_config(4, 8, num_layers=8, indexer_types=["full"] * 7 + ["shared"])
+    config.layer_types = ["linear_attention", "linear_attention", "linear_attention", "indexpool_attention"] * 2
+    config.prefill_chunk_length = 16
+    torch.manual_seed(seed)
+    model = modeling.HybridIndexPoolForCausalLM(config).eval()
+    randomize_indexer(model, seed)
+    return model
+
+
+def test_whole_model_runs_forward_chunked_decode_generate_and_backward():
+    model = glm_like_model()
+    assert isinstance(model.model.layers[7].self_attn, modeling.HybridIndexPoolMLAAttention)
+    assert model.model.layers[7].self_attn.indexer is None
+    input_ids = torch.randint(1, 97, (2, 40))
+    mask = torch.ones_like(input_ids)
+    mask[1, :6] = 0
+    with torch.no_grad():
+        whole = model(input_ids, attention_mask=mask, use_cache=False).logits
+        prefill = model(input_ids[:, :33], attention_mask=mask[:, :33], use_cache=True)  # two prefill chunks
+        steps, cache = [prefill.logits], prefill.cache
+        for t in range(33, 40):
+            step = model(input_ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
+            steps.append(step.logits)
+        tokens = model.generate(input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(steps, dim=1)[real], whole[real], atol=1e-4, rtol=0)
+    assert tokens.shape == (2, 46)
+
+    model.train()
+    output = model(input_ids, attention_mask=mask, labels=input_ids, indexer_loss="sparse")
+    output.loss.backward()
+    attention = model.model.layers[3].self_attn
+    for parameter in (attention.q_a_proj.weight, attention.kv_b_proj.weight, attention.indexer.q_proj.weight,
+                      attention.indexer.k_norm.bias, attention.indexer.pool_slot_bias):
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0
+
+
+def test_saves_and_loads_through_remote_code(tmp_path):
+    import runpy
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hybrid_indexpool.tokenization import byte_level_tokenizer
+
+    # The loader script of the hub-export tests: the model loads and generates where the package is not importable.
+    load_without_package = runpy.run_path(str(Path(__file__).with_name("test_hub_export.py")))["LOAD_WITHOUT_PACKAGE"]
+
+    model = glm_like_model(seed=1)
+    folder = tmp_path / "checkpoint"
+    model.save_pretrained(folder)
+    byte_level_tokenizer().save_pretrained(folder)
+    input_ids = torch.randint(1, 97, (2, 30))
+    torch.save(input_ids, tmp_path / "input.pt")
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", load_without_package, str(folder), str(tmp_path / "input.pt"), "hybrid_indexpool"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    remote = torch.load(tmp_path / "input.pt.out")
+    with torch.no_grad():
+        torch.testing.assert_close(remote["logits"], model(input_ids).logits, atol=0, rtol=0)
+        assert torch.equal(remote["tokens"], model.generate(input_ids, max_new_tokens=8, do_sample=False))
