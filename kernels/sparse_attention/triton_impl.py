@@ -39,7 +39,7 @@ STAGES, STAGES_KEY_PASS, STAGES_KEY_PASS_FP32 = 3, 1, 2
 MIN_SPLIT_POSITIONS = 128
 # The latent (MLA) kernel: query heads per program, positions per tile, warps and stages. A program holds its heads'
 # float32 accumulator (heads x latent width) and a tile of latents (the keys and the values at once).
-LATENT_HEADS, LATENT_BLOCK_N, LATENT_WARPS, LATENT_STAGES = 16, 32, 4, 2
+LATENT_HEADS, LATENT_BLOCK_N, LATENT_WARPS, LATENT_STAGES = 32, 32, 8, 2
 
 
 @triton.jit
@@ -599,6 +599,8 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
     backward too."""
     if sizes.kernels == "index":
         return []
+    if sizes.latent_dim:
+        return _latent_aot_launches(sizes)
     meta = dict(device="meta", dtype=sizes.dtype)
     num_queries = 1 if sizes.mode == "decode" else sizes.queries
     batch_size = sizes.batch if sizes.mode == "decode" else 1
@@ -622,3 +624,24 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
                                  entries, entries, offsets)
     return list(zip(names[:1], launches)) + list(zip(("sparse_attention_backward_dq",
                                                       "sparse_attention_backward_dkv"), backward))
+
+
+def _latent_aot_launches(sizes) -> list[tuple[str, Launch]]:
+    """The latent (MLA) kernel's launches at `sizes`: decode split for `sizes.multiprocessors`, prefill unsplit."""
+    meta = dict(device="meta", dtype=sizes.dtype)
+    num_queries = 1 if sizes.mode == "decode" else sizes.queries
+    batch_size = sizes.batch if sizes.mode == "decode" else 1
+    num_positions = sizes.context if sizes.mode == "decode" else num_queries
+    heads = sizes.kv_heads * sizes.group
+    query = torch.empty(batch_size, num_queries, heads, sizes.latent_dim, **meta).transpose(1, 2)
+    # The cache's layout: [batch, capacity, 1, latent] storage seen as [batch, 1, positions, latent].
+    latents = torch.empty(batch_size, num_positions, 1, sizes.latent_dim, **meta).transpose(1, 2)
+    selected = torch.empty(batch_size, num_queries, sizes.budget // sizes.pool_size, dtype=torch.int64,
+                           device="meta")
+    positions = torch.empty(batch_size, num_queries, dtype=torch.int64, device="meta")
+    num_splits = 1
+    if sizes.mode == "decode":
+        num_splits = latent_splits(query, selected, sizes.pool_size, sizes.multiprocessors)
+    launches, _ = plan_latent_forward(query, latents, selected, positions, sizes.pool_size, 0.1, num_splits)
+    return list(zip(("sparse_latent_attention", "combine_splits"), launches))
+

@@ -283,7 +283,7 @@ def test_a_decode_step_reads_nothing_back_to_the_host():
 
 LATENT_CASES = [  # batch, queries, heads, latent_dim, pool_size, context, topk
     (1, 1, 4, 32, 4, 400, 16),    # decode far past the budget, fewer heads than a program's rows
-    (3, 1, 20, 48, 16, 300, 4),   # GLM's r = 16, heads over two programs, a latent width not a power of two
+    (3, 1, 40, 48, 16, 300, 4),   # GLM's r = 16, heads over two programs, a latent width not a power of two
     (2, 9, 16, 32, 4, 70, 40),    # a prefill whose budget is above what is visible
 ]
 
