@@ -306,3 +306,19 @@ def test_sparse_latent_attention_matches_reference(batch, queries, heads, latent
         output = sparse_latent_attention_triton(*to_device(query, latents, selected, positions), pool_size, scaling,
                                                 num_splits=num_splits)
         torch.testing.assert_close(output.cpu()[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_latent_attention_bfloat16_inputs_run_the_gpu_tiles():
+    """bfloat16 latents and queries at GLM's r = 16 take the 16-bit tile shapes (upcast in the interpreter): the output
+    matches the reference on the same values in float32, to bfloat16 rounding."""
+    from hybrid_indexpool.kernels.sparse_attention import (sparse_latent_attention_torch,
+                                                           sparse_latent_attention_triton)
+
+    generator, positions, real, context = layout(2, 1, 16, 260, seed=12)
+    selected = random_selection(torch.where(real, (positions + 1) // 16, 0), 6, generator)
+    query = torch.randn(2, 64, 1, 64, generator=generator).bfloat16()
+    latents = torch.randn(2, 1, context, 64, generator=generator).bfloat16()
+    expected, _ = sparse_latent_attention_torch(query.float(), latents.float(), selected, positions, 16, 0.125)
+    output = sparse_latent_attention_triton(*to_device(query, latents, selected, positions), 16, 0.125)
+    assert output.dtype == torch.bfloat16
+    torch.testing.assert_close(output.cpu().float(), expected, atol=2e-2, rtol=2e-2)
