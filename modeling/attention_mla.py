@@ -92,9 +92,9 @@ class HybridIndexPoolMLAAttention(HybridIndexPoolAttentionBase):
                 pooled_index_keys = pooled_index_keys[:, : length // self.pool_size]
         selected = self.select_windows(index_queries, pooled_index_keys, head_weights, num_visible, decode,
                                        indexer_loss, shared_selection)
-        key_weight, value_weight = self.kv_b_proj.weight.unflatten(0, (-1, self.qk_nope_head_dim + self.v_head_dim)
-                                                                    ).split([self.qk_nope_head_dim, self.v_head_dim],
-                                                                            dim=1)
+        # kv_b_proj per head: [heads, qk_nope_head_dim, kv_lora_rank] and [heads, v_head_dim, kv_lora_rank]
+        per_head = self.kv_b_proj.weight.unflatten(0, (-1, self.qk_nope_head_dim + self.v_head_dim))
+        key_weight, value_weight = per_head.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
         absorbed_query = None
         if selected is None:
             output, weights = self._dense_attention(query, *self.expand_latents(latents), positions,
