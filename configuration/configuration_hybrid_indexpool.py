@@ -12,6 +12,9 @@ from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVision
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
 POOL_WEIGHTINGS = ("learned", "learned_scalar", "mean", "prenorm_mean")
 INDEX_KEY_CACHE_DTYPES = ("auto", "float8_e4m3fn")
+HC_TYPES = ("qwen4_exp", "sinkhorn")
+MOE_ROUTER_TYPES = ("softmax", "sigmoid_grouped")
+MLP_LAYER_TYPES = ("dense", "sparse")
 
 
 def register_layer_type() -> None:
@@ -84,10 +87,26 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         linear_output_gate_act (`str`): Activation of the gate after Gated DeltaNet's output norm, `"silu"` or
             `"sigmoid"` (Qwen4-Exp's `output_gate_type`).
         num_experts (`int`): Routed experts per MoE block; `0` means a dense MLP in every layer.
+        mlp_layer_types (`list[str]`, *optional*): Feed-forward block of each layer, `"dense"` (SwiGLU MLP of
+            `intermediate_size`) or `"sparse"` (MoE block, needs `num_experts > 0`). Default: every layer sparse when
+            `num_experts > 0`, dense otherwise. GLM-5.3-Flash has three dense layers first.
         num_experts_per_tok (`int`): Experts each token is routed to.
         moe_intermediate_size (`int`): Inner width of one routed expert.
         shared_expert_intermediate_size (`int`): Inner width of the shared expert (`0` for none).
         norm_topk_prob (`bool`): Renormalise the top-k router probabilities to sum to one.
+        moe_router_type (`str`): `"softmax"` (Qwen: softmax over the experts, then top-k) or `"sigmoid_grouped"`
+            (DeepSeek-V3 / GLM-5.3-Flash: sigmoid scores; a learned per-expert bias `e_score_correction_bias` steers the
+            choice only; experts come in `n_group` groups, each scored by the sum of its two best experts, and tokens
+            pick among the experts of the `topk_group` best groups; weights are the chosen sigmoid scores, renormalised
+            when `norm_topk_prob`, times `routed_scaling_factor`).
+        n_group (`int`): Expert groups of the `"sigmoid_grouped"` router (must divide `num_experts`).
+        topk_group (`int`): Groups each token may pick experts from (`"sigmoid_grouped"`; at most `n_group`).
+        routed_scaling_factor (`float`): Scale of the routed experts' weights (`"sigmoid_grouped"`).
+        shared_expert_gate (`bool`): Scale the shared expert by a learned sigmoid gate per token (Qwen); `False` adds
+            it ungated (GLM-5.3-Flash).
+        swiglu_limit (`float`, *optional*): Clamp of every SwiGLU (dense MLP, experts, shared expert) before the
+            activation: the gate projection to at most `swiglu_limit`, the up projection to `[-limit, limit]`
+            (GLM-5.3-Flash: 10). `None`: no clamp.
         output_router_logits (`bool`): Return the router logits of every MoE layer (`router_logits`) and, from the
             language-model heads, the load-balancing loss `aux_loss` (Switch Transformer), added to `loss` weighted by
             `router_aux_loss_coef` when labels are given. Turn it on to fine-tune a MoE model.
@@ -97,6 +116,14 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             of Qwen4-Exp: every mixer and MLP reads a gated mix of the normed streams and writes its output back into
             each stream with its own gate, and the final norm is replaced by a last mix.
         hc_lowrank (`int`): Rank of the low-rank projection that computes the hyper-connection mixing gates.
+        hc_type (`str`): Kind of residual streams: `"qwen4_exp"` (the gated hyper-connections above, on when
+            `hc_count > 1`) or `"sinkhorn"` (GLM-5.3-Flash's manifold-constrained hyper-connections, on at any
+            `hc_count`: one projection of the RMS-normed streams gives per-stream read weights `pre`, write weights
+            `post` and a stream-mixing matrix `comb` made doubly stochastic by Sinkhorn iterations; each block reads
+            `sum_n pre_n * stream_n`, then its usual RMSNorm, and the streams become `post * output + comb^T @ streams`;
+            the final norm reads the mean of the streams).
+        hc_sinkhorn_iters (`int`): Sinkhorn iterations of the `"sinkhorn"` mixing matrix.
+        hc_eps (`float`): Floor added to the `"sinkhorn"` read weights and mixing matrix, and to its normalisers.
         ple_layers (`list[int]`, *optional*): Zero-based indices of the Gated DeltaNet layers that add per-layer
             n-gram embeddings (PLE, Qwen4-Exp): hashed 2..`ple_ngram_size`-gram embeddings, gated per residual
             stream and smoothed by a dilated causal convolution. Requires `eos_token_id` (n-grams never cross it).
@@ -206,12 +233,22 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    mlp_layer_types: list[str] | None = None
+    moe_router_type: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float | int = 1.0
+    shared_expert_gate: bool = True
+    swiglu_limit: float | int | None = None
     output_router_logits: bool = False
     router_aux_loss_coef: float | int = 0.001
     hidden_act: str = "silu"
     # hyper-connections and per-layer n-gram embeddings (Qwen4-Exp)
     hc_count: int = 1
     hc_lowrank: int = 320
+    hc_type: str = "qwen4_exp"
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
     ple_layers: list[int] | None = None
     ple_embed_dim: int | None = None
     ple_conv_kernel_size: int = 4
@@ -350,12 +387,69 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             fail(f"`attention_dropout` is {self.attention_dropout}; it must lie in [0, 1).")
         if self.linear_output_gate_act not in ("silu", "sigmoid"):
             fail(f"`linear_output_gate_act` is {self.linear_output_gate_act!r}; use 'silu' or 'sigmoid'.")
-        if self.hc_count < 1 or (self.hc_count > 1 and self.hc_lowrank < 1):
+        if self.hc_count < 1 or (self.hc_type == "qwen4_exp" and self.hc_count > 1 and self.hc_lowrank < 1):
             fail(
                 f"`hc_count` is {self.hc_count} and `hc_lowrank` {self.hc_lowrank}; use hc_count = 1 (plain residual) "
                 "or hc_count > 1 with a positive hc_lowrank."
             )
+        self._check_residual_streams(fail)
+        self._check_feed_forward(fail)
         self._check_ple(fail)
+
+    def _check_residual_streams(self, fail):
+        if self.hc_type not in HC_TYPES:
+            fail(f"`hc_type` is {self.hc_type!r}; it must be one of {list(HC_TYPES)}.")
+        if self.hc_type != "sinkhorn":
+            return
+        if self.hc_sinkhorn_iters < 1:
+            fail(f"`hc_sinkhorn_iters` is {self.hc_sinkhorn_iters}; the Sinkhorn mixing needs at least 1 iteration "
+                 "(GLM-5.3-Flash uses 20).")
+        if not math.isfinite(self.hc_eps) or self.hc_eps < 0:
+            fail(f"`hc_eps` is {self.hc_eps}; it must be a finite number >= 0 (GLM-5.3-Flash uses 1e-6).")
+
+    def _check_feed_forward(self, fail):
+        if self.mlp_layer_types is not None:
+            if len(self.mlp_layer_types) != self.num_hidden_layers:
+                fail(f"`mlp_layer_types` has {len(self.mlp_layer_types)} entries but `num_hidden_layers` is "
+                     f"{self.num_hidden_layers}; give one entry per layer (or None).")
+            for index, mlp_type in enumerate(self.mlp_layer_types):
+                if mlp_type not in MLP_LAYER_TYPES:
+                    fail(f"`mlp_layer_types[{index}]` is {mlp_type!r}; each entry must be one of "
+                         f"{list(MLP_LAYER_TYPES)}.")
+            if "sparse" in self.mlp_layer_types and self.num_experts == 0:
+                fail("`mlp_layer_types` has 'sparse' layers but `num_experts` is 0; give the MoE layers experts "
+                     "(num_experts > 0) or make every layer 'dense'.")
+        if self.swiglu_limit is not None and not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
+            fail(f"`swiglu_limit` is {self.swiglu_limit}; use None (no clamp) or a positive number (GLM-5.3-Flash: "
+                 "10.0).")
+        if self.moe_router_type not in MOE_ROUTER_TYPES:
+            fail(f"`moe_router_type` is {self.moe_router_type!r}; it must be one of {list(MOE_ROUTER_TYPES)}.")
+        if self.moe_router_type == "softmax":
+            grouped = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}
+            changed = [f"{name} = {getattr(self, name)}" for name, default in grouped.items()
+                       if getattr(self, name) != default]
+            if changed:
+                fail(f"{', '.join(changed)} apply to the 'sigmoid_grouped' router only; set "
+                     "moe_router_type='sigmoid_grouped' or leave them at n_group = 1, topk_group = 1, "
+                     "routed_scaling_factor = 1.0.")
+            return
+        if not math.isfinite(self.routed_scaling_factor) or self.routed_scaling_factor <= 0:
+            fail(f"`routed_scaling_factor` is {self.routed_scaling_factor}; it must be a positive number "
+                 "(GLM-5.3-Flash: 2.5).")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            fail(f"`n_group` is {self.n_group} and `topk_group` {self.topk_group}; use n_group >= 1 and "
+                 "1 <= topk_group <= n_group.")
+        if self.num_experts == 0:
+            return
+        if self.num_experts % self.n_group != 0 or self.num_experts // self.n_group < 2:
+            fail(f"`num_experts` ({self.num_experts}) must split into `n_group` ({self.n_group}) equal groups of at "
+                 "least 2 experts (a group is scored by its two best experts); choose an n_group that divides "
+                 "num_experts at most half as large.")
+        reachable = self.topk_group * (self.num_experts // self.n_group)
+        if self.num_experts_per_tok > reachable:
+            fail(f"`num_experts_per_tok` ({self.num_experts_per_tok}) exceeds the {reachable} experts of the "
+                 f"`topk_group` ({self.topk_group}) groups a token may choose from; raise topk_group or lower "
+                 "num_experts_per_tok.")
 
     def _check_ple(self, fail):
         if not self.ple_layers:
@@ -389,7 +483,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         names = ["num_attention_heads", "num_key_value_heads"]
         if "linear_attention" in self.layer_types:
             names += ["linear_num_key_heads", "linear_num_value_heads"]
-        if self.num_experts > 0:
+        if "sparse" in self.mlp_types:
             names.append("moe_intermediate_size")
         uneven = [f"{name} = {getattr(self, name)}" for name in names if getattr(self, name) % tp_size != 0]
         if uneven:
@@ -404,18 +498,30 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         experts, no hyper-connection entries without them, ...): every entry of a plan must match a module."""
         # The first of these parts found in an entry's name says whether the model has that module.
         parts = (
-            ("hyper_connection", self.hc_count > 1),
+            ("hyper_connection", self.hc_type == "qwen4_exp" and self.hc_count > 1),
             (".ple.", bool(self.ple_layers)),
             (".self_attn.", "indexpool_attention" in self.layer_types),
             (".linear_attn.", "linear_attention" in self.layer_types),
-            (".mlp.shared_expert.", self.num_experts > 0 and self.shared_expert_intermediate_size > 0),
-            (".mlp.experts", self.num_experts > 0),
-            (".mlp.", self.num_experts == 0),
+            (".mlp.shared_expert.", "sparse" in self.mlp_types and self.shared_expert_intermediate_size > 0),
+            (".mlp.experts", "sparse" in self.mlp_types),
+            (".mlp.", "dense" in self.mlp_types),
         )
         return {
             rule: style for rule, style in self.TENSOR_PARALLEL_PLAN.items()
             if next(present for part, present in parts if part in rule)
         }
+
+    @property
+    def mlp_types(self) -> list[str]:
+        """The feed-forward block of each layer, `"dense"` or `"sparse"`: `mlp_layer_types`, or its default."""
+        if self.mlp_layer_types is not None:
+            return list(self.mlp_layer_types)
+        return ["sparse" if self.num_experts > 0 else "dense"] * self.num_hidden_layers
+
+    @property
+    def has_hyper_connections(self) -> bool:
+        """Whether the layers carry residual streams through hyper-connections (Sinkhorn ones at any `hc_count`)."""
+        return self.hc_type == "sinkhorn" or self.hc_count > 1
 
     @property
     def ple_eos_token_id(self) -> int:

@@ -35,9 +35,15 @@ from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .indexer import HybridIndexPoolIndexer
 from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm, HybridIndexPoolRotaryEmbedding
 from .linear_attention_gdn import HybridIndexPoolGatedDeltaNet
-from .moe import HybridIndexPoolExperts, HybridIndexPoolMLP, HybridIndexPoolSparseMoeBlock, load_balancing_loss
+from .moe import (
+    HybridIndexPoolExperts,
+    HybridIndexPoolGroupedTopkRouter,
+    HybridIndexPoolMLP,
+    HybridIndexPoolSparseMoeBlock,
+    load_balancing_loss,
+)
 from .per_layer_embedding import HybridIndexPoolNGramEmbedding, HybridIndexPoolPerLayerEmbedding
-from .residual_streams import HybridIndexPoolHyperConnection
+from .residual_streams import HybridIndexPoolHyperConnection, HybridIndexPoolSinkhornHyperConnection
 from .token_layout import TokenLayout
 
 
@@ -66,12 +72,20 @@ class HybridIndexPoolSequenceClassifierOutput(SequenceClassifierOutputWithPast):
     router_logits: tuple[torch.Tensor, ...] | None = None
 
 
-class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
-    """Token mixer (Gated DeltaNet or IndexPool attention), then MLP or MoE, each in a residual block.
+HYPER_CONNECTION_CLASSES = {
+    "qwen4_exp": HybridIndexPoolHyperConnection,
+    "sinkhorn": HybridIndexPoolSinkhornHyperConnection,
+}
 
-    With `hc_count == 1` the blocks are pre-norm residuals; with more, the layer carries `hc_count` residual streams
-    and each block reads and writes them through a [`HybridIndexPoolHyperConnection`] (which also does the norm).
-    A PLE layer first adds its n-gram features to the streams.
+
+class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
+    """Token mixer (Gated DeltaNet or IndexPool attention), then MLP or MoE (`mlp_layer_types`), each in a residual
+    block.
+
+    Without hyper-connections the blocks are pre-norm residuals. With them, the layer carries `hc_count` residual
+    streams and each block reads and writes them through a hyper-connection: a [`HybridIndexPoolHyperConnection`]
+    (Qwen4-Exp, which also does the norm) or a [`HybridIndexPoolSinkhornHyperConnection`] (GLM-5.3-Flash, whose
+    block input then goes through the block's RMSNorm). A PLE layer first adds its n-gram features to the streams.
     """
 
     def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
@@ -82,18 +96,20 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             self.linear_attn = HybridIndexPoolGatedDeltaNet(config, layer_idx)
         else:
             self.self_attn = HybridIndexPoolAttention(config, layer_idx)
-        if config.num_experts > 0:
+        if config.mlp_types[layer_idx] == "sparse":
             self.mlp = HybridIndexPoolSparseMoeBlock(config)
         else:
             self.mlp = HybridIndexPoolMLP(config, config.intermediate_size)
         self.ple = None
         if layer_idx in config.ple_layers:
             self.ple = HybridIndexPoolPerLayerEmbedding(config, config.ple_layers.index(layer_idx))
-        self.hyper_connections = config.hc_count > 1
+        self.hyper_connections = config.has_hyper_connections
         if self.hyper_connections:
-            self.attn_hyper_connection = HybridIndexPoolHyperConnection(config)
-            self.mlp_hyper_connection = HybridIndexPoolHyperConnection(config)
-        else:
+            hyper_connection_class = HYPER_CONNECTION_CLASSES[config.hc_type]
+            self.attn_hyper_connection = hyper_connection_class(config)
+            self.mlp_hyper_connection = hyper_connection_class(config)
+        self.input_layernorm = self.post_attention_layernorm = None
+        if not self.hyper_connections or config.hc_type == "sinkhorn":  # Qwen4-Exp's hyper-connections norm instead
             self.input_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.post_attention_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -118,9 +134,10 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             hidden_states = hidden_states + self.ple(hidden_states, ple_token_ids, token_is_real, layer_cache)
         if self.hyper_connections:
             streams = hidden_states
-            hidden_states, write_gates = self.attn_hyper_connection(streams)
+            hidden_states, write_weights = self.attn_hyper_connection(streams)
         else:
             residual = hidden_states
+        if self.input_layernorm is not None:
             hidden_states = self.input_layernorm(hidden_states)
         weights = kl = None
         if self.layer_type == "linear_attention":
@@ -131,10 +148,12 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
                 output_attentions, indexer_loss,
             )
         if self.hyper_connections:
-            streams = self.attn_hyper_connection.inject(streams, hidden_states, write_gates)
-            hidden_states, write_gates = self.mlp_hyper_connection(streams)
+            streams = self.attn_hyper_connection.inject(streams, hidden_states, write_weights)
+            hidden_states, write_weights = self.mlp_hyper_connection(streams)
+            if self.post_attention_layernorm is not None:
+                hidden_states = self.post_attention_layernorm(hidden_states)
             mlp_output, router_logits = self._feed_forward(hidden_states)
-            return self.mlp_hyper_connection.inject(streams, mlp_output, write_gates), weights, kl, router_logits
+            return self.mlp_hyper_connection.inject(streams, mlp_output, write_weights), weights, kl, router_logits
         hidden_states = residual + hidden_states
         mlp_output, router_logits = self._feed_forward(self.post_attention_layernorm(hidden_states))
         return hidden_states + mlp_output, weights, kl, router_logits
@@ -154,8 +173,10 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["HybridIndexPoolDecoderLayer"]
-    # The Gated DeltaNet decay parameters stay float32 when the model is loaded in half precision.
-    _keep_in_fp32_modules_strict = ["A_log", "dt_bias"]
+    # The Gated DeltaNet decay parameters, the grouped router's bias and the Sinkhorn streams' affine mixing
+    # parameters stay float32 when the model is loaded in half precision (as in GLM-5.3-Flash).
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias", "hyper_connection.base",
+                                    "hyper_connection.scale"]
     _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _is_stateful = True
@@ -221,6 +242,14 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
         elif isinstance(module, HybridIndexPoolExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, HybridIndexPoolGroupedTopkRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, HybridIndexPoolSinkhornHyperConnection):
+            # GLM-5.3-Flash's start: even reads, writes of 1, a uniform mixing matrix.
+            init.normal_(module.fn, mean=0.0, std=std)
+            init.zeros_(module.base)
+            init.ones_(module.scale)
         elif isinstance(module, HybridIndexPoolPerLayerEmbedding):
             init.zeros_(module.conv1d.weight)  # the convolution starts silent, as in Qwen4-Exp
         elif isinstance(module, HybridIndexPoolNGramEmbedding):
@@ -241,10 +270,13 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         self.layers = nn.ModuleList(
             [HybridIndexPoolDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        if config.hc_count > 1:
+        if config.hc_type == "qwen4_exp" and config.hc_count > 1:
             self.hyper_connection_mixer = HybridIndexPoolHyperConnection(config, inject=False)
         else:
             self.norm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.moe_router_type == "sigmoid_grouped":
+            # GLM-5.3-Flash routes in float32: its router weights stay float32 when loaded in half precision.
+            self._keep_in_fp32_modules_strict = [*self._keep_in_fp32_modules_strict, "mlp.gate.weight"]
         self.rotary_emb = HybridIndexPoolRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -365,7 +397,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             if cache is not None and cache.rope_deltas is not None:
                 rope_positions = positions + cache.rope_deltas.to(positions.device)
             rope_positions = rope_positions[None].expand(self.rotary_emb.num_streams, -1, -1)
-        if self.config.hc_count > 1:
+        if self.config.has_hyper_connections:
             inputs_embeds = inputs_embeds.repeat(1, 1, self.config.hc_count)  # every stream starts as the embedding
         # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
         # so peak memory follows the cache (linear in the context), not the prompt's activations.
@@ -448,7 +480,10 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 indexer_losses.append(kl)
             if output_router_logits and router_logits is not None:
                 all_router_logits += (router_logits,)
-        if self.config.hc_count > 1:
+        if self.config.hc_type == "sinkhorn":
+            hidden_states = self.norm(HybridIndexPoolSinkhornHyperConnection.collapse(hidden_states,
+                                                                                      self.config.hc_count))
+        elif self.config.hc_count > 1:
             hidden_states = self.hyper_connection_mixer(hidden_states)[0]
         else:
             hidden_states = self.norm(hidden_states)

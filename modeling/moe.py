@@ -1,6 +1,8 @@
-"""Feed-forward blocks: the SwiGLU MLP, the routed experts with a shared expert, and the load-balancing loss."""
+"""Feed-forward blocks: the SwiGLU MLP, the routed experts with a shared expert, the routers (Qwen's softmax, GLM's
+grouped sigmoid), and the load-balancing loss."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
@@ -39,8 +41,16 @@ def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], top_k: int,
     return num_experts * ((assignments / tokens) * (probability / tokens)).sum()
 
 
+def clamp_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-5.3-Flash's SwiGLU clamp (`swiglu_limit`): the gate to at most `limit`, the up projection to
+    `[-limit, limit]`; unchanged when `limit` is None."""
+    if limit is None:
+        return gate, up
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
 class HybridIndexPoolMLP(nn.Module):
-    """SwiGLU MLP: `down(act(gate(x)) * up(x))`."""
+    """SwiGLU MLP: `down(act(gate(x)) * up(x))`, with the projections clamped first when `swiglu_limit` is set."""
 
     def __init__(self, config: HybridIndexPoolConfig, intermediate_size: int):
         super().__init__()
@@ -48,9 +58,11 @@ class HybridIndexPoolMLP(nn.Module):
         self.up_proj = HybridIndexPoolLinear(config.hidden_size, intermediate_size, bias=False)
         self.down_proj = HybridIndexPoolLinear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.swiglu_limit = config.swiglu_limit
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+        gate, up = clamp_swiglu(self.gate_proj(hidden_states), self.up_proj(hidden_states), self.swiglu_limit)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 def grouped_mm_fits(experts: nn.Module) -> bool:
@@ -91,7 +103,8 @@ class HybridIndexPoolExperts(nn.Module):
     transformers' experts integration dispatches the computation (`config._experts_implementation`): `"grouped_mm"`
     by default (one grouped matrix product per projection, no loop over experts and no host synchronisation, so a
     decode step compiles whole; the loop where the widths do not suit the grouped kernel), `"batched_mm"`, or
-    `"eager"`, the loop over the experts that were hit below.
+    `"eager"`, the loop over the experts that were hit below. Every one of them turns the gate/up product into the
+    SwiGLU through `_apply_gate`, which is where `swiglu_limit` clamps.
     """
 
     def __init__(self, config: HybridIndexPoolConfig):
@@ -101,6 +114,7 @@ class HybridIndexPoolExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inner, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, inner))
         self.act_fn = ACT2FN[config.hidden_act]
+        self.swiglu_limit = config.swiglu_limit
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """`hidden_states [tokens, hidden]`, `top_k_index`/`top_k_weights [tokens, k]` -> `[tokens, hidden]`."""
@@ -111,38 +125,96 @@ class HybridIndexPoolExperts(nn.Module):
         output = torch.zeros_like(hidden_states)
         for expert in top_k_index.unique().tolist():
             token_index, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
-            gate, up = decode_linear(hidden_states[token_index], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            expert_out = decode_linear(self.act_fn(gate) * up, self.down_proj[expert])
+            gated = self._apply_gate(decode_linear(hidden_states[token_index], self.gate_up_proj[expert]))
+            expert_out = decode_linear(gated, self.down_proj[expert])
             weighted = expert_out * top_k_weights[token_index, slot, None].to(expert_out.dtype)
             output.index_add_(0, token_index, weighted.to(output.dtype))
         return output
 
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`[tokens, 2 * inner]` gate and up products -> `[tokens, inner]` SwiGLU (clamped by `swiglu_limit`)."""
+        gate, up = clamp_swiglu(*gate_up.chunk(2, dim=-1), self.swiglu_limit)
+        return self.act_fn(gate) * up
+
+
+class HybridIndexPoolGroupedTopkRouter(nn.Module):
+    """Group-limited sigmoid router (DeepSeek-V3, GLM-5.3-Flash), in float32.
+
+    Scores are `sigmoid(logits)`. The choice adds the per-expert `e_score_correction_bias` (a buffer, balanced outside
+    back-propagation during pre-training); it ranks groups of `num_experts // n_group` experts by the sum of their two
+    best scores and picks the top-k experts within the best `topk_group` groups. The weights are the chosen experts'
+    scores without the bias, renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
+    """
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`hidden_states [tokens, hidden]` -> router logits `[tokens, num_experts]` (before the sigmoid: what the
+        load-balancing loss reads), expert weights `[tokens, k]` (float32) and expert ids `[tokens, k]`."""
+        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        scores = router_logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = choice.unflatten(-1, (self.n_group, -1))  # [tokens, n_group, experts per group]
+        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [tokens, n_group]
+        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best_groups, True)
+        choice = per_group.masked_fill(~group_kept.unsqueeze(-1), float("-inf")).flatten(-2)
+        expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        expert_weights = scores.gather(-1, expert_ids)
+        if self.norm_topk_prob:
+            expert_weights = expert_weights / (expert_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return router_logits, expert_weights * self.routed_scaling_factor, expert_ids
+
 
 class HybridIndexPoolSparseMoeBlock(nn.Module):
-    """Mixture of experts: softmax router with top-k (renormalised when `norm_topk_prob`), routed experts, and an
-    optional shared expert scaled by a sigmoid gate. Returns the output and the router logits
+    """Mixture of experts: a router (`moe_router_type`: Qwen's softmax top-k, renormalised when `norm_topk_prob`, or
+    the [`HybridIndexPoolGroupedTopkRouter`] of GLM), routed experts, and an optional shared expert, scaled by a
+    sigmoid gate when `shared_expert_gate` (Qwen) or added as it is (GLM). Returns the output and the router logits
     `[..., num_experts]` (for the load-balancing loss)."""
 
     def __init__(self, config: HybridIndexPoolConfig):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = HybridIndexPoolLinear(config.hidden_size, config.num_experts, bias=False)
+        if config.moe_router_type == "sigmoid_grouped":
+            self.gate = HybridIndexPoolGroupedTopkRouter(config)
+        else:
+            self.gate = HybridIndexPoolLinear(config.hidden_size, config.num_experts, bias=False)
         self.experts = HybridIndexPoolExperts(config)
-        self.shared_expert = None
+        self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = HybridIndexPoolMLP(config, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = HybridIndexPoolLinear(config.hidden_size, 1, bias=False)
+            if config.shared_expert_gate:
+                self.shared_expert_gate = HybridIndexPoolLinear(config.hidden_size, 1, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = hidden_states.shape
-        flat = hidden_states.reshape(-1, shape[-1])
-        router_logits = self.gate(flat)
+    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`hidden_states [tokens, hidden]` -> router logits `[tokens, num_experts]`, expert weights and ids
+        `[tokens, k]`."""
+        if isinstance(self.gate, HybridIndexPoolGroupedTopkRouter):
+            return self.gate(hidden_states)
+        router_logits = self.gate(hidden_states)
         probs = router_logits.float().softmax(dim=-1)
         expert_weights, expert_ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             expert_weights = expert_weights / expert_weights.sum(dim=-1, keepdim=True)
+        return router_logits, expert_weights, expert_ids
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        router_logits, expert_weights, expert_ids = self.route(flat)
         output = self.experts(flat, expert_ids, expert_weights.to(flat.dtype))
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             output = output + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        elif self.shared_expert is not None:
+            output = output + self.shared_expert(flat)
         return output.reshape(shape), router_logits.reshape(*shape[:-1], -1)
