@@ -15,6 +15,10 @@ INDEX_KEY_CACHE_DTYPES = ("auto", "float8_e4m3fn")
 HC_TYPES = ("qwen4_exp", "sinkhorn")
 MOE_ROUTER_TYPES = ("softmax", "sigmoid_grouped")
 MLP_LAYER_TYPES = ("dense", "sparse")
+ATTENTION_TYPES = ("gqa", "mla")
+INDEX_QUERY_SOURCES = ("hidden", "q_lora")
+INDEX_KEY_NORMS = ("rms_after_pool", "layer_norm_before_pool")
+INDEXER_TYPES = ("full", "shared")
 
 
 def register_layer_type() -> None:
@@ -58,6 +62,17 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             half of the query projection (Qwen3-Next style).
         attention_bias (`bool`): Bias on the attention projections.
         attention_dropout (`float`): Dropout on the attention probabilities during training.
+        attention_type (`str`): Shape of the IndexPool attention: `"gqa"` (gated GQA, the default) or `"mla"`
+            (multi-head latent attention as in DeepSeek-V3 / GLM-5.3-Flash: the cache holds one normed latent of
+            `kv_lora_rank` per token, expanded per head by `kv_b_proj`; decode steps absorb `kv_b_proj` into the
+            query and the output and attend over the latents directly). MLA ignores `num_key_value_heads`,
+            `head_dim` (except as the RoPE width of a RoPE indexer) and `attention_output_gate`.
+        q_lora_rank (`int`, *optional*): MLA: width of the low-rank query latent (`q_a_proj`, `q_a_layernorm`).
+        kv_lora_rank (`int`, *optional*): MLA: width of the key/value latent each token caches.
+        qk_nope_head_dim (`int`, *optional*): MLA: query/key width per head without RoPE.
+        qk_rope_head_dim (`int`): MLA: query/key width per head with RoPE; only 0 (NoPE, as GLM-5.3-Flash) is
+            supported.
+        v_head_dim (`int`, *optional*): MLA: value width per head.
         index_n_heads (`int`): Query heads of the indexer.
         index_head_dim (`int`): Width of one indexer head (and of the single shared indexer key).
         index_topk (`int`): Token budget B: each query attends to `index_topk // index_pool_size` selected windows
@@ -77,6 +92,15 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             scale: `index_head_dim + 4` bytes per window, half of bfloat16; queries are rotated alike, so scores
             change only by the rounding). Only the cache is quantised: a forward without a cache, and indexer
             training, keep full-precision keys. fp8 needs a power-of-two `index_head_dim`.
+        index_query_source (`str`): Input of the indexer's query projection: `"hidden"` (the layer input, then an
+            RMSNorm per head) or `"q_lora"` (MLA only: the attention's normed query latent, no further norm; GLM).
+        index_key_norm (`str`): `"rms_after_pool"` (RMSNorm of each pooled key) or `"layer_norm_before_pool"` (a
+            LayerNorm with bias, eps 1e-6, of every token's key, then pooling, no norm after; GLM).
+        index_rope (`bool`): Rotate the indexer queries and pooled keys (default). GLM-5.3-Flash's indexer is NoPE.
+        indexer_types (`list[str]`, *optional*): Per layer, `"full"` (the IndexPool layer runs its indexer) or
+            `"shared"` (it has no indexer and no indexer cache, and reuses the selection of the closest full
+            IndexPool layer before it). Entries of linear-attention layers are ignored; the first IndexPool layer
+            must be full. None: every IndexPool layer is full.
         indexer_loss_weight (`float`): Weight of the indexer's KL loss in `loss` when a forward asks for it
             (`indexer_loss="dense"` or `"sparse"`).
         linear_num_key_heads (`int`): Query/key heads of Gated DeltaNet.
@@ -162,6 +186,10 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.o_proj": "rowwise",
+        # MLA: query heads and the per-head expansion of the latent split by heads; the latents themselves (and the
+        # low-rank projections that make them) are replicated, so every rank caches the same latent per token.
+        "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_b_proj": "colwise",
         # The indexer (`self_attn.indexer.*`) is replicated: it is small, and every rank must select the same
         # windows; a replicated indexer selects exactly what one process selects, with no collective before the top-k.
         # Gated DeltaNet, split by heads. The fused `in_proj_qkv` ([q heads | k heads | v heads]) has no contiguous
@@ -209,6 +237,13 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     attention_output_gate: bool = True
     attention_bias: bool = False
     attention_dropout: float | int = 0.0
+    attention_type: str = "gqa"
+    # multi-head latent attention (attention_type="mla")
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int = 0
+    v_head_dim: int | None = None
     # indexer
     index_n_heads: int = 4
     index_head_dim: int = 64
@@ -219,6 +254,10 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     index_sink_windows: int = 0
     index_local_windows: int = 0
     index_key_cache_dtype: str = "auto"
+    index_query_source: str = "hidden"
+    index_key_norm: str = "rms_after_pool"
+    index_rope: bool = True
+    indexer_types: list[str] | None = None
     indexer_loss_weight: float = 1.0
     # Gated DeltaNet
     linear_num_key_heads: int = 8
@@ -395,6 +434,49 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         self._check_residual_streams(fail)
         self._check_feed_forward(fail)
         self._check_ple(fail)
+        self._check_mla(fail)
+        self._check_indexer_variants(fail)
+
+    def _check_mla(self, fail):
+        if self.attention_type not in ATTENTION_TYPES:
+            fail(f"`attention_type` is {self.attention_type!r}; it must be one of {list(ATTENTION_TYPES)}.")
+        if self.attention_type != "mla":
+            return
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            if getattr(self, name) is None or getattr(self, name) < 1:
+                fail(f"`{name}` is {getattr(self, name)}; attention_type 'mla' needs it as a positive integer "
+                     "(GLM-5.3-Flash: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 256, v_head_dim 256).")
+        if self.qk_rope_head_dim != 0:
+            fail(f"`qk_rope_head_dim` is {self.qk_rope_head_dim}; the MLA attention here is NoPE (as GLM-5.3-Flash), "
+                 "so only qk_rope_head_dim = 0 is supported.")
+
+    def _check_indexer_variants(self, fail):
+        for name, allowed in (("index_query_source", INDEX_QUERY_SOURCES), ("index_key_norm", INDEX_KEY_NORMS)):
+            if getattr(self, name) not in allowed:
+                fail(f"`{name}` is {getattr(self, name)!r}; it must be one of {list(allowed)}.")
+        if self.index_query_source == "q_lora" and self.attention_type != "mla":
+            fail("`index_query_source` 'q_lora' reads the MLA query latent, but `attention_type` is "
+                 f"{self.attention_type!r}; use attention_type='mla' or index_query_source='hidden'.")
+        if self.index_key_norm == "layer_norm_before_pool" and self.index_pool_weighting == "prenorm_mean":
+            fail("`index_key_norm` 'layer_norm_before_pool' and `index_pool_weighting` 'prenorm_mean' both norm the "
+                 "keys before pooling; use index_pool_weighting 'learned' (GLM), 'learned_scalar' or 'mean'.")
+        if self.indexer_types is None:
+            return
+        if len(self.indexer_types) != self.num_hidden_layers:
+            fail(f"`indexer_types` has {len(self.indexer_types)} entries but `num_hidden_layers` is "
+                 f"{self.num_hidden_layers}; give one entry per layer (or None: every IndexPool layer is full).")
+        for index, indexer_type in enumerate(self.indexer_types):
+            if indexer_type not in INDEXER_TYPES:
+                fail(f"`indexer_types[{index}]` is {indexer_type!r}; each entry must be one of {list(INDEXER_TYPES)}.")
+        first = next((index for index, layer_type in enumerate(self.layer_types)
+                      if layer_type == "indexpool_attention"), None)
+        if first is not None and self.indexer_types[first] != "full":
+            fail(f"`indexer_types[{first}]` is 'shared', but layer {first} is the first IndexPool layer: a shared "
+                 "layer reuses the selection of an earlier full layer, so the first IndexPool layer must be 'full'.")
+
+    def is_shared_indexer_layer(self, layer_idx: int) -> bool:
+        """Whether IndexPool layer `layer_idx` reuses the previous full layer's selection (it has no indexer)."""
+        return self.indexer_types is not None and self.indexer_types[layer_idx] == "shared"
 
     def _check_residual_streams(self, fail):
         if self.hc_type not in HC_TYPES:
@@ -480,7 +562,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         """
         if tp_size <= 1:
             return
-        names = ["num_attention_heads", "num_key_value_heads"]
+        names = ["num_attention_heads"] + (["num_key_value_heads"] if self.attention_type == "gqa" else [])
         if "linear_attention" in self.layer_types:
             names += ["linear_num_key_heads", "linear_num_value_heads"]
         if "sparse" in self.mlp_types:
@@ -500,7 +582,10 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         parts = (
             ("hyper_connection", self.hc_type == "qwen4_exp" and self.hc_count > 1),
             (".ple.", bool(self.ple_layers)),
-            (".self_attn.", "indexpool_attention" in self.layer_types),
+            (".self_attn.q_b_proj", self.attention_type == "mla" and "indexpool_attention" in self.layer_types),
+            (".self_attn.kv_b_proj", self.attention_type == "mla" and "indexpool_attention" in self.layer_types),
+            (".self_attn.o_proj", "indexpool_attention" in self.layer_types),
+            (".self_attn.", self.attention_type == "gqa" and "indexpool_attention" in self.layer_types),
             (".linear_attn.", "linear_attention" in self.layer_types),
             (".mlp.shared_expert.", "sparse" in self.mlp_types and self.shared_expert_intermediate_size > 0),
             (".mlp.experts", "sparse" in self.mlp_types),

@@ -5,10 +5,13 @@ context. Per IndexPool layer, every row is stored **by position**: a row's entri
 1) in order, entry `p` holding the token at position `p`, so padding is never written and costs nothing, and a row's
 windows are contiguous in its own storage whatever the mask looked like:
 
-- the keys and values of every real token, `[batch, capacity, kv_heads, head_dim]`;
+- the keys and values of every real token, `[batch, capacity, kv_heads, head_dim]`; for MLA one normed latent per
+  token (`[batch, capacity, 1, kv_lora_rank]`, no separate values: the latent is expanded into both);
 - the pooled indexer keys (after norm and RoPE) of complete windows, window `c` at index `c`;
 - the raw indexer keys (and pooling-gate logits) of each row's open window, at most `r - 1` tokens;
 - `lengths [batch]`, the real tokens of each row: `lengths // r` pooled windows and `lengths % r` open tokens.
+
+A layer whose indexer is shared (`indexer_types`) has no indexer state: only keys/values (or latents) and lengths.
 
 Memory is reserved, not grown by doubling. With `max_cache_len` (which `generate()` sets to prompt + new tokens) the
 storage is allocated once, at the first update, for exactly what the rows can reach. Without it the storage grows by
@@ -163,7 +166,7 @@ class IndexPoolLayerCache(_LayerCache):
     Attributes:
         key_storage, value_storage: `[batch, capacity, kv_heads, head_dim]`; entry `p` of row `b` is its token at
             position `p`, valid for `p < lengths[b]`. `keys` / `values` present them as `[batch, kv_heads, capacity,
-            head_dim]` views.
+            head_dim]` views. MLA stores its latents as the keys (one head) and no values (None).
         pooled_storage: `[batch, capacity // r, index_head_dim]`, after norm and RoPE; window `c` at index `c`, valid
             for `c < lengths[b] // r`. With `fp8_index_keys`, packed fp8 keys `uint8 [batch, capacity // r,
             index_head_dim + 4]` (`kernels.fp8_index_keys`: rotated, fp8 values and a float32 scale), quantised once
@@ -176,6 +179,8 @@ class IndexPoolLayerCache(_LayerCache):
             is rotated there when the window completes).
         lengths: `[batch]` int64, real tokens per row.
         capacity: positions reserved per row (a multiple of r).
+
+    The indexer tensors stay None in a layer whose indexer is shared (it is updated with `raw_index_keys=None`).
     """
 
     _batch_tensors = (
@@ -276,27 +281,33 @@ class IndexPoolLayerCache(_LayerCache):
         """Allocate (first update) or grow the storage to the planned capacity, keeping what it holds."""
         capacity, r = self._planned_capacity, self.pool_size
         batch_size, kv_heads, _, head_dim = key_states.shape
-        index_head_dim = raw_index_keys.shape[-1]
         # Zero-filled: entries beyond a row's length are read (and masked) by fixed-shape decode steps.
         key_storage = key_states.new_zeros(batch_size, capacity, kv_heads, head_dim)
-        value_storage = value_states.new_zeros(batch_size, capacity, kv_heads, value_states.shape[-1])
-        if self.fp8_index_keys:
-            pooled_storage = torch.zeros(batch_size, capacity // r, packed_width(index_head_dim), dtype=torch.uint8,
-                                         device=raw_index_keys.device)
-        else:
-            pooled_storage = raw_index_keys.new_zeros(batch_size, capacity // r, index_head_dim)
+        value_storage = pooled_storage = None
+        if value_states is not None:
+            value_storage = value_states.new_zeros(batch_size, capacity, kv_heads, value_states.shape[-1])
+        if raw_index_keys is not None:
+            index_head_dim = raw_index_keys.shape[-1]
+            if self.fp8_index_keys:
+                pooled_storage = torch.zeros(batch_size, capacity // r, packed_width(index_head_dim),
+                                             dtype=torch.uint8, device=raw_index_keys.device)
+            else:
+                pooled_storage = raw_index_keys.new_zeros(batch_size, capacity // r, index_head_dim)
         if self.key_storage is None:
             self.lengths = torch.zeros(batch_size, dtype=torch.long, device=key_states.device)
-            self.open_index_keys = raw_index_keys.new_zeros(batch_size, r - 1, index_head_dim)
-            self.open_window_position = torch.zeros(batch_size, num_streams, dtype=torch.long,
-                                                    device=key_states.device)
+            if raw_index_keys is not None:
+                self.open_index_keys = raw_index_keys.new_zeros(batch_size, r - 1, index_head_dim)
+                self.open_window_position = torch.zeros(batch_size, num_streams, dtype=torch.long,
+                                                        device=key_states.device)
             if gate_logits is not None:
                 self.open_gate_logits = gate_logits.new_zeros(batch_size, r - 1, gate_logits.shape[-1])
         else:
             kept = self.capacity
             key_storage[:, :kept] = self.key_storage
-            value_storage[:, :kept] = self.value_storage
-            pooled_storage[:, : kept // r] = self.pooled_storage
+            if value_storage is not None:
+                value_storage[:, :kept] = self.value_storage
+            if pooled_storage is not None:
+                pooled_storage[:, : kept // r] = self.pooled_storage
         self.key_storage, self.value_storage, self.pooled_storage = key_storage, value_storage, pooled_storage
         self.capacity = capacity
         _mark_static(self.key_storage, self.value_storage, self.pooled_storage, self.open_index_keys,
@@ -316,8 +327,10 @@ class IndexPoolLayerCache(_LayerCache):
         the lengths. Call `plan` first (the model does, once per forward).
 
         Args:
-            key_states, value_states: `[batch, kv_heads, new, head_dim]`.
-            raw_index_keys: `[batch, new, index_head_dim]` indexer keys before norm and RoPE.
+            key_states, value_states: `[batch, kv_heads, new, head_dim]`; MLA gives its latents `[batch, 1, new,
+                kv_lora_rank]` as keys and no values (None).
+            raw_index_keys: `[batch, new, index_head_dim]` indexer keys before norm and RoPE; None in a layer whose
+                indexer is shared (then the gate logits and `pool_windows` are None too).
             gate_logits: `[batch, new, index_head_dim]` (`[batch, new, 1]` for one weight per token) float32
                 pooling-gate logits (without the slot bias) or None.
             token_is_real: `[batch, new]` bool; padding is not stored.
@@ -327,8 +340,9 @@ class IndexPoolLayerCache(_LayerCache):
                 -> [b, w, d]`, the indexer's pooling with norm and RoPE.
 
         Returns:
-            Keys and values `[batch, kv_heads, capacity, head_dim]` and pooled keys `[batch, capacity // r,
-            index_head_dim]` (views of the storage; entries beyond each row's length are stale or zero).
+            Keys and values `[batch, kv_heads, capacity, head_dim]` (values None for MLA) and pooled keys `[batch,
+            capacity // r, index_head_dim]` (None without an indexer): views of the storage; entries beyond each
+            row's length are stale or zero.
         """
         if self.key_storage is None or self._planned_capacity > self.capacity:
             self._allocate(key_states, value_states, raw_index_keys, gate_logits, rope_positions.shape[0])
@@ -345,8 +359,12 @@ class IndexPoolLayerCache(_LayerCache):
         real = token_is_real[:, 0]
         target = self.lengths.clamp(max=self.capacity - 1)
         for storage, new in ((self.key_storage, key_states), (self.value_storage, value_states)):
+            if storage is None:
+                continue
             new = new[:, :, 0].to(storage.dtype)  # [batch, kv_heads, head_dim]
             storage[rows, target] = torch.where(real[:, None, None], new, storage[rows, target])
+        if raw_index_keys is None:
+            return
 
         num_open, num_pooled = self.lengths % r, self.lengths // r
         # The open window with the new token at its place: [batch, r, d].
@@ -380,14 +398,18 @@ class IndexPoolLayerCache(_LayerCache):
                     pool_windows):
         """Prefill: any number of tokens per row; may read the device for its shapes."""
         r = self.pool_size
-        batch_size, num_new, index_head_dim = raw_index_keys.shape
-        device = raw_index_keys.device
         positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1  # of the real tokens
         rows, columns = token_is_real.nonzero(as_tuple=True)
         targets = positions[rows, columns]
         self.key_storage[rows, targets] = key_states.transpose(1, 2)[rows, columns].to(self.key_storage.dtype)
-        self.value_storage[rows, targets] = value_states.transpose(1, 2)[rows, columns].to(self.value_storage.dtype)
+        if value_states is not None:
+            self.value_storage[rows, targets] = value_states.transpose(1, 2)[rows, columns].to(
+                self.value_storage.dtype)
+        if raw_index_keys is None:
+            return
 
+        batch_size, num_new, index_head_dim = raw_index_keys.shape
+        device = raw_index_keys.device
         # Lay the open window and the new real tokens side by side by position, starting at the open window.
         num_pooled, num_open = self.lengths // r, self.lengths % r
         total_open = num_open + token_is_real.sum(dim=1)
@@ -446,7 +468,7 @@ class IndexPoolLayerCache(_LayerCache):
                 f"Cannot crop {tokens_to_remove} tokens: a row holds only {int(self.lengths.min())} real tokens.")
         inside_open = remaining >= (self.lengths // self.pool_size) * self.pool_size
         on_boundary = remaining % self.pool_size == 0
-        if not bool((inside_open | on_boundary).all()):
+        if self.pooled_storage is not None and not bool((inside_open | on_boundary).all()):
             raise ValueError(
                 f"Cannot crop {tokens_to_remove} tokens: the cut falls inside a window that is already pooled, whose "
                 f"raw indexer keys are gone. Crop to a multiple of index_pool_size ({self.pool_size}) or within the "
@@ -471,12 +493,13 @@ class IndexPoolLayerCache(_LayerCache):
         total_tokens = int(self.lengths.sum())
         total_windows = int((self.lengths // self.pool_size).sum())
         total_open = total_tokens - total_windows * self.pool_size
-        key_value_per_token = (self.key_storage[0, 0].numel() * self.key_storage.element_size()
-                               + self.value_storage[0, 0].numel() * self.value_storage.element_size())
-        index_head_dim = self.open_index_keys.shape[-1]
-        pooled_bytes = self.pooled_storage.shape[-1] * self.pooled_storage.element_size()  # per window
-        open_per_token = index_head_dim * (self.open_index_keys.element_size() + (
-            0 if self.open_gate_logits is None else self.open_gate_logits.element_size()))
+        key_value_per_token = sum(storage[0, 0].numel() * storage.element_size()
+                                  for storage in (self.key_storage, self.value_storage) if storage is not None)
+        pooled_bytes = open_per_token = 0
+        if self.pooled_storage is not None:
+            pooled_bytes = self.pooled_storage.shape[-1] * self.pooled_storage.element_size()  # per window
+            open_per_token = self.open_index_keys.shape[-1] * (self.open_index_keys.element_size() + (
+                0 if self.open_gate_logits is None else self.open_gate_logits.element_size()))
         bookkeeping = _bytes(self.lengths) + _bytes(self.open_window_position)
         return {
             "key_value": (total_tokens * key_value_per_token, _bytes(self.key_storage) + _bytes(self.value_storage)),
@@ -487,14 +510,15 @@ class IndexPoolLayerCache(_LayerCache):
 
     def unpooled_index_bytes(self) -> int:
         """Bytes a per-token (r = 1) indexer key cache of the same storage would hold for the same tokens."""
-        if self.lengths is None:
+        if self.lengths is None or self.pooled_storage is None:
             return 0
         return int(self.lengths.sum()) * self.pooled_storage.shape[-1] * self.pooled_storage.element_size()
 
 
 def cache_layout(config) -> dict:
     """The settings that decide what a cache holds and how: two models with the same ones can share caches."""
-    names = ("layer_types", "index_pool_size", "num_key_value_heads", "head_dim", "index_head_dim",
+    names = ("layer_types", "attention_type", "kv_lora_rank", "indexer_types", "index_pool_size",
+             "num_key_value_heads", "head_dim", "index_head_dim",
              "index_pool_weighting", "index_key_cache_dtype", "linear_num_key_heads", "linear_num_value_heads",
              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "ple_layers", "hc_count")
     return {name: (list(value) if isinstance(value := getattr(config, name), (list, tuple)) else value)

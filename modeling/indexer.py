@@ -20,6 +20,10 @@ class HybridIndexPoolIndexer(nn.Module):
     - `mean`: `1 / r`, normed after pooling (Qwen4-Exp's pooling);
     - `prenorm_mean`: every token's key normed first, then the mean and no norm after (a window of keys that
       disagree gets a shorter key, so its scores shrink).
+
+    GLM-5.3-Flash's variant (`index_query_source="q_lora"`, `index_key_norm="layer_norm_before_pool"`,
+    `index_rope=False`): queries `W_q c_q` from the MLA query latent `c_q` (already RMS-normed, so no query norm),
+    keys `LayerNorm(W_k x)` per token (weight and bias), pooled with no norm after, and no RoPE anywhere.
     """
 
     def __init__(self, config: HybridIndexPoolConfig):
@@ -27,12 +31,20 @@ class HybridIndexPoolIndexer(nn.Module):
         self.num_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.pool_size = config.index_pool_size
-        self.q_proj = HybridIndexPoolLinear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.rope = config.index_rope
+        query_from_latent = config.index_query_source == "q_lora"
+        query_input = config.q_lora_rank if query_from_latent else config.hidden_size
+        self.q_proj = HybridIndexPoolLinear(query_input, self.num_heads * self.head_dim, bias=False)
         self.k_proj = HybridIndexPoolLinear(config.hidden_size, self.head_dim, bias=False)
-        self.q_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        # The MLA query latent is RMS-normed already (`q_a_layernorm`): its queries get no second norm.
+        self.q_norm = None if query_from_latent else HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        if config.index_key_norm == "layer_norm_before_pool":
+            self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        else:
+            self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.learned_pooling = config.index_pool_weighting in ("learned", "learned_scalar")
-        self.norm_before_pooling = config.index_pool_weighting == "prenorm_mean"
+        self.norm_before_pooling = (config.index_pool_weighting == "prenorm_mean"
+                                    or config.index_key_norm == "layer_norm_before_pool")
         if self.learned_pooling:
             gate_width = self.head_dim if config.index_pool_weighting == "learned" else 1
             self.pool_gate_proj = HybridIndexPoolLinear(config.hidden_size, gate_width, bias=False)
@@ -41,8 +53,10 @@ class HybridIndexPoolIndexer(nn.Module):
         if config.index_head_weights:
             self.head_weights_proj = HybridIndexPoolLinear(config.hidden_size, self.num_heads, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Project new tokens.
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                query_latent: torch.Tensor | None = None):
+        """Project new tokens; `query_latent` `[batch, seq, q_lora_rank]` is the MLA query latent the queries read
+        with `index_query_source="q_lora"`.
 
         Returns:
             index_queries `[batch, seq, heads, head_dim]`, raw_keys `[batch, seq, head_dim]`, gate_logits
@@ -50,8 +64,12 @@ class HybridIndexPoolIndexer(nn.Module):
             head_weights `[batch, seq, heads]` or None.
         """
         batch_size, seq_len, _ = hidden_states.shape
-        queries = self.q_proj(hidden_states).view(batch_size, seq_len, self.num_heads, self.head_dim)
-        queries = apply_rotary(self.q_norm(queries), cos[:, :, None], sin[:, :, None])
+        query_input = hidden_states if self.q_norm is not None else query_latent
+        queries = self.q_proj(query_input).view(batch_size, seq_len, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            queries = self.q_norm(queries)
+        if self.rope:
+            queries = apply_rotary(queries, cos[:, :, None], sin[:, :, None])
         raw_keys = self.k_proj(hidden_states)
         gate_logits = self.pool_gate_proj(hidden_states).float() if self.learned_pooling else None
         head_weights = None
@@ -66,15 +84,17 @@ class HybridIndexPoolIndexer(nn.Module):
         first_positions: torch.Tensor,
         rotary_emb: HybridIndexPoolRotaryEmbedding,
     ) -> torch.Tensor:
-        """Pool `[batch, windows, r, head_dim]` raw keys into normed `[batch, windows, head_dim]` keys rotated at the
-        rotary positions of each window's first token, `first_positions [streams, batch, windows]` (for text,
-        `c * r`)."""
+        """Pool `[batch, windows, r, head_dim]` raw keys into normed `[batch, windows, head_dim]` keys rotated (with
+        `index_rope`) at the rotary positions of each window's first token, `first_positions [streams, batch,
+        windows]` (for text, `c * r`)."""
         if window_gate_logits is not None:
             window_gate_logits = window_gate_logits + self.pool_slot_bias.float()
         if self.norm_before_pooling:
-            pooled = weighted_pool(self.k_norm(window_keys), None).to(window_keys.dtype)
+            pooled = weighted_pool(self.k_norm(window_keys), window_gate_logits).to(window_keys.dtype)
         else:
             pooled = self.k_norm(weighted_pool(window_keys, window_gate_logits).to(window_keys.dtype))
+        if not self.rope:
+            return pooled
         cos, sin = rotary_emb(pooled, first_positions[0] if len(first_positions) == 1 else first_positions)
         return apply_rotary(pooled, cos, sin)
 

@@ -30,6 +30,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from .attention_gqa import HybridIndexPoolAttention
+from .attention_mla import HybridIndexPoolMLAAttention
 from .cache_hybrid_indexpool import HybridIndexPoolCache
 from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .indexer import HybridIndexPoolIndexer
@@ -94,6 +95,8 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
             self.linear_attn = HybridIndexPoolGatedDeltaNet(config, layer_idx)
+        elif config.attention_type == "mla":
+            self.self_attn = HybridIndexPoolMLAAttention(config, layer_idx)
         else:
             self.self_attn = HybridIndexPoolAttention(config, layer_idx)
         if config.mlp_types[layer_idx] == "sparse":
@@ -125,10 +128,12 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         output_attentions: bool = False,
         indexer_loss: str | None = None,
         ple_token_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        shared_selection: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """`hidden_states [batch, seq, hc_count * hidden]` -> the same, the attention weights, the indexer loss
-        (when asked) and the router logits `[batch, seq, num_experts]` (MoE layers). `ple_token_ids` (pads replaced
-        by the end-of-sequence id) feed a PLE layer."""
+        (when asked), the router logits `[batch, seq, num_experts]` (MoE layers) and the IndexPool selection
+        `[batch, seq, topk]` (None when dense or in a linear layer). `ple_token_ids` (pads replaced by the
+        end-of-sequence id) feed a PLE layer; `shared_selection` is the selection a shared-indexer layer reuses."""
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
         if self.ple is not None:
             hidden_states = hidden_states + self.ple(hidden_states, ple_token_ids, token_is_real, layer_cache)
@@ -139,13 +144,13 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             residual = hidden_states
         if self.input_layernorm is not None:
             hidden_states = self.input_layernorm(hidden_states)
-        weights = kl = None
+        weights = kl = selection = None
         if self.layer_type == "linear_attention":
             hidden_states = self.linear_attn(hidden_states, token_is_real, layer_cache)
         else:
-            hidden_states, weights, kl = self.self_attn(
+            hidden_states, weights, kl, selection = self.self_attn(
                 hidden_states, position_embeddings, positions, rope_positions, token_is_real, rotary_emb, layer_cache,
-                output_attentions, indexer_loss,
+                output_attentions, indexer_loss, shared_selection,
             )
         if self.hyper_connections:
             streams = self.attn_hyper_connection.inject(streams, hidden_states, write_weights)
@@ -153,10 +158,11 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             if self.post_attention_layernorm is not None:
                 hidden_states = self.post_attention_layernorm(hidden_states)
             mlp_output, router_logits = self._feed_forward(hidden_states)
-            return self.mlp_hyper_connection.inject(streams, mlp_output, write_weights), weights, kl, router_logits
+            streams = self.mlp_hyper_connection.inject(streams, mlp_output, write_weights)
+            return streams, weights, kl, router_logits, selection
         hidden_states = residual + hidden_states
         mlp_output, router_logits = self._feed_forward(self.post_attention_layernorm(hidden_states))
-        return hidden_states + mlp_output, weights, kl, router_logits
+        return hidden_states + mlp_output, weights, kl, router_logits, selection
 
     def _feed_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MLP's output and, from a MoE block, its router logits (None from a dense MLP)."""
@@ -459,6 +465,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, rope_positions[0] if len(rope_positions) == 1
                                               else rope_positions)
         all_hidden_states, all_attentions, indexer_losses, all_router_logits = (), (), [], ()
+        # The last full IndexPool layer's selection, which the shared-indexer layers after it reuse.
+        selection = None
         for decoder_layer in self.layers:
             if not isinstance(decoder_layer, HybridIndexPoolDecoderLayer):
                 continue  # another pipeline stage runs this layer (transformers' pipeline parallelism left a stub)
@@ -469,11 +477,14 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 hidden_states = record_layout.to_grid(recorded)
             elif output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, weights, kl, router_logits = decoder_layer(
+            hidden_states, weights, kl, router_logits, layer_selection = decoder_layer(
                 hidden_states, position_embeddings, positions, rope_positions, token_is_real, self.rotary_emb,
                 cache=cache,
                 output_attentions=output_attentions, indexer_loss=indexer_loss, ple_token_ids=ple_token_ids,
+                shared_selection=selection,
             )
+            if decoder_layer.layer_type == "indexpool_attention" and decoder_layer.self_attn.indexer is not None:
+                selection = layer_selection
             if output_attentions and decoder_layer.layer_type == "indexpool_attention":
                 all_attentions += (weights,)
             if kl is not None:

@@ -1,12 +1,15 @@
-"""IndexPool sparse attention (selected windows plus tail, GQA) behind one entry point."""
+"""IndexPool sparse attention (selected windows plus tail) behind one entry point per shape: GQA heads, and MLA's
+absorbed form (every query head over one latent that is both key and value)."""
+
+import torch
 
 from ..dispatch import use_fast_path
-from .reference import attention_slots, masked_softmax, sparse_attention_torch
+from .reference import attention_slots, masked_softmax, sparse_attention_torch, sparse_latent_attention_torch
 
 try:
-    from .triton_impl import sparse_attention_triton
+    from .triton_impl import sparse_attention_triton, sparse_latent_attention_triton
 except ImportError:  # no Triton: the PyTorch path serves every device
-    sparse_attention_triton = None
+    sparse_attention_triton = sparse_latent_attention_triton = None
 
 
 def sparse_attention(query, key, value, selected_windows, query_positions, pool_size, scaling, dropout=0.0,
@@ -23,5 +26,22 @@ def sparse_attention(query, key, value, selected_windows, query_positions, pool_
                                   training, return_weights)
 
 
-__all__ = ["sparse_attention", "sparse_attention_torch", "sparse_attention_triton", "attention_slots",
-           "masked_softmax"]
+def sparse_latent_attention(query, latents, selected_windows, query_positions, pool_size, scaling, dropout=0.0,
+                            training=False, return_weights=False):
+    """MLA's absorbed attention over each query's selected windows and tail of latents; see
+    `sparse_latent_attention_torch` for shapes.
+
+    Triton on CUDA for inference (the decode step and long prefills); PyTorch elsewhere, and when a gradient,
+    attention dropout or the weights are needed.
+    """
+    needs_reference = return_weights or (training and dropout > 0.0) or (
+        torch.is_grad_enabled() and (query.requires_grad or latents.requires_grad))
+    if sparse_latent_attention_triton is not None and not needs_reference and use_fast_path(query, latents):
+        return sparse_latent_attention_triton(query, latents, selected_windows, query_positions, pool_size,
+                                              scaling), None
+    return sparse_latent_attention_torch(query, latents, selected_windows, query_positions, pool_size, scaling,
+                                         dropout, training, return_weights)
+
+
+__all__ = ["sparse_attention", "sparse_attention_torch", "sparse_attention_triton", "sparse_latent_attention",
+           "sparse_latent_attention_torch", "sparse_latent_attention_triton", "attention_slots", "masked_softmax"]

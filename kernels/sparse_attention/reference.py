@@ -173,3 +173,53 @@ def _attention_with_weights(query, key, value, selected_windows, query_positions
     weights = masked_softmax((query.float() @ key.transpose(-1, -2)) * scaling, allowed[:, None])
     probs = torch.nn.functional.dropout(weights, p=dropout, training=True) if training and dropout > 0.0 else weights
     return (probs @ value).transpose(1, 2).to(query.dtype), weights
+
+
+def sparse_latent_attention_torch(
+    query: torch.Tensor,
+    latents: torch.Tensor,
+    selected_windows: torch.Tensor,
+    query_positions: torch.Tensor,
+    pool_size: int,
+    scaling: float,
+    dropout: float = 0.0,
+    training: bool = False,
+    return_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MLA's absorbed sparse attention: every query head attends over the same latents, which are both the keys and
+    the values (FlashMLA's sparse decode shape), each selected window and tail gathered once for all heads.
+
+    Args:
+        query: `[batch, heads, queries, latent_dim]`, the queries with the key expansion absorbed.
+        latents: `[batch, 1, positions, latent_dim]`, stored by position.
+        selected_windows, query_positions, pool_size, scaling, dropout, training, return_weights: as in
+            `sparse_attention_torch`.
+
+    Returns:
+        Output latents `[batch, queries, heads, latent_dim]` (the value expansion is applied after) and the weights
+        `[batch, heads, queries, positions]` or None.
+    """
+    if return_weights:
+        return _attention_with_weights(query, latents, latents, selected_windows, query_positions, pool_size,
+                                       scaling, dropout, training)
+    batch_size, num_heads, num_queries, latent_dim = query.shape
+    topk = selected_windows.shape[-1]
+    slots_per_query = topk * pool_size + pool_size - 1
+    query_chunk = max(1, GATHER_BLOCK_ELEMENTS // max(1, batch_size * slots_per_query * latent_dim))
+    rows = latents[:, 0]  # [batch, positions, latent_dim]
+    outputs = []
+    for start in range(0, num_queries, query_chunk):
+        end = min(start + query_chunk, num_queries)
+        windows = selected_windows[:, start:end]
+        tail, tail_valid = tail_slots(query_positions[:, start:end], pool_size)
+        valid = torch.cat([(windows >= 0).repeat_interleave(pool_size, dim=-1), tail_valid], dim=-1)
+        gathered = torch.cat([
+            gather_windows(rows, windows, pool_size).view(batch_size, end - start, topk * pool_size, latent_dim),
+            gather_positions(rows, tail).view(batch_size, end - start, pool_size - 1, latent_dim),
+        ], dim=2).float()  # [b, t, slots, c]: keys and values at once
+        chunk_query = query[:, :, start:end].transpose(1, 2).float()  # [b, t, heads, c]
+        probs = masked_softmax(torch.matmul(chunk_query, gathered.transpose(-1, -2)) * scaling, valid[:, :, None])
+        if training and dropout > 0.0:
+            probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
+        outputs.append(torch.matmul(probs, gathered).to(query.dtype))
+    return torch.cat(outputs, dim=1), None
