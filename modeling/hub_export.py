@@ -130,6 +130,10 @@ def _project_card() -> str | None:
     return card.read_text(encoding="utf-8") if card.exists() else None
 
 
+# The model family a checkpoint's vision tower comes from, by its config's `model_type`, for the model card.
+VISION_FAMILIES = {"qwen4_exp_vision": "Qwen4-Exp", "glm5_next_vision": "GLM-5.3-Flash"}
+
+
 def render_model_card(model) -> str:
     """The checkpoint's `README.md`: the project card plus a section describing this checkpoint's config."""
     config = model.config.get_text_config()
@@ -155,8 +159,9 @@ def render_model_card(model) -> str:
     ]
     vision = getattr(model.config, "vision_config", None)
     if vision is not None:
-        rows.append(f"| vision tower | Qwen4-Exp vision, {vision.depth} blocks of width {vision.hidden_size}, patch "
-                    f"{vision.patch_size}, merge {vision.spatial_merge_size} (images and video) |")
+        family = VISION_FAMILIES.get(vision.model_type, vision.model_type)
+        rows.append(f"| vision tower | {family} vision, {vision.depth} blocks of width {vision.hidden_size}, patch "
+                    f"{vision.patch_size}, merge {vision.spatial_merge_size} |")
     section = "\n".join(["## This checkpoint", "", "| setting | value |", "|---|---|", *rows, ""])
     card = _project_card()
     if card is None:

@@ -1,11 +1,13 @@
-"""HybridIndexPool with images and video: transformers' Qwen4-Exp vision tower in front of the HybridIndexPool text
-model, as Qwen4-Exp (Qwen3.8-Flash-Next) puts its own in front of its text model.
+"""HybridIndexPool with images and video: a transformers vision tower in front of the HybridIndexPool text model, as
+Qwen4-Exp (Qwen3.8-Flash-Next) and GLM-5.3-Flash put their own in front of their text models.
 
-The vision tower's merged patch features replace the image / video placeholder tokens; the text model runs with
-three-stream multimodal RoPE (time, height, width), whose positions come from the layout of the prompt
-(`get_rope_index`). The indexer's windows follow the order of the real tokens, and a pooled window's key is rotated
-at the multimodal position of the window's first token, as Qwen4-Exp rotates its blocks. After the prompt, each row
-decodes at its token count plus the offset its images left (`rope_deltas`, kept in the cache).
+The vision tower (built from `vision_config` by `AutoModel`: Qwen4-Exp's or GLM-5.3-Flash's) gives merged patch
+features that replace the image / video placeholder tokens. A text model with RoPE runs with three-stream multimodal
+RoPE (time, height, width), whose positions come from the layout of the prompt (`get_rope_index`); the indexer's
+windows follow the order of the real tokens, and a pooled window's key is rotated at the multimodal position of the
+window's first token, as Qwen4-Exp rotates its blocks. After the prompt, each row decodes at its token count plus the
+offset its images left (`rope_deltas`, kept in the cache). A text model without RoPE (GLM-5.3-Flash's) only counts
+tokens, images included, as GLM does.
 """
 
 import itertools
@@ -36,12 +38,13 @@ class HybridIndexPoolMultimodalPreTrainedModel(HybridIndexPoolPreTrainedModel):
     config_class = HybridIndexPoolMultimodalConfig
     config: HybridIndexPoolMultimodalConfig
     input_modalities = ("image", "video", "text")
-    _no_split_modules = ["HybridIndexPoolDecoderLayer", "Qwen4ExpVisionBlock"]
+    _no_split_modules = ["HybridIndexPoolDecoderLayer", "Qwen4ExpVisionBlock", "Glm5NextVisionBlock",
+                         "Glm5NextVisionPatchMerger"]
 
 
 class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
-    """The vision tower (`visual`, transformers' `Qwen4ExpVisionModel`) and the text model (`language_model`, a
-    [`HybridIndexPoolModel`]); returns the text model's output."""
+    """The vision tower (`visual`, transformers' `Qwen4ExpVisionModel` or `Glm5NextVisionModel`) and the text model
+    (`language_model`, a [`HybridIndexPoolModel`]); returns the text model's output."""
 
     def __init__(self, config: HybridIndexPoolMultimodalConfig):
         config.check_settings()
@@ -187,7 +190,7 @@ class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
         grids = image_grid_thw is not None or video_grid_thw is not None
         # The prompt (the cache's first input) lays out the positions; a decode step continues from its offsets.
         prompt = cache is None or cache.seen_tokens is None
-        if position_ids is None and grids and input_ids is not None and prompt:
+        if position_ids is None and grids and input_ids is not None and prompt and self.config.multimodal_rope:
             seq_len = input_ids.shape[1]
             mask = None if attention_mask is None else attention_mask[:, -seq_len:]
             position_ids, rope_deltas = self.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw,
