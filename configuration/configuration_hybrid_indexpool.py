@@ -18,6 +18,7 @@ ATTENTION_TYPES = ("gqa", "mla")
 INDEX_QUERY_SOURCES = ("hidden", "q_lora")
 INDEX_KEY_NORMS = ("rms_after_pool", "layer_norm_before_pool")
 INDEXER_TYPES = ("full", "shared")
+LINEAR_ATTENTION_TYPES = ("gated_deltanet", "kimi_delta")
 
 
 def register_layer_type() -> None:
@@ -102,13 +103,19 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             must be full. None: every IndexPool layer is full.
         indexer_loss_weight (`float`): Weight of the indexer's KL loss in `loss` when a forward asks for it
             (`indexer_loss="dense"` or `"sparse"`).
-        linear_num_key_heads (`int`): Query/key heads of Gated DeltaNet.
-        linear_num_value_heads (`int`): Value heads of Gated DeltaNet (a multiple of the key heads).
-        linear_key_head_dim (`int`): Width of a Gated DeltaNet query/key head.
-        linear_value_head_dim (`int`): Width of a Gated DeltaNet value head.
-        linear_conv_kernel_dim (`int`): Kernel size of the causal depthwise convolution in Gated DeltaNet.
-        linear_output_gate_act (`str`): Activation of the gate after Gated DeltaNet's output norm, `"silu"` or
-            `"sigmoid"` (Qwen4-Exp's `output_gate_type`).
+        linear_attention_type (`str`): Mixer of the `"linear_attention"` layers: `"gated_deltanet"` (Gated DeltaNet,
+            Qwen3-Next / Qwen3.5 / Qwen4-Exp) or `"kimi_delta"` (Kimi Delta Attention, GLM-5.3-Flash: a decay per key
+            channel; needs as many value heads as key heads, of the same width).
+        linear_gate_lower_bound (`float`, *optional*): Kimi Delta Attention only: the forget gate's lower bound (a
+            negative log decay per step; GLM-5.3-Flash uses -5.0), or None for the unbounded softplus gate.
+        linear_num_key_heads (`int`): Query/key heads of the linear attention.
+        linear_num_value_heads (`int`): Value heads of the linear attention (a multiple of the key heads).
+        linear_key_head_dim (`int`): Width of a linear-attention query/key head.
+        linear_value_head_dim (`int`): Width of a linear-attention value head.
+        linear_conv_kernel_dim (`int`): Kernel size of the causal depthwise convolution in the linear attention.
+        linear_output_gate_act (`str`, *optional*): Activation of the gate after the linear attention's output norm,
+            `"silu"` or `"sigmoid"` (Qwen4-Exp's `output_gate_type`). Defaults to `"silu"` for Gated DeltaNet and
+            `"sigmoid"` for Kimi Delta Attention.
         num_experts (`int`): Routed experts per MoE block; `0` means a dense MLP in every layer.
         mlp_layer_types (`list[str]`, *optional*): Feed-forward block of each layer, `"dense"` (SwiGLU MLP of
             `intermediate_size`) or `"sparse"` (MoE block, needs `num_experts > 0`). Default: every layer sparse when
@@ -200,6 +207,17 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         "layers.*.linear_attn.in_proj_a": "colwise",
         "layers.*.linear_attn.norm": "replicated_with_grad_allreduce",
         "layers.*.linear_attn.out_proj": "rowwise",
+        # Kimi Delta Attention, split by heads: its q/k/v projections are separate, so each splits contiguously; each
+        # rank slices the replicated `conv1d`, `forget_gate.dt_bias` and `forget_gate.A_log` to its heads. The
+        # low-rank down projections (`forget_gate.f_a_proj`, `g_a_proj`) are replicated.
+        "layers.*.linear_attn.q_proj": "colwise",
+        "layers.*.linear_attn.k_proj": "colwise",
+        "layers.*.linear_attn.v_proj": "colwise",
+        "layers.*.linear_attn.forget_gate.f_b_proj": "colwise",
+        "layers.*.linear_attn.b_proj": "colwise",
+        "layers.*.linear_attn.g_b_proj": "colwise",
+        "layers.*.linear_attn.o_norm": "replicated_with_grad_allreduce",
+        "layers.*.linear_attn.o_proj": "rowwise",
         # MLP, routed experts and shared expert as in Qwen3-Next / Qwen3.5-MoE (the router stays replicated).
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
@@ -258,13 +276,15 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     index_rope: bool = True
     indexer_types: list[str] | None = None
     indexer_loss_weight: float = 1.0
-    # Gated DeltaNet
+    # linear attention (Gated DeltaNet or Kimi Delta Attention)
+    linear_attention_type: str = "gated_deltanet"
+    linear_gate_lower_bound: float | int | None = None
     linear_num_key_heads: int = 8
     linear_num_value_heads: int = 16
     linear_key_head_dim: int = 64
     linear_value_head_dim: int = 64
     linear_conv_kernel_dim: int = 4
-    linear_output_gate_act: str = "silu"
+    linear_output_gate_act: str | None = None
     # MLP / MoE
     num_experts: int = 0
     num_experts_per_tok: int = 2
@@ -316,6 +336,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 10000000.0)}
         self.rope_parameters.setdefault("partial_rotary_factor", self.partial_rotary_factor)
         self.ple_layers = sorted(set(self.ple_layers or []))
+        if self.linear_output_gate_act is None:
+            self.linear_output_gate_act = "sigmoid" if self.linear_attention_type == "kimi_delta" else "silu"
         if self.ple_embed_dim is None:
             self.ple_embed_dim = self.hidden_size
         super().__post_init__(**kwargs)
@@ -425,6 +447,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             fail(f"`attention_dropout` is {self.attention_dropout}; it must lie in [0, 1).")
         if self.linear_output_gate_act not in ("silu", "sigmoid"):
             fail(f"`linear_output_gate_act` is {self.linear_output_gate_act!r}; use 'silu' or 'sigmoid'.")
+        self._check_linear_attention_type(fail)
         if self.hc_count < 1 or (self.hc_type == "qwen4_exp" and self.hc_count > 1 and self.hc_lowrank < 1):
             fail(
                 f"`hc_count` is {self.hc_count} and `hc_lowrank` {self.hc_lowrank}; use hc_count = 1 (plain residual) "
@@ -532,6 +555,28 @@ class HybridIndexPoolConfig(PreTrainedConfig):
                  f"`topk_group` ({self.topk_group}) groups a token may choose from; raise topk_group or lower "
                  "num_experts_per_tok.")
 
+    def _check_linear_attention_type(self, fail):
+        if self.linear_attention_type not in LINEAR_ATTENTION_TYPES:
+            fail(f"`linear_attention_type` is {self.linear_attention_type!r}; it must be one of "
+                 f"{list(LINEAR_ATTENTION_TYPES)}.")
+        bound = self.linear_gate_lower_bound
+        if self.linear_attention_type != "kimi_delta":
+            if bound is not None:
+                fail(f"`linear_gate_lower_bound` ({bound}) bounds Kimi Delta Attention's forget gate; Gated DeltaNet "
+                     "has none. Set linear_attention_type='kimi_delta' or leave linear_gate_lower_bound None.")
+            return
+        if self.linear_num_value_heads != self.linear_num_key_heads:
+            fail(f"`linear_attention_type` 'kimi_delta' needs as many value heads as key heads, but "
+                 f"`linear_num_value_heads` is {self.linear_num_value_heads} and `linear_num_key_heads` "
+                 f"{self.linear_num_key_heads}; set both to the same count (GLM-5.3-Flash: 64).")
+        if self.linear_value_head_dim != self.linear_key_head_dim:
+            fail(f"`linear_attention_type` 'kimi_delta' needs value heads as wide as key heads, but "
+                 f"`linear_value_head_dim` is {self.linear_value_head_dim} and `linear_key_head_dim` "
+                 f"{self.linear_key_head_dim}; set both to the same width (GLM-5.3-Flash: 128).")
+        if bound is not None and not (math.isfinite(bound) and bound < 0):
+            fail(f"`linear_gate_lower_bound` is {bound}; it must be a negative number (a log decay per step, "
+                 "GLM-5.3-Flash: -5.0) or None for the unbounded gate.")
+
     def _check_ple(self, fail):
         if not self.ple_layers:
             return
@@ -578,6 +623,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         """The entries of `TENSOR_PARALLEL_PLAN` that name modules this config's model has (no dense-MLP entries with
         experts, no hyper-connection entries without them, ...): every entry of a plan must match a module."""
         # The first of these parts found in an entry's name says whether the model has that module.
+        linear = "linear_attention" in self.layer_types
+        gated_deltanet = linear and self.linear_attention_type == "gated_deltanet"
         parts = (
             ("hyper_connection", self.hc_type == "qwen4_exp" and self.hc_count > 1),
             (".ple.", bool(self.ple_layers)),
@@ -585,7 +632,10 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             (".self_attn.kv_b_proj", self.attention_type == "mla" and "indexpool_attention" in self.layer_types),
             (".self_attn.o_proj", "indexpool_attention" in self.layer_types),
             (".self_attn.", self.attention_type == "gqa" and "indexpool_attention" in self.layer_types),
-            (".linear_attn.", "linear_attention" in self.layer_types),
+            (".linear_attn.in_proj_", gated_deltanet),
+            (".linear_attn.norm", gated_deltanet),
+            (".linear_attn.out_proj", gated_deltanet),
+            (".linear_attn.", linear and self.linear_attention_type == "kimi_delta"),
             (".mlp.shared_expert.", "sparse" in self.mlp_types and self.shared_expert_intermediate_size > 0),
             (".mlp.experts", "sparse" in self.mlp_types),
             (".mlp.", "dense" in self.mlp_types),

@@ -1,9 +1,9 @@
 """`HybridIndexPoolCache`: the generation cache of the hybrid model.
 
-Per Gated DeltaNet layer: the convolution state and the float32 recurrent state, whose sizes do not depend on the
-context. Per IndexPool layer, every row is stored **by position**: a row's entries are its real tokens (attention mask
-1) in order, entry `p` holding the token at position `p`, so padding is never written and costs nothing, and a row's
-windows are contiguous in its own storage whatever the mask looked like:
+Per linear-attention layer (Gated DeltaNet or Kimi Delta Attention): the convolution state and the float32 recurrent
+state, whose sizes do not depend on the context. Per IndexPool layer, every row is stored **by position**: a row's
+entries are its real tokens (attention mask 1) in order, entry `p` holding the token at position `p`, so padding is
+never written and costs nothing, and a row's windows are contiguous in its own storage whatever the mask looked like:
 
 - the keys and values of every real token, `[batch, capacity, kv_heads, head_dim]`; for MLA one normed latent per
   token (`[batch, capacity, 1, kv_lora_rank]`, no separate values: the latent is expanded into both);
@@ -121,7 +121,8 @@ class _LayerCache:
 
 
 class LinearAttentionLayerCache(_LayerCache):
-    """Convolution state `[batch, conv_dim, kernel - 1]` and recurrent state `[batch, heads, key_dim, value_dim]`;
+    """Convolution state `[batch, conv_dim, kernel - 1]` and recurrent state `[batch, heads, key_dim, value_dim]` of
+    a linear-attention layer (Kimi Delta Attention keeps its convolution state in float32);
     on a PLE layer also the last `ple_ngram_size - 1` token ids and the PLE convolution's input history. Their sizes do
     not depend on the context."""
 
@@ -146,7 +147,7 @@ class LinearAttentionLayerCache(_LayerCache):
     def check_crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0 and self.is_initialized:
             raise ValueError(
-                "HybridIndexPoolCache cannot crop a Gated DeltaNet layer: its recurrent state cannot be rolled back. "
+                "HybridIndexPoolCache cannot crop a linear-attention layer: its recurrent state cannot be rolled back. "
                 "Cropping works only for models whose layers are all IndexPool attention."
             )
 
@@ -518,8 +519,8 @@ class IndexPoolLayerCache(_LayerCache):
 def cache_layout(config) -> dict:
     """The settings that decide what a cache holds and how: two models with the same ones can share caches."""
     names = ("layer_types", "attention_type", "kv_lora_rank", "indexer_types", "index_pool_size",
-             "num_key_value_heads", "head_dim", "index_head_dim",
-             "index_pool_weighting", "index_key_cache_dtype", "linear_num_key_heads", "linear_num_value_heads",
+             "num_key_value_heads", "head_dim", "index_head_dim", "index_pool_weighting", "index_key_cache_dtype",
+             "linear_attention_type", "linear_num_key_heads", "linear_num_value_heads",
              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "ple_layers", "hc_count")
     return {name: (list(value) if isinstance(value := getattr(config, name), (list, tuple)) else value)
             for name in names}
@@ -646,7 +647,7 @@ class HybridIndexPoolCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`).
 
-        Every layer is checked before any changes: a Gated DeltaNet layer cannot roll back, and an IndexPool layer
+        Every layer is checked before any changes: a linear-attention layer cannot roll back, and an IndexPool layer
         can cut only inside its open window or on a window boundary.
         """
         if tokens_to_remove > 0:

@@ -10,6 +10,7 @@ This module assembles the decoder layer, the model and its heads; each concept l
 (hyper-connections), `per_layer_embedding`, and the cache in `cache_hybrid_indexpool`.
 """
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -36,6 +37,11 @@ from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .indexer import HybridIndexPoolIndexer
 from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm, HybridIndexPoolRotaryEmbedding
 from .linear_attention_gdn import HybridIndexPoolGatedDeltaNet
+from .linear_attention_kda import (
+    HybridIndexPoolKimiDeltaAttention,
+    HybridIndexPoolKimiForgetGate,
+    HybridIndexPoolKimiRMSNormGated,
+)
 from .moe import (
     HybridIndexPoolExperts,
     HybridIndexPoolGroupedTopkRouter,
@@ -77,11 +83,15 @@ HYPER_CONNECTION_CLASSES = {
     "qwen4_exp": HybridIndexPoolHyperConnection,
     "sinkhorn": HybridIndexPoolSinkhornHyperConnection,
 }
+LINEAR_ATTENTION_CLASSES = {
+    "gated_deltanet": HybridIndexPoolGatedDeltaNet,
+    "kimi_delta": HybridIndexPoolKimiDeltaAttention,
+}
 
 
 class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
-    """Token mixer (Gated DeltaNet or IndexPool attention), then MLP or MoE (`mlp_layer_types`), each in a residual
-    block.
+    """Token mixer (linear attention: Gated DeltaNet or Kimi Delta Attention; or IndexPool attention), then MLP or
+    MoE (`mlp_layer_types`), each in a residual block.
 
     Without hyper-connections the blocks are pre-norm residuals. With them, the layer carries `hc_count` residual
     streams and each block reads and writes them through a hyper-connection: a [`HybridIndexPoolHyperConnection`]
@@ -94,7 +104,8 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         self.layer_idx = layer_idx
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
-            self.linear_attn = HybridIndexPoolGatedDeltaNet(config, layer_idx)
+            linear_attention_class = LINEAR_ATTENTION_CLASSES[config.linear_attention_type]
+            self.linear_attn = linear_attention_class(config, layer_idx)
         elif config.attention_type == "mla":
             self.self_attn = HybridIndexPoolMLAAttention(config, layer_idx)
         else:
@@ -179,7 +190,7 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["HybridIndexPoolDecoderLayer"]
-    # The Gated DeltaNet decay parameters, the grouped router's bias and the Sinkhorn streams' affine mixing
+    # The linear attentions' decay parameters, the grouped router's bias and the Sinkhorn streams' affine mixing
     # parameters stay float32 when the model is loaded in half precision (as in GLM-5.3-Flash).
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias", "hyper_connection.base",
                                     "hyper_connection.scale"]
@@ -241,6 +252,17 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
         elif isinstance(module, HybridIndexPoolGatedDeltaNet):
             init.ones_(module.dt_bias)
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log_())
+        elif isinstance(module, HybridIndexPoolKimiForgetGate):
+            # flash-linear-attention's: A_log = 0 under a lower bound, else log U(1, 16); dt_bias the inverse softplus
+            # of a log-uniform step in [1e-3, 1e-1].
+            if module.lower_bound is None:
+                init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log_())
+            else:
+                init.zeros_(module.A_log)
+            step = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            init.copy_(module.dt_bias, step + torch.log(-torch.expm1(-step)))
+        elif isinstance(module, HybridIndexPoolKimiRMSNormGated):
+            init.ones_(module.weight)
         elif isinstance(module, HybridIndexPoolIndexer) and module.learned_pooling:
             # Zero gate and slot bias: pooling starts exactly at the mean.
             init.zeros_(module.pool_gate_proj.weight)

@@ -45,3 +45,8 @@ def tiny_model(seed: int = 0, **overrides) -> HybridIndexPoolForCausalLM:
     model = HybridIndexPoolForCausalLM(tiny_config(**overrides)).eval()
     randomize_indexer(model, seed)
     return model
+
+
+# Kimi Delta Attention in the linear-attention layers (GLM-5.3-Flash's variant): as many value heads as key heads, of
+# the same width, and GLM's forget-gate lower bound.
+KIMI_DELTA = dict(linear_attention_type="kimi_delta", linear_num_value_heads=2, linear_gate_lower_bound=-5.0)

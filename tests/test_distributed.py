@@ -17,7 +17,7 @@ from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
 from hybrid_indexpool.scripts import finetune
 from hybrid_indexpool.tokenization import byte_level_tokenizer
 from hybrid_indexpool.training import FinetuneArguments, build_model
-from model_factory import tiny_config, tiny_model
+from model_factory import KIMI_DELTA, tiny_config, tiny_model
 
 TESTS = Path(__file__).parent
 # One thread per process: two processes on two shared cores otherwise spend their time spinning.
@@ -53,7 +53,8 @@ def left_padded_batch() -> dict:
 
 
 def test_tensor_and_pipeline_parallel_give_the_one_process_logits_and_tokens(tmp_path):
-    cases = {"plain": (sharp_model(), ["tp", "pp"]), "full_featured": (sharp_model(**FULL_FEATURED), ["tp"])}
+    cases = {"plain": (sharp_model(), ["tp", "pp"]), "full_featured": (sharp_model(**FULL_FEATURED), ["tp"]),
+             "kimi_delta": (sharp_model(**KIMI_DELTA), ["tp"])}
     inputs = left_padded_batch()
     expected = {}
     for name, (model, _) in cases.items():
@@ -70,8 +71,8 @@ def test_tensor_and_pipeline_parallel_give_the_one_process_logits_and_tokens(tmp
     result = subprocess.run(launch, capture_output=True, text=True, timeout=600, env=ENVIRONMENT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
-    config = tiny_config()
     for name, (model, kinds) in cases.items():
+        config = model.config
         logits, tokens = expected[name]
         for kind in kinds:
             for rank in (0, 1):
@@ -86,8 +87,7 @@ def test_tensor_and_pipeline_parallel_give_the_one_process_logits_and_tokens(tmp
                         if layer_type == "indexpool":  # keys and values [batch, capacity, kv_heads, head_dim]
                             assert first[2] == second[2] == config.num_key_value_heads // 2
                         else:  # convolution [batch, channels, kernel - 1], recurrent [batch, value_heads, dk, dv]
-                            channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim \
-                                + config.linear_num_value_heads * config.linear_value_head_dim
+                            channels = model.model.layers[0].linear_attn.conv1d.weight.shape[0]
                             assert first[1] == channels // 2
                             assert second[1] == config.linear_num_value_heads // 2
     # Pipeline stages: each rank's cache holds the layers of its stage only.
@@ -114,7 +114,7 @@ def test_pipeline_parallel_refuses_hyper_connections_and_ple():
         HybridIndexPoolForCausalLM.maybe_distribute_model(model, DistributedConfig(pp_size=2), mesh_manager=object())
 
 
-@pytest.mark.parametrize("features", [FULL_FEATURED, {}], ids=["full_featured", "dense"])
+@pytest.mark.parametrize("features", [FULL_FEATURED, {}, KIMI_DELTA], ids=["full_featured", "dense", "kimi_delta"])
 def test_the_plans_name_only_modules_the_model_has(features):
     model = HybridIndexPoolForCausalLM(tiny_config(**features))
     names = {name for name, _ in model.named_modules()} | {name for name, _ in model.named_parameters()}
@@ -125,8 +125,9 @@ def test_the_plans_name_only_modules_the_model_has(features):
     assert model.tp_plan["lm_head"] == "colwise_gather_output"
 
 
-def test_the_plans_of_a_dense_and_a_full_featured_model_cover_every_entry():
-    plans = tiny_config().base_model_tp_plan | tiny_config(**FULL_FEATURED).base_model_tp_plan
+def test_the_plans_of_a_dense_a_full_featured_and_a_kimi_delta_model_cover_every_entry():
+    plans = tiny_config().base_model_tp_plan | tiny_config(**FULL_FEATURED).base_model_tp_plan \
+        | tiny_config(**KIMI_DELTA).base_model_tp_plan
     assert plans == HybridIndexPoolConfig.TENSOR_PARALLEL_PLAN
 
 

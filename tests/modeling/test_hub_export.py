@@ -11,7 +11,7 @@ import torch
 
 from hybrid_indexpool.modeling import hub_export
 from hybrid_indexpool.tokenization import byte_level_tokenizer
-from model_factory import tiny_model
+from model_factory import KIMI_DELTA, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -44,17 +44,21 @@ torch.save({"logits": logits, "tokens": tokens, "classifier": type(classifier)._
 '''
 
 
-def save_checkpoint(tmp_path):
-    model = tiny_model()
+def save_checkpoint(tmp_path, **overrides):
+    model = tiny_model(**overrides)
     folder = tmp_path / "checkpoint"
     model.save_pretrained(folder)
     byte_level_tokenizer().save_pretrained(folder)
     return model, folder
 
 
-@pytest.mark.parametrize("blocked", ["hybrid_indexpool", "hybrid_indexpool,triton"])
-def test_loads_through_auto_classes_where_the_package_is_not_importable(tmp_path, blocked):
-    model, folder = save_checkpoint(tmp_path)
+@pytest.mark.parametrize(
+    "blocked, overrides",
+    [("hybrid_indexpool", {}), ("hybrid_indexpool,triton", {}), ("hybrid_indexpool,fla", KIMI_DELTA)],
+    ids=["package", "package_triton", "kimi_delta"],
+)
+def test_loads_through_auto_classes_where_the_package_is_not_importable(tmp_path, blocked, overrides):
+    model, folder = save_checkpoint(tmp_path, **overrides)
     input_ids = torch.randint(1, 97, (2, 30))
     torch.save(input_ids, tmp_path / "input.pt")
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
@@ -94,7 +98,8 @@ def test_saved_folder_holds_everything_for_the_hub_and_nothing_from_the_machine(
 def test_remote_code_is_generated_from_the_package_sources():
     files = hub_export.generate_remote_code()
     assert {"configuration_hybrid_indexpool.py", "modeling_hybrid_indexpool.py", "cache_hybrid_indexpool.py",
-            "kernels_sparse_attention.py", "kernels_sparse_attention_reference.py"} <= set(files)
+            "kernels_sparse_attention.py", "kernels_sparse_attention_reference.py", "linear_attention_kda.py",
+            "kernels_kimi_delta_rule.py", "kernels_kimi_delta_rule_reference.py"} <= set(files)
     package_source = Path(hub_export.__file__).with_name("token_layout.py").read_text()
     assert files["token_layout.py"].endswith(package_source)  # no relative import: the source as it is
     assert "from .kernels_fp8_index_keys import packed_width, quantize_pooled_keys" in \
@@ -102,6 +107,7 @@ def test_remote_code_is_generated_from_the_package_sources():
     assert "from .kernels_pooled_index_topk import pooled_index_scores_torch, pooled_index_topk" in \
         files["attention_gqa.py"]
     assert "from .attention_gqa import HybridIndexPoolAttention" in files["modeling_hybrid_indexpool.py"]
+    assert "from .kernels_kimi_delta_rule import kimi_delta_rule" in files["linear_attention_kda.py"]
 
 
 def test_model_card_describes_the_checkpoint_and_a_users_card_is_kept(tmp_path):
