@@ -21,6 +21,7 @@ largest shard, not the model.
 
 import re
 
+import torch
 from transformers import AutoConfig
 
 from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
@@ -47,11 +48,13 @@ LAYER_TYPES = {"linear_attention": "linear_attention", "indexed_attention": "ind
 
 # Source -> our names inside a layer. RMSNorms (GLM: `w * x / rms`) are listed apart: they are shifted by one.
 KDA_WEIGHTS = {
-    f"self_attn.{name}": f"linear_attn.{name}" for name in (
-        "q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
-        "f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log", "b_proj.weight", "g_a_proj.weight",
-        "g_b_proj.weight", "o_norm.weight", "o_proj.weight")
+    **{f"self_attn.{name}": f"linear_attn.{name}" for name in (
+        "q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "g_a_proj.weight", "g_b_proj.weight",
+        "o_norm.weight", "o_proj.weight")},
+    **{f"self_attn.{name}": f"linear_attn.forget_gate.{name}"
+       for name in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")},
 }
+KDA_CONVOLUTIONS = tuple(f"self_attn.{part}_conv1d.weight" for part in "qkv")  # one convolution of ours, q|k|v
 MLA_WEIGHTS = {
     f"self_attn.{name}": f"self_attn.{name}" for name in (
         "q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "o_proj.weight")
@@ -187,6 +190,11 @@ def zero_centred_norm(source: str, target: str) -> WeightGroup:
     return WeightGroup((source,), (target,), lambda tensors: {target: tensors[source] - 1})
 
 
+def concatenated(sources: tuple[str, ...], target: str) -> WeightGroup:
+    """Source tensors concatenated along dim 0 into one of ours (GLM's per-part KDA convolutions)."""
+    return WeightGroup(sources, (target,), lambda tensors: {target: torch.cat([tensors[name] for name in sources])})
+
+
 def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
     """Which source weights become which of ours, and which are left out. For a multimodal target the text model's
     weights go under `model.language_model.` and the vision tower's keep their names."""
@@ -213,6 +221,7 @@ def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
         norms = dict(LAYER_NORMS)
         if kind == "linear_attention":
             renamed.update(KDA_WEIGHTS)
+            groups.append(concatenated(tuple(src + name for name in KDA_CONVOLUTIONS), f"{dst}linear_attn.conv1d.weight"))
         else:
             renamed.update(MLA_WEIGHTS)
             norms.update(MLA_NORMS)
