@@ -40,8 +40,9 @@ class GlmVariant:
             mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"] if self.moe else ["dense"] * 5,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
             qk_rope_head_dim=0, v_head_dim=16,
-            # Eight index heads: with fewer, ReLU scores of exactly 0 tie often and make the selection arbitrary.
-            index_n_heads=8, index_head_dim=16, index_topk=2 * self.kpool, index_kpool=self.kpool,
+            # GLM's 32 index heads: with few heads a score is often exactly 0 (every head's ReLU at 0), and such ties
+            # make the selection arbitrary.
+            index_n_heads=32, index_head_dim=16, index_topk=2 * self.kpool, index_kpool=self.kpool,
             linear_num_heads=4, linear_head_dim=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
             n_group=2, topk_group=1, routed_scaling_factor=2.5, swiglu_limit=0.5, hc_mult=self.hc_mult,
             hc_sinkhorn_iters=5, pad_token_id=0, eos_token_id=1,

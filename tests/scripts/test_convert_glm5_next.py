@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
-from transformers.models.glm5_next.image_processing_glm5_next import Glm5NextImageProcessor
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
 
 from glm_sources import PATCH, VARIANTS, VISION_TOKENS, tiny_glm_source
 from hybrid_indexpool.conversion import ConversionError
@@ -21,7 +21,18 @@ QUIET = dict(progress=False, log=lambda message: None)
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=lambda variant: variant.name)
+def load_remote_code(folder, auto_class: str):
+    """The model of the checkpoint in `folder`, of the class `auto_map` names for `auto_class`, loaded from the
+    checkpoint's own flat modules (not from the installed package)."""
+    reference = json.loads((folder / "config.json").read_text())["auto_map"][auto_class]
+    model = get_class_from_dynamic_module(reference, folder).from_pretrained(folder).eval()
+    assert not type(model).__module__.startswith("hybrid_indexpool"), type(model).__module__
+    return model
+
+
+# The first two variants take every option one way or the other; the other two mix them again, in the slow suite.
+@pytest.fixture(scope="module", ids=lambda variant: variant.name,
+                params=[*VARIANTS[:2], *(pytest.param(variant, marks=pytest.mark.slow) for variant in VARIANTS[2:])])
 def converted(request, tmp_path_factory):
     """(variant, source model, our model loaded as remote code, folder with `source` and the converted checkpoint)."""
     variant = request.param
@@ -30,20 +41,18 @@ def converted(request, tmp_path_factory):
     save_source(source, folder / "source", max_shard_size="60KB")
     output = folder / f"glm-{variant.name}"  # one remote-code module name per variant
     convert(folder / "source", output, max_shard_size="60KB", **QUIET)
-    ours = AutoModelForImageTextToText.from_pretrained(output, trust_remote_code=True).eval()
-    assert not type(ours).__module__.startswith("hybrid_indexpool"), type(ours).__module__
-    return variant, source, ours, folder
+    return variant, source, load_remote_code(output, "AutoModelForImageTextToText"), folder
 
 
 def prompts(variant, image_rows: int = 0, seed: int = 0):
-    """Two left-padded rows of about six budgets (the second padded by 9), the first `image_rows` rows with an image
+    """Two left-padded rows of about four budgets (the second padded by 9), the first `image_rows` rows with an image
     (grids 1x4x4 and 1x4x8: 4 and 8 placeholders) in the middle. Returns `(input_ids, attention_mask, vision)`."""
     generator = torch.Generator().manual_seed(seed)
     budget = 2 * variant.kpool
     grids = [[1, 4, 4], [1, 4, 8]][:image_rows]
     rows = []
     for row in range(2):
-        length = 6 * budget + 5 - 9 * row
+        length = 4 * budget + 5 - 9 * row
         tokens = torch.randint(2, 88, (length,), generator=generator).tolist()
         if row < image_rows:
             count = grids[row][1] * grids[row][2] // 4  # 2 x 2 patches merge into one token
@@ -85,7 +94,7 @@ def test_chunked_prefill_equals_glm(converted):
     input_ids, mask, _ = prompts(variant, seed=1)
     with torch.no_grad():
         expected = source(input_ids, attention_mask=mask).logits
-        ours.config.text_config.prefill_chunk_length = 7  # chunks that cut through windows
+        ours.config.text_config.prefill_chunk_length = 2 * variant.kpool + 3  # chunks that cut through windows
         try:
             actual = ours(input_ids, attention_mask=mask, use_cache=True).logits
         finally:
@@ -124,7 +133,7 @@ def test_text_only_conversion_gives_the_causal_lm(tmp_path):
     report = convert(tmp_path / "source", tmp_path / "glm-text", text_only=True, progress=False, log=messages.append)
     assert any("vision tower is left out" in message for message in messages)
     assert any(name.startswith("model.visual.") for names in report.ignored.values() for name in names)
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "glm-text", trust_remote_code=True).eval()
+    ours = load_remote_code(tmp_path / "glm-text", "AutoModelForCausalLM")
     assert type(ours).__name__ == "HybridIndexPoolForCausalLM"
     input_ids, mask, _ = prompts(variant, seed=4)
     with torch.no_grad():
@@ -137,7 +146,7 @@ def test_text_only_conversion_gives_the_causal_lm(tmp_path):
 
 def test_the_processor_files_are_kept_and_the_mtp_layer_left_out(tmp_path):
     folder = save_source(tiny_glm_source(VARIANTS[1]), tmp_path / "source", max_shard_size="60KB")
-    Glm5NextImageProcessor(patch_size=14, merge_size=2).save_pretrained(folder)
+    Glm5NextImageProcessorPil(patch_size=14, merge_size=2).save_pretrained(folder)
     weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     shard = weight_map["model.language_model.norm.weight"]
     tensors = load_file(folder / shard)
@@ -146,7 +155,7 @@ def test_the_processor_files_are_kept_and_the_mtp_layer_left_out(tmp_path):
     report = convert(folder, tmp_path / "ours", **QUIET)
     assert ["model.language_model.layers.5.eh_proj.weight"] in report.ignored.values()
     assert (tmp_path / "ours" / "preprocessor_config.json").read_text() == (folder / "preprocessor_config.json").read_text()
-    assert type(AutoImageProcessor.from_pretrained(tmp_path / "ours")).__name__.startswith("Glm5NextImageProcessor")
+    assert Glm5NextImageProcessorPil.from_pretrained(tmp_path / "ours").patch_size == 14
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config["auto_map"]["AutoModelForImageTextToText"].endswith("HybridIndexPoolForConditionalGeneration")
     assert config["vision_config"]["model_type"] == "glm5_next_vision"
