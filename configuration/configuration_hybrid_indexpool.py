@@ -688,6 +688,9 @@ class HybridIndexPoolMultimodalConfig(PreTrainedConfig):
             (default `"qwen4_exp_vision"`).
         image_token_id, video_token_id (`int`): Placeholder tokens that image / video features replace.
         vision_start_token_id, vision_end_token_id (`int`): Tokens around each image or video.
+        video_start_token_id, video_end_token_id (`int`, *optional*): GLM-5.3-Flash's layout: a video's frames are
+            image placeholders between these delimiters (not `video_token_id` placeholders), and each frame goes
+            through the vision tower alone. None (the default, Qwen's layout) or both set.
         tie_word_embeddings (`bool`): Share the input embedding and the language-model head.
     """
 
@@ -703,6 +706,8 @@ class HybridIndexPoolMultimodalConfig(PreTrainedConfig):
     video_token_id: int = 248057
     vision_start_token_id: int = 248053
     vision_end_token_id: int = 248054
+    video_start_token_id: int | None = None
+    video_end_token_id: int | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -724,7 +729,13 @@ class HybridIndexPoolMultimodalConfig(PreTrainedConfig):
                 "HybridIndexPoolMultimodalConfig: the text model's rope_parameters need 'mrope_section' (three "
                 "numbers: the frequencies of the time, height and width position streams), e.g. [11, 11, 10]."
             )
-        for token in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        if (self.video_start_token_id is None) != (self.video_end_token_id is None):
+            raise ValueError("HybridIndexPoolMultimodalConfig: set both `video_start_token_id` and "
+                             "`video_end_token_id` (GLM-5.3-Flash's video layout) or neither.")
+        tokens = ["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"]
+        if self.video_start_token_id is not None:
+            tokens += ["video_start_token_id", "video_end_token_id"]
+        for token in tokens:
             if not 0 <= getattr(self, token) < text.vocab_size:
                 raise ValueError(f"HybridIndexPoolMultimodalConfig: `{token}` ({getattr(self, token)}) is outside the "
                                  f"text model's vocabulary ({text.vocab_size} tokens).")

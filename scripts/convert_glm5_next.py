@@ -178,7 +178,8 @@ def build_config(source: SourceCheckpoint, text_only: bool = False):
         return HybridIndexPoolMultimodalConfig(
             text_config=text_config, vision_config=full.vision_config.to_dict(), image_token_id=full.image_token_id,
             video_token_id=full.video_token_id, vision_start_token_id=full.image_start_token_id,
-            vision_end_token_id=full.image_end_token_id, tie_word_embeddings=bool(full.tie_word_embeddings),
+            vision_end_token_id=full.image_end_token_id, video_start_token_id=full.video_start_token_id,
+            video_end_token_id=full.video_end_token_id, tie_word_embeddings=bool(full.tie_word_embeddings),
             dtype=text_config.dtype,
         )
     except ValueError as error:

@@ -1,6 +1,6 @@
 """GLM-5.3-Flash checkpoints converted to ours and loaded through the saved remote code compute what the source
 computes in float32: logits within 1e-4 and the same greedy tokens beyond the budget, on a left-padded batch, in
-chunked prefill, with generate() and with an image; and the refusals."""
+chunked prefill, with generate(), with images and video; and the refusals."""
 
 import json
 
@@ -44,21 +44,30 @@ def converted(request, tmp_path_factory):
     return variant, source, load_remote_code(output, "AutoModelForImageTextToText"), folder
 
 
-def prompts(variant, image_rows: int = 0, seed: int = 0):
-    """Two left-padded rows of about four budgets (the second padded by 9), the first `image_rows` rows with an image
-    (grids 1x4x4 and 1x4x8: 4 and 8 placeholders) in the middle. Returns `(input_ids, attention_mask, vision)`."""
+def media_tokens(kind: str, grid: list[int]) -> list[int]:
+    """GLM's placeholders of an image, or of a video: each frame an image between image delimiters and then a
+    timestamp, the frames between video delimiters."""
+    frames, per_frame = grid[0], grid[1] * grid[2] // 4  # 2 x 2 patches merge into one token
+    image = [VISION_TOKENS["image_start_token_id"], *[VISION_TOKENS["image_token_id"]] * per_frame,
+             VISION_TOKENS["image_end_token_id"]]
+    if kind == "image":
+        return image
+    return [VISION_TOKENS["video_start_token_id"], *[token for frame in range(frames) for token in image + [40 + frame]],
+            VISION_TOKENS["video_end_token_id"]]
+
+
+def prompts(variant, media=(), seed: int = 0):
+    """Two left-padded rows of about four budgets (the second padded by 9); `media[row]`, `("image" | "video", grid)`,
+    puts an image or a video in the middle of that row. Returns `(input_ids, attention_mask, vision inputs)`."""
     generator = torch.Generator().manual_seed(seed)
     budget = 2 * variant.kpool
-    grids = [[1, 4, 4], [1, 4, 8]][:image_rows]
     rows = []
     for row in range(2):
         length = 4 * budget + 5 - 9 * row
         tokens = torch.randint(2, 88, (length,), generator=generator).tolist()
-        if row < image_rows:
-            count = grids[row][1] * grids[row][2] // 4  # 2 x 2 patches merge into one token
-            image = ([VISION_TOKENS["image_start_token_id"]] + [VISION_TOKENS["image_token_id"]] * count
-                     + [VISION_TOKENS["image_end_token_id"]])
-            tokens[length // 3: length // 3 + len(image)] = image
+        if row < len(media):
+            placeholders = media_tokens(*media[row])
+            tokens[length // 3: length // 3 + len(placeholders)] = placeholders
         rows.append(tokens)
     width = max(map(len, rows))
     input_ids = torch.zeros(2, width, dtype=torch.long)
@@ -66,10 +75,12 @@ def prompts(variant, image_rows: int = 0, seed: int = 0):
     for row, tokens in enumerate(rows):
         input_ids[row, width - len(tokens):], mask[row, width - len(tokens):] = torch.tensor(tokens), 1
     vision = {}
-    if grids:
-        grid_thw = torch.tensor(grids)
-        vision = {"pixel_values": torch.randn(int(grid_thw.prod(-1).sum()), PATCH, generator=generator),
-                  "image_grid_thw": grid_thw}
+    for kind, pixels, grids in (("image", "pixel_values", "image_grid_thw"),
+                                ("video", "pixel_values_videos", "video_grid_thw")):
+        grid_thw = torch.tensor([grid for media_kind, grid in media if media_kind == kind]).view(-1, 3)
+        if len(grid_thw):
+            vision[pixels] = torch.randn(int(grid_thw.prod(-1).sum()), PATCH, generator=generator)
+            vision[grids] = grid_thw
     return input_ids, mask, vision
 
 
@@ -111,16 +122,20 @@ def test_greedy_generation_equals_glm(converted):
     assert torch.equal(actual, expected)
 
 
-@pytest.mark.parametrize("image_rows", [1, 2])
-def test_an_image_and_text_give_glms_logits_and_tokens(converted, image_rows):
+@pytest.mark.parametrize("media", [
+    (("image", [1, 4, 4]),),  # one row with an image, one without
+    (("image", [1, 4, 4]), ("image", [1, 4, 8])),
+    (("video", [2, 4, 4]), ("image", [1, 4, 8])),  # a video's frames are image placeholders inside video delimiters
+], ids=["image-and-text", "two-images", "video-and-image"])
+def test_images_and_video_give_glms_logits_and_tokens(converted, media):
     variant, source, ours, _ = converted
-    input_ids, mask, vision = prompts(variant, image_rows=image_rows, seed=3)
+    input_ids, mask, vision = prompts(variant, media, seed=3)
     with torch.no_grad():
         difference = max_difference(source(input_ids, attention_mask=mask, **vision).logits,
                                     ours(input_ids, attention_mask=mask, **vision).logits, mask)
         expected = source.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **vision)
         actual = ours.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **vision)
-    print(f"GLM-5.3-Flash {variant.name} -> ours, {image_rows} image(s): max |logit difference| {difference:.2e}")
+    print(f"GLM-5.3-Flash {variant.name} -> ours, {media}: max |logit difference| {difference:.2e}")
     assert difference <= TOLERANCE
     assert torch.equal(actual, expected)
 
