@@ -222,7 +222,8 @@ def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
         norms = dict(LAYER_NORMS)
         if kind == "linear_attention":
             renamed.update(KDA_WEIGHTS)
-            groups.append(concatenated(tuple(src + name for name in KDA_CONVOLUTIONS), f"{dst}linear_attn.conv1d.weight"))
+            convolutions = tuple(src + name for name in KDA_CONVOLUTIONS)
+            groups.append(concatenated(convolutions, f"{dst}linear_attn.conv1d.weight"))
         else:
             renamed.update(MLA_WEIGHTS)
             norms.update(MLA_NORMS)

@@ -52,8 +52,8 @@ def media_tokens(kind: str, grid: list[int]) -> list[int]:
              VISION_TOKENS["image_end_token_id"]]
     if kind == "image":
         return image
-    return [VISION_TOKENS["video_start_token_id"], *[token for frame in range(frames) for token in image + [40 + frame]],
-            VISION_TOKENS["video_end_token_id"]]
+    frame_tokens = [token for frame in range(frames) for token in image + [40 + frame]]
+    return [VISION_TOKENS["video_start_token_id"], *frame_tokens, VISION_TOKENS["video_end_token_id"]]
 
 
 def prompts(variant, media=(), seed: int = 0):
@@ -169,7 +169,8 @@ def test_the_processor_files_are_kept_and_the_mtp_layer_left_out(tmp_path):
     save_file(tensors, folder / shard, metadata={"format": "pt"})
     report = convert(folder, tmp_path / "ours", **QUIET)
     assert ["model.language_model.layers.5.eh_proj.weight"] in report.ignored.values()
-    assert (tmp_path / "ours" / "preprocessor_config.json").read_text() == (folder / "preprocessor_config.json").read_text()
+    processor_file = "preprocessor_config.json"
+    assert (tmp_path / "ours" / processor_file).read_text() == (folder / processor_file).read_text()
     assert Glm5NextImageProcessorPil.from_pretrained(tmp_path / "ours").patch_size == 14
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config["auto_map"]["AutoModelForImageTextToText"].endswith("HybridIndexPoolForConditionalGeneration")
