@@ -147,7 +147,8 @@ class ModelSizes:
     """One configuration of the kernels' sizes (Qwen3.8-Flash-Next ranges). `mode` is `decode` (one query per row
     against `context` positions, `batch` rows) or `prefill` (`queries` queries, with the attention's backward);
     `kernels` is `index`, `attention` or `all`; `index_keys` is the pooled keys' storage, `float` (the dtype's) or
-    `fp8` (packed fp8 keys with their scales)."""
+    `fp8` (packed fp8 keys with their scales). `latent_dim > 0` makes the attention MLA's absorbed form: `kv_heads *
+    group` query heads on one latent of that width (keys and values at once; `head_dim` unused)."""
 
     mode: str
     dtype: torch.dtype = torch.bfloat16
@@ -164,6 +165,7 @@ class ModelSizes:
     queries: int = 4096
     multiprocessors: int = 132  # H100 SXM: decode splits are sized for it
     index_keys: str = "float"
+    latent_dim: int = 0
 
     def label(self) -> str:
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
@@ -172,7 +174,9 @@ class ModelSizes:
             parts.append(f"H={self.index_heads} dI={self.index_head_dim}")
             if self.index_keys == "fp8":
                 parts.append("fp8 keys")
-        if self.kernels != "index":
+        if self.kernels != "index" and self.latent_dim:
+            parts.append(f"r={self.pool_size} MLA heads={self.kv_heads * self.group} c={self.latent_dim}")
+        elif self.kernels != "index":
             parts.append(f"r={self.pool_size} d={self.head_dim} g={self.group}")
         return " ".join(parts)
 
@@ -212,6 +216,15 @@ def full_sizes() -> list[ModelSizes]:
                              kernels="attention")
                   for head_dim in (64, 128, 256) for group in (1, 16) for pool_size in (1, 4)]
     return sizes
+
+
+def glm_sizes() -> list[ModelSizes]:
+    """GLM-5.3-Flash (`glm5_next`): the indexer's 32 heads x 128 over pooled keys of r = 16 (float and fp8), and MLA's
+    64 query heads on one 512-wide latent, budget 2048, in decode (split for an H100) and prefill (inference: the
+    sparse prefill runs the absorbed form too; training runs the PyTorch path)."""
+    glm = dict(index_heads=32, index_head_dim=128, pool_size=16, kv_heads=1, group=64, latent_dim=512, budget=2048)
+    return [ModelSizes("decode", torch.bfloat16, **glm), ModelSizes("prefill", torch.bfloat16, **glm),
+            ModelSizes("decode", torch.bfloat16, **glm, kernels="index", index_keys="fp8")]
 
 
 def size_launches(sizes: ModelSizes) -> list[tuple[str, Launch]]:
@@ -337,10 +350,11 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--full", action="store_true", help="the whole matrix (about 20 minutes on 2 cores)")
+    parser.add_argument("--glm", action="store_true", help="GLM-5.3-Flash's sizes (indexer r = 16, MLA latents)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
-    results = compile_sizes(full_sizes() if args.full else default_sizes())
+    results = compile_sizes(full_sizes() if args.full else glm_sizes() if args.glm else default_sizes())
     print(markdown_table(results) if args.markdown else format_table(results))
     if args.json:
         with open(args.json, "w") as handle:

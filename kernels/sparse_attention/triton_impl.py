@@ -39,7 +39,7 @@ STAGES, STAGES_KEY_PASS, STAGES_KEY_PASS_FP32 = 3, 1, 2
 MIN_SPLIT_POSITIONS = 128
 # The latent (MLA) kernel: query heads per program, positions per tile, warps and stages. A program holds its heads'
 # float32 accumulator (heads x latent width) and a tile of latents (the keys and the values at once).
-LATENT_HEADS, LATENT_BLOCK_N, LATENT_WARPS, LATENT_STAGES = 16, 32, 4, 2
+LATENT_HEADS, LATENT_BLOCK_N, LATENT_WARPS, LATENT_STAGES = 32, 32, 8, 2
 
 
 @triton.jit
@@ -195,7 +195,8 @@ def _combine_splits_kernel(partial_ptr, partial_lse_ptr, out_ptr, num_splits, nu
     row_sum = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, DIM_PAD), tl.float32)
     for split in range(num_splits):
-        offset = split.to(tl.int64) * num_rows + rows
+        # int64 from the row count: the interpreter's loop index is a Python int, which has no `.to`.
+        offset = num_rows.to(tl.int64) * split + rows
         lse = tl.load(partial_lse_ptr + offset, mask=rows < num_rows, other=float("-inf"))
         part = tl.load(partial_ptr + offset[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
         new_max = tl.maximum(row_max, lse)
@@ -469,19 +470,33 @@ def plan_backward(query, key, value, selected, positions, pool_size, scaling, ou
     return [query_launch, key_launch], grad_query, grad_key, grad_value
 
 
+def _latent_block_h(num_heads: int) -> int:
+    """Query heads per program of the latent kernel: `LATENT_HEADS`, fewer for fewer heads, but at least the 16 rows
+    `tl.dot` needs."""
+    return max(16, min(LATENT_HEADS, triton.next_power_of_2(num_heads)))
+
+
 def _latent_sizes(query, latents, pool_size) -> dict:
-    """Constexprs of the latent kernel: heads per program (`LATENT_HEADS`, the rows of its products, at least the 16
-    rows `tl.dot` needs), latent width, pool size, arithmetic."""
+    """Constexprs of the latent kernel: heads per program, latent width, pool size, arithmetic."""
     fp32, precision = dot_precision(query.dtype)
-    return dict(HEADS=query.shape[1], BLOCK_H=max(16, min(LATENT_HEADS, triton.next_power_of_2(query.shape[1]))),
+    return dict(HEADS=query.shape[1], BLOCK_H=_latent_block_h(query.shape[1]),
                 LATENT_DIM=latents.shape[-1], DIM_PAD=max(16, triton.next_power_of_2(latents.shape[-1])),
                 POOL=pool_size, POOL_PAD=triton.next_power_of_2(pool_size), FP32=fp32, PRECISION=precision)
 
 
-def plan_latent_forward(query, latents, selected, positions, pool_size, scaling, multiprocessors: int):
-    """(launches, output latents `[batch, queries, heads, latent_dim]`): the latent kernel, split over each query's
-    list until the GPU is full (`PROGRAMS_PER_SM` per multiprocessor, `MIN_SPLIT_POSITIONS` per split at least),
-    then the combine kernel when split."""
+def latent_splits(query, selected, pool_size, multiprocessors: int) -> int:
+    """Splits of each query's list for the latent kernel: enough programs to fill the GPU (`PROGRAMS_PER_SM` per
+    multiprocessor), each split `MIN_SPLIT_POSITIONS` positions at least."""
+    head_blocks = triton.cdiv(query.shape[1], _latent_block_h(query.shape[1]))
+    pool_pad = triton.next_power_of_2(pool_size)
+    most = triton.cdiv(selected.shape[-1] + 1, max(LATENT_BLOCK_N, MIN_SPLIT_POSITIONS, pool_pad) // pool_pad)
+    programs = query.shape[0] * query.shape[2] * head_blocks
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * multiprocessors, programs), most))
+
+
+def plan_latent_forward(query, latents, selected, positions, pool_size, scaling, num_splits: int = 1):
+    """(launches, output latents `[batch, queries, heads, latent_dim]`): the latent kernel over `num_splits` parts
+    of each query's list, then the combine kernel when split."""
     batch_size, num_heads, num_queries, latent_dim = query.shape
     num_selected = selected.shape[-1]
     sizes = _latent_sizes(query, latents, pool_size)
@@ -489,8 +504,6 @@ def plan_latent_forward(query, latents, selected, positions, pool_size, scaling,
     windows_per_block = block_n // sizes["POOL_PAD"]
     tokens, head_blocks = batch_size * num_queries, triton.cdiv(num_heads, sizes["BLOCK_H"])
     num_entries = num_selected + 1
-    most = triton.cdiv(num_entries, max(block_n, MIN_SPLIT_POSITIONS) // sizes["POOL_PAD"])
-    num_splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * multiprocessors, tokens * head_blocks), most))
     windows_per_split = triton.cdiv(triton.cdiv(num_entries, num_splits), windows_per_block) * windows_per_block
     num_splits = triton.cdiv(num_entries, windows_per_split)
     output = torch.empty(batch_size, num_queries, num_heads, latent_dim, dtype=query.dtype, device=query.device)
@@ -514,13 +527,17 @@ def plan_latent_forward(query, latents, selected, positions, pool_size, scaling,
     return launches, output
 
 
-def sparse_latent_attention_triton(query, latents, selected_windows, query_positions, pool_size, scaling):
+def sparse_latent_attention_triton(query, latents, selected_windows, query_positions, pool_size, scaling,
+                                   num_splits=None):
     """Triton version of `sparse_latent_attention_torch` (inference: no dropout, weights or gradient): output
     latents `[batch, queries, heads, latent_dim]`. Latents may be any view whose last dimension is contiguous (the
-    cache's `[batch, capacity, 1, latent_dim]` storage seen as `[batch, 1, positions, latent_dim]`)."""
+    cache's `[batch, capacity, 1, latent_dim]` storage seen as `[batch, 1, positions, latent_dim]`). `num_splits`
+    as in `sparse_attention_triton`."""
     query, latents = _last_dim_contiguous(query), _last_dim_contiguous(latents)
+    if num_splits is None:
+        num_splits = latent_splits(query, selected_windows, pool_size, multiprocessor_count(query.device))
     launches, output = plan_latent_forward(query, latents, selected_windows, query_positions, pool_size, scaling,
-                                           multiprocessor_count(query.device))
+                                           num_splits)
     _run(launches)
     return output
 
@@ -582,6 +599,8 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
     backward too."""
     if sizes.kernels == "index":
         return []
+    if sizes.latent_dim:
+        return _latent_aot_launches(sizes)
     meta = dict(device="meta", dtype=sizes.dtype)
     num_queries = 1 if sizes.mode == "decode" else sizes.queries
     batch_size = sizes.batch if sizes.mode == "decode" else 1
@@ -605,3 +624,24 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
                                  entries, entries, offsets)
     return list(zip(names[:1], launches)) + list(zip(("sparse_attention_backward_dq",
                                                       "sparse_attention_backward_dkv"), backward))
+
+
+def _latent_aot_launches(sizes) -> list[tuple[str, Launch]]:
+    """The latent (MLA) kernel's launches at `sizes`: decode split for `sizes.multiprocessors`, prefill unsplit."""
+    meta = dict(device="meta", dtype=sizes.dtype)
+    num_queries = 1 if sizes.mode == "decode" else sizes.queries
+    batch_size = sizes.batch if sizes.mode == "decode" else 1
+    num_positions = sizes.context if sizes.mode == "decode" else num_queries
+    heads = sizes.kv_heads * sizes.group
+    query = torch.empty(batch_size, num_queries, heads, sizes.latent_dim, **meta).transpose(1, 2)
+    # The cache's layout: [batch, capacity, 1, latent] storage seen as [batch, 1, positions, latent].
+    latents = torch.empty(batch_size, num_positions, 1, sizes.latent_dim, **meta).transpose(1, 2)
+    selected = torch.empty(batch_size, num_queries, sizes.budget // sizes.pool_size, dtype=torch.int64,
+                           device="meta")
+    positions = torch.empty(batch_size, num_queries, dtype=torch.int64, device="meta")
+    num_splits = 1
+    if sizes.mode == "decode":
+        num_splits = latent_splits(query, selected, sizes.pool_size, sizes.multiprocessors)
+    launches, _ = plan_latent_forward(query, latents, selected, positions, sizes.pool_size, 0.1, num_splits)
+    return list(zip(("sparse_latent_attention", "combine_splits"), launches))
+

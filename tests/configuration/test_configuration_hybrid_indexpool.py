@@ -91,3 +91,48 @@ def test_only_a_text_model_with_rope_needs_multimodal_rope_sections():
         HybridIndexPoolMultimodalConfig(text_config={**text, **NOPE_MLA, "index_rope": True}, vision_config=vision)
     with pytest.raises(ValueError, match="rope_parameters need 'mrope_section'"):
         HybridIndexPoolMultimodalConfig(text_config=text, vision_config=vision)
+
+
+GLM_MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16)
+
+
+def test_gqa_and_the_current_indexer_are_the_defaults():
+    config = HybridIndexPoolConfig()
+    assert (config.attention_type, config.index_query_source, config.index_key_norm, config.index_rope,
+            config.indexer_types) == ("gqa", "hidden", "rms_after_pool", True, None)
+    assert not any(config.is_shared_indexer_layer(index) for index in range(config.num_hidden_layers))
+
+
+def test_glm_variant_round_trips_and_plans_tensor_parallelism_for_mla_modules(tmp_path):
+    config = HybridIndexPoolConfig(**GLM_MLA, index_query_source="q_lora", index_key_norm="layer_norm_before_pool",
+                                   index_rope=False, indexer_types=["full"] * 4 + ["shared"] * 4)
+    config.save_pretrained(tmp_path)
+    loaded = HybridIndexPoolConfig.from_pretrained(tmp_path)
+    assert loaded.indexer_types == config.indexer_types and loaded.kv_lora_rank == 32
+    assert loaded.is_shared_indexer_layer(7) and not loaded.is_shared_indexer_layer(3)
+    plan = loaded.base_model_tp_plan
+    assert {"layers.*.self_attn.q_b_proj", "layers.*.self_attn.kv_b_proj", "layers.*.self_attn.o_proj"} <= set(plan)
+    assert "layers.*.self_attn.q_proj" not in plan and "layers.*.self_attn.k_norm" not in plan
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(attention_type="mha"), "`attention_type` is 'mha'"),
+    (dict(attention_type="mla"), "`q_lora_rank` is None; attention_type 'mla' needs it"),
+    (dict(GLM_MLA, v_head_dim=0), "`v_head_dim` is 0"),
+    (dict(GLM_MLA, qk_rope_head_dim=64), "`qk_rope_head_dim` is 64; the MLA attention here is NoPE"),
+    (dict(index_query_source="q_lora"), "`index_query_source` 'q_lora' reads the MLA query latent"),
+    (dict(index_query_source="latent"), "`index_query_source` is 'latent'"),
+    (dict(index_key_norm="layer_norm"), "`index_key_norm` is 'layer_norm'"),
+    (dict(index_key_norm="layer_norm_before_pool", index_pool_weighting="prenorm_mean"), "both norm the keys"),
+    (dict(indexer_types=["full"] * 3), "`indexer_types` has 3 entries but `num_hidden_layers` is 8"),
+    (dict(indexer_types=["full"] * 7 + ["skip"]), "`indexer_types[7]` is 'skip'"),
+    (dict(indexer_types=["full"] * 3 + ["shared"] + ["full"] * 4), "the first IndexPool layer must be 'full'"),
+])
+def test_invalid_mla_and_indexer_variants_raise_value_error_naming_field(settings, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        HybridIndexPoolConfig(**settings)
+
+
+def test_shared_entries_on_linear_layers_before_the_first_indexpool_layer_are_ignored():
+    config = HybridIndexPoolConfig(indexer_types=["shared"] * 3 + ["full"] + ["shared"] * 4)
+    assert config.is_shared_indexer_layer(7)

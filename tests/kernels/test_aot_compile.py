@@ -58,6 +58,17 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_their_limits(capsys):
     check(results)
 
 
+def test_glm_sizes_compile_for_sm90_and_sm80_within_their_limits(capsys):
+    """GLM-5.3-Flash: the indexer's 32 heads x 128 at r = 16 (float and fp8 keys) and MLA's 64 heads on one latent of
+    512, budget 2048, decode and prefill."""
+    results = aot.compile_sizes(aot.glm_sizes())
+    show(results, capsys)
+    assert {row.kernel for row in results} == {"pooled_index_scores", "sparse_latent_attention", "combine_splits"}
+    assert any("HEADS=64" in row.config and "LATENT_DIM=512" in row.config and "POOL=16" in row.config
+               for row in results if row.kernel == "sparse_latent_attention")
+    check(results)
+
+
 @pytest.mark.slow
 def test_the_whole_size_matrix_compiles_within_the_limits(request, capsys):
     if "slow" not in (request.config.getoption("markexpr") or ""):

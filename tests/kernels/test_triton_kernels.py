@@ -279,3 +279,46 @@ def test_a_decode_step_reads_nothing_back_to_the_host():
     with HostReads() as reads:  # the counter does see a read
         int(num_visible.max())
     assert reads.seen
+
+
+LATENT_CASES = [  # batch, queries, heads, latent_dim, pool_size, context, topk
+    (1, 1, 4, 32, 4, 400, 16),    # decode far past the budget, fewer heads than a program's rows
+    (3, 1, 40, 48, 16, 300, 4),   # GLM's r = 16, heads over two programs, a latent width not a power of two
+    (2, 9, 16, 32, 4, 70, 40),    # a prefill whose budget is above what is visible
+]
+
+
+@pytest.mark.parametrize("batch, queries, heads, latent_dim, pool_size, context, topk", LATENT_CASES)
+def test_sparse_latent_attention_matches_reference(batch, queries, heads, latent_dim, pool_size, context, topk):
+    """MLA's absorbed shape: every head over one latent that is the key and the value; split or not."""
+    from hybrid_indexpool.kernels.sparse_attention import (sparse_latent_attention_torch,
+                                                           sparse_latent_attention_triton)
+
+    generator, positions, real, context = layout(batch, queries, pool_size, context, seed=11)
+    num_visible = torch.where(real, (positions + 1) // pool_size, 0)
+    selected = random_selection(num_visible, topk, generator)
+    query = torch.randn(batch, heads, queries, latent_dim, generator=generator)
+    # The cache's layout: [batch, capacity, 1, latent] storage seen as [batch, 1, positions, latent].
+    latents = torch.randn(batch, context + 8, 1, latent_dim, generator=generator).transpose(1, 2)[:, :, :context]
+    scaling = 24**-0.5
+    expected, _ = sparse_latent_attention_torch(query, latents, selected, positions, pool_size, scaling)
+    for num_splits in (1, 3, None):
+        output = sparse_latent_attention_triton(*to_device(query, latents, selected, positions), pool_size, scaling,
+                                                num_splits=num_splits)
+        torch.testing.assert_close(output.cpu()[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_latent_attention_bfloat16_inputs_run_the_gpu_tiles():
+    """bfloat16 latents and queries at GLM's r = 16 take the 16-bit tile shapes (upcast in the interpreter): the output
+    matches the reference on the same values in float32, to bfloat16 rounding."""
+    from hybrid_indexpool.kernels.sparse_attention import (sparse_latent_attention_torch,
+                                                           sparse_latent_attention_triton)
+
+    generator, positions, real, context = layout(2, 1, 16, 260, seed=12)
+    selected = random_selection(torch.where(real, (positions + 1) // 16, 0), 6, generator)
+    query = torch.randn(2, 64, 1, 64, generator=generator).bfloat16()
+    latents = torch.randn(2, 1, context, 64, generator=generator).bfloat16()
+    expected, _ = sparse_latent_attention_torch(query.float(), latents.float(), selected, positions, 16, 0.125)
+    output = sparse_latent_attention_triton(*to_device(query, latents, selected, positions), 16, 0.125)
+    assert output.dtype == torch.bfloat16
+    torch.testing.assert_close(output.cpu().float(), expected, atol=2e-2, rtol=2e-2)

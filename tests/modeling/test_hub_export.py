@@ -105,9 +105,10 @@ def test_remote_code_is_generated_from_the_package_sources():
     assert "from .kernels_fp8_index_keys import packed_width, quantize_pooled_keys" in \
         files["cache_hybrid_indexpool.py"]
     assert "from .kernels_pooled_index_topk import pooled_index_scores_torch, pooled_index_topk" in \
-        files["attention_gqa.py"]
+        files["attention_indexpool.py"]
     assert "from .attention_gqa import HybridIndexPoolAttention" in files["modeling_hybrid_indexpool.py"]
     assert "from .kernels_kimi_delta_rule import kimi_delta_rule" in files["linear_attention_kda.py"]
+    assert "from .attention_mla import HybridIndexPoolMLAAttention" in files["modeling_hybrid_indexpool.py"]
 
 
 def test_model_card_describes_the_checkpoint_and_a_users_card_is_kept(tmp_path):

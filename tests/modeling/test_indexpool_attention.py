@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hybrid_indexpool.modeling import attention_gqa, modeling_hybrid_indexpool as modeling
+from hybrid_indexpool.modeling import attention_indexpool, modeling_hybrid_indexpool as modeling
 from hybrid_indexpool.modeling.layers import apply_rotary
 
 from model_factory import randomize_indexer, tiny_config
@@ -120,8 +120,8 @@ def test_beyond_budget_selection_and_output_match_slow_reference(pool_size, weig
         recorded.append(modeling_topk(*args, **kwargs))
         return recorded[-1]
 
-    modeling_topk = attention_gqa.pooled_index_topk
-    monkeypatch.setattr(attention_gqa, "pooled_index_topk", recording_topk)
+    modeling_topk = attention_indexpool.pooled_index_topk
+    monkeypatch.setattr(attention_indexpool, "pooled_index_topk", recording_topk)
     hidden = torch.randn(2, 6 * pool_size + 3, config.hidden_size)
     output = run_layer(layer, rotary, hidden)
     expected_selection, expected_output = slow_selection_and_output(layer, rotary, hidden)
@@ -167,8 +167,8 @@ def test_sink_and_local_windows_are_selected_by_the_layer_and_decode_equals_one_
     input_ids = torch.randint(1, 97, (2, 50), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = tiny_model(index_topk=16)(input_ids).logits
-    modeling_topk = attention_gqa.pooled_index_topk
-    monkeypatch.setattr(attention_gqa, "pooled_index_topk", recording_topk)
+    modeling_topk = attention_indexpool.pooled_index_topk
+    monkeypatch.setattr(attention_indexpool, "pooled_index_topk", recording_topk)
     with torch.no_grad():
         whole = model(input_ids).logits
         assert not torch.allclose(whole, plain, atol=1e-4)  # forcing changed the selections
