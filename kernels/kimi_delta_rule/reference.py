@@ -84,43 +84,44 @@ def recurrent_kimi_delta_rule_torch(
     return output.transpose(1, 2).to(output_dtype), state
 
 
-def _decayed_products(left: torch.Tensor, key: torch.Tensor, cumulative: torch.Tensor) -> torch.Tensor:
-    """`P[i, j] = sum_c left_ic key_jc exp(G_ic - G_jc)` for `j <= i`, zero above the diagonal, without forming any
-    `exp` above 1.
+def _decayed_products(
+    query: torch.Tensor, key: torch.Tensor, cumulative: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`P[i, j] = sum_c x_ic k_jc exp(G_ic - G_jc)` for `j <= i` (zero above the diagonal) with `x` the queries and
+    with `x` the keys, without forming any `exp` above 1.
 
     Args:
-        left, key, cumulative: `[batch, heads, C, key_dim]`, `C` a multiple of `SUB_CHUNK`; `cumulative` is `G`.
+        query, key, cumulative: `[batch, heads, C, key_dim]`, `C` a multiple of `SUB_CHUNK`; `cumulative` is `G`.
 
     Returns:
-        `[batch, heads, C, C]`.
+        Query-key and key-key products, `[batch, heads, C, C]` each.
     """
     *lead, chunk_size, key_dim = key.shape
     subs = chunk_size // SUB_CHUNK
     position = torch.arange(chunk_size, device=key.device)
-    starts = position[::SUB_CHUNK]  # first token of each sub-chunk, [subs]
-    reference = cumulative[..., ::SUB_CHUNK, :]  # G at those tokens, [b, h, subs, key_dim]
+    by_sub = cumulative.reshape(*lead, subs, SUB_CHUNK, key_dim)
+    reference = by_sub[..., :1, :]  # G at each sub-chunk's first token, [b, h, subs, 1, key_dim]
 
     # Pairs across sub-chunks: row i in sub-chunk a, column j before a's start, through the reference G_s of a.
-    rows = left.reshape(*lead, subs, SUB_CHUNK, key_dim) * (
-        cumulative.reshape(*lead, subs, SUB_CHUNK, key_dim) - reference[..., None, :]
-    ).exp()  # [b, h, subs, S, key_dim]
-    earlier = position[None, :] < starts[:, None]  # [subs, C]: column j lies before sub-chunk a
-    column_decay = (reference[..., None, :] - cumulative[..., None, :, :]).masked_fill(~earlier[..., None], -torch.inf)
-    columns = key[..., None, :, :] * column_decay.exp()  # [b, h, subs, C, key_dim]
-    products = (rows @ columns.transpose(-1, -2)).reshape(*lead, chunk_size, chunk_size)
+    row_decay = (by_sub - reference).exp()  # [b, h, subs, S, key_dim]
+    earlier = position[None, :] < position[::SUB_CHUNK, None]  # [subs, C]: column j lies before sub-chunk a
+    column_decay = (reference - cumulative[..., None, :, :]).masked_fill(~earlier[..., None], -torch.inf)
+    columns = (key[..., None, :, :] * column_decay.exp()).transpose(-1, -2)  # [b, h, subs, key_dim, C]
 
     # Pairs inside a sub-chunk, channel by channel: [b, h, subs, S, S, key_dim].
-    inside = cumulative.reshape(*lead, subs, SUB_CHUNK, key_dim)
     causal = torch.ones(SUB_CHUNK, SUB_CHUNK, dtype=torch.bool, device=key.device).tril()
-    pair_decay = (inside[..., :, None, :] - inside[..., None, :, :]).masked_fill(~causal[..., None], -torch.inf)
-    diagonal = (
-        left.reshape(*lead, subs, SUB_CHUNK, 1, key_dim)
-        * key.reshape(*lead, subs, 1, SUB_CHUNK, key_dim)
-        * pair_decay.exp()
-    ).sum(dim=-1)  # [b, h, subs, S, S]
-    block = position // SUB_CHUNK
-    same_block = block[:, None] == block[None, :]
-    return products.masked_scatter(same_block, diagonal.reshape(*lead, subs * SUB_CHUNK * SUB_CHUNK))
+    pair_decay = (by_sub[..., :, None, :] - by_sub[..., None, :, :]).masked_fill(~causal[..., None], -torch.inf).exp()
+    keys_inside = key.reshape(*lead, subs, 1, SUB_CHUNK, key_dim) * pair_decay
+    same_sub = (position[:, None] // SUB_CHUNK) == (position[None, :] // SUB_CHUNK)
+
+    products = []
+    for left in (query, key):
+        left = left.reshape(*lead, subs, SUB_CHUNK, key_dim)
+        across = ((left * row_decay) @ columns).reshape(*lead, chunk_size, chunk_size)
+        inside = (left[..., :, None, :] * keys_inside).sum(dim=-1)  # [b, h, subs, S, S]
+        # Row-major order of the same-sub-chunk entries is (sub-chunk, row, column): `inside` flattened.
+        products.append(across.masked_scatter(same_sub, inside.reshape(*lead, -1)))
+    return products[0], products[1]
 
 
 def chunk_kimi_delta_rule_torch(
@@ -154,10 +155,11 @@ def chunk_kimi_delta_rule_torch(
         q, k, v, b = query[:, :, chunk], key[:, :, chunk], value[:, :, chunk], beta[:, :, chunk, None]
         cumulative = log_decay[:, :, chunk].cumsum(dim=2)  # G, [b, h, C, key_dim]
         # Unit lower-triangular system for the corrections U, [b, h, C, value_dim].
-        system = identity + (_decayed_products(k, k, cumulative) * b).tril(diagonal=-1)
+        query_key, key_key = _decayed_products(q, k, cumulative)
+        system = identity + (key_key * b).tril(diagonal=-1)
         target = b * (v - (k * cumulative.exp()) @ state)
         corrections = torch.linalg.solve_triangular(system, target, upper=False, unitriangular=True)
-        outputs.append((q * cumulative.exp()) @ state + _decayed_products(q, k, cumulative) @ corrections)
+        outputs.append((q * cumulative.exp()) @ state + query_key @ corrections)
         total = cumulative[:, :, -1:]  # G_C, [b, h, 1, key_dim]
         keys_to_end = k * (total - cumulative).exp()
         state = state * total.transpose(-1, -2).exp() + keys_to_end.transpose(-1, -2) @ corrections

@@ -17,6 +17,26 @@ def test_router_outputs_are_off_by_default_with_qwens_coefficient():
     assert config.output_router_logits is False and config.router_aux_loss_coef == 0.001
 
 
+def test_linear_attention_defaults_to_gated_deltanet_and_kimi_delta_to_its_sigmoid_gate(tmp_path):
+    config = HybridIndexPoolConfig()
+    assert config.linear_attention_type == "gated_deltanet" and config.linear_gate_lower_bound is None
+    assert config.linear_output_gate_act == "silu"
+    kimi = HybridIndexPoolConfig(linear_attention_type="kimi_delta", linear_num_value_heads=8,
+                                 linear_gate_lower_bound=-5.0)
+    assert kimi.linear_output_gate_act == "sigmoid"
+    kimi.save_pretrained(tmp_path)
+    assert HybridIndexPoolConfig.from_pretrained(tmp_path).to_dict() == kimi.to_dict()
+
+
+def test_a_config_saved_before_the_linear_attention_variants_loads_as_gated_deltanet(tmp_path):
+    config = HybridIndexPoolConfig(num_hidden_layers=2, layer_types=["linear_attention", "indexpool_attention"])
+    saved = config.to_dict()
+    for key in ("linear_attention_type", "linear_gate_lower_bound", "linear_output_gate_act"):
+        del saved[key]
+    loaded = HybridIndexPoolConfig.from_dict(saved)
+    assert loaded.to_dict() == config.to_dict()
+
+
 def test_save_and_load_round_trip(tmp_path):
     config = HybridIndexPoolConfig(num_hidden_layers=2, layer_types=["indexpool_attention", "linear_attention"],
                                    index_topk=64, index_pool_size=8, index_head_weights=True)
@@ -47,6 +67,14 @@ def test_save_and_load_round_trip(tmp_path):
         (dict(index_local_windows=-2), "`index_local_windows` is -2"),
         (dict(index_topk=16, index_pool_size=4, index_sink_windows=3, index_local_windows=2),
          "exceed the budget of 4 windows"),
+        (dict(linear_attention_type="kda"), "`linear_attention_type` is 'kda'; it must be one of"),
+        (dict(linear_attention_type="kimi_delta", linear_num_key_heads=8, linear_num_value_heads=16),
+         "'kimi_delta' needs as many value heads as key heads, but `linear_num_value_heads` is 16"),
+        (dict(linear_attention_type="kimi_delta", linear_num_value_heads=8, linear_value_head_dim=32),
+         "'kimi_delta' needs value heads as wide as key heads, but `linear_value_head_dim` is 32"),
+        (dict(linear_attention_type="kimi_delta", linear_num_value_heads=8, linear_gate_lower_bound=0.5),
+         "`linear_gate_lower_bound` is 0.5; it must be a negative number"),
+        (dict(linear_gate_lower_bound=-5.0), "`linear_gate_lower_bound` (-5.0) bounds Kimi Delta Attention's"),
     ],
 )
 def test_invalid_settings_raise_value_error_naming_field(settings, message):

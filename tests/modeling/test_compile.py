@@ -14,7 +14,7 @@ from hybrid_indexpool.kernels.decode_linear.cpu_impl import KERNEL as LINEAR_KER
 from hybrid_indexpool.kernels.pooled_index_topk.cpu_impl import KERNEL as TOPK_KERNEL
 
 from fresh_process import run_in_fresh_process
-from model_factory import tiny_model
+from model_factory import KIMI_DELTA, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CPU_KERNELS = (LINEAR_KERNEL, TOPK_KERNEL)
@@ -36,7 +36,8 @@ def greedy_decode(forward, model, input_ids, mask, steps):
     return torch.cat(all_logits, dim=1), torch.cat(tokens, dim=1)
 
 
-def check_compiled_decode(backend: str, steps: int = 50, frozen: bool = False, fp8_keys: bool = False):
+def check_compiled_decode(backend: str, steps: int = 50, frozen: bool = False, fp8_keys: bool = False,
+                          kimi_delta: bool = False):
     """Compiled greedy decoding (first in the process), then eager: same logits and tokens, one graph."""
     from hybrid_indexpool.scripts.bench_decode import FROZEN_OPTIONS
 
@@ -44,7 +45,8 @@ def check_compiled_decode(backend: str, steps: int = 50, frozen: bool = False, f
     torch._dynamo.reset()
     torch.manual_seed(1234)
     model = tiny_model(index_topk=8, index_head_weights=True,
-                       index_key_cache_dtype="float8_e4m3fn" if fp8_keys else "auto")
+                       index_key_cache_dtype="float8_e4m3fn" if fp8_keys else "auto",
+                       **(KIMI_DELTA if kimi_delta else {}))
     input_ids = torch.randint(1, 97, (2, 30))
     mask = torch.ones(2, 30, dtype=torch.long)
     mask[1, :6] = 0  # left padding: row 1 has 24 real tokens
@@ -72,6 +74,10 @@ def test_the_decode_step_compiles_whole_and_one_graph_serves_every_step():
 def test_the_decode_step_with_fp8_index_keys_compiles_whole():
     # Quantising a completed window (rotation, scale, fp8 bytes) and scoring packed keys are in the graph too.
     run_in_fresh_process(__file__, "check_compiled_decode", "aot_eager", 30, False, True)
+
+
+def test_the_decode_step_with_kimi_delta_attention_compiles_whole():
+    run_in_fresh_process(__file__, "check_compiled_decode", "aot_eager", 30, False, False, True)
 
 
 @pytest.mark.slow

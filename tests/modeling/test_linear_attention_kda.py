@@ -126,6 +126,18 @@ def test_a_kimi_delta_model_generates_like_its_uncached_forward_and_trains():
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0
 
 
+def test_a_kimi_delta_model_prefilled_in_chunks_gives_the_whole_prompts_logits():
+    model = tiny_model(**KIMI_DELTA)
+    prompt = torch.randint(1, 97, (2, 75))
+    mask = torch.ones_like(prompt)
+    mask[1, :10] = 0  # left padding
+    with torch.no_grad():
+        whole = model(prompt, attention_mask=mask, use_cache=False).logits
+        model.config.prefill_chunk_length = 16
+        chunked = model(prompt, attention_mask=mask, use_cache=True).logits
+    torch.testing.assert_close(chunked[mask.bool()], whole[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "softplus_gate"])
 def test_a_fresh_model_initialises_the_gates_as_glm_and_fla_do(lower_bound):
     torch.manual_seed(0)
