@@ -4,10 +4,9 @@ import math
 from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
-from transformers import configuration_utils
-from transformers.configuration_utils import PreTrainedConfig
+from transformers import AutoConfig, configuration_utils
+from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
-from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig
 
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
 POOL_WEIGHTINGS = ("learned", "learned_scalar", "mean", "prenorm_mean")
@@ -678,22 +677,27 @@ class HybridIndexPoolConfig(PreTrainedConfig):
 class HybridIndexPoolMultimodalConfig(PreTrainedConfig):
     r"""
     Configuration of a [`HybridIndexPoolForConditionalGeneration`]: the HybridIndexPool text model
-    (`text_config`, a [`HybridIndexPoolConfig`] whose `rope_parameters` carry the multimodal RoPE `mrope_section`)
-    reading the features of transformers' Qwen4-Exp vision tower (`vision_config`, a `Qwen4ExpVisionConfig`) in
-    place of image and video placeholder tokens, as Qwen4-Exp (Qwen3.8-Flash-Next) does.
+    (`text_config`, a [`HybridIndexPoolConfig`]) reading the features of a transformers vision tower (`vision_config`)
+    in place of image and video placeholder tokens: Qwen4-Exp's (`Qwen4ExpVisionConfig`, the default; the text model's
+    `rope_parameters` then carry the multimodal RoPE `mrope_section`), or GLM-5.3-Flash's (`Glm5NextVisionConfig`, in
+    front of a text model without RoPE, whose positions are plain token counts).
 
     Args:
         text_config (`dict` or `HybridIndexPoolConfig`, *optional*): The language model.
-        vision_config (`dict` or `Qwen4ExpVisionConfig`, *optional*): The vision tower.
+        vision_config (`dict` or `PreTrainedConfig`, *optional*): The vision tower, of the `model_type` it names
+            (default `"qwen4_exp_vision"`).
         image_token_id, video_token_id (`int`): Placeholder tokens that image / video features replace.
         vision_start_token_id, vision_end_token_id (`int`): Tokens around each image or video.
+        video_start_token_id, video_end_token_id (`int`, *optional*): GLM-5.3-Flash's layout: a video's frames are
+            image placeholders between these delimiters (not `video_token_id` placeholders), and each frame goes
+            through the vision tower alone. None (the default, Qwen's layout) or both set.
         tie_word_embeddings (`bool`): Share the input embedding and the language-model head.
     """
 
     model_type = "hybrid_indexpool_multimodal"
     sub_configs_defaults = {
         "text_config": HybridIndexPoolConfig,
-        "vision_config": Qwen4ExpVisionConfig,
+        "vision_config": SubConfigSpec(AutoConfig, model_type="qwen4_exp_vision"),
     }
 
     text_config: dict | PreTrainedConfig | None = None
@@ -702,6 +706,8 @@ class HybridIndexPoolMultimodalConfig(PreTrainedConfig):
     video_token_id: int = 248057
     vision_start_token_id: int = 248053
     vision_end_token_id: int = 248054
+    video_start_token_id: int | None = None
+    video_end_token_id: int | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -718,15 +724,29 @@ class HybridIndexPoolMultimodalConfig(PreTrainedConfig):
                 f"must equal the text model's hidden_size ({text.hidden_size}): its features replace token embeddings."
             )
         section = text.rope_parameters.get("mrope_section")
-        if section is None or len(section) != 3:
+        if self.multimodal_rope and (section is None or len(section) != 3):
             raise ValueError(
                 "HybridIndexPoolMultimodalConfig: the text model's rope_parameters need 'mrope_section' (three "
                 "numbers: the frequencies of the time, height and width position streams), e.g. [11, 11, 10]."
             )
-        for token in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        if (self.video_start_token_id is None) != (self.video_end_token_id is None):
+            raise ValueError("HybridIndexPoolMultimodalConfig: set both `video_start_token_id` and "
+                             "`video_end_token_id` (GLM-5.3-Flash's video layout) or neither.")
+        tokens = ["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"]
+        if self.video_start_token_id is not None:
+            tokens += ["video_start_token_id", "video_end_token_id"]
+        for token in tokens:
             if not 0 <= getattr(self, token) < text.vocab_size:
                 raise ValueError(f"HybridIndexPoolMultimodalConfig: `{token}` ({getattr(self, token)}) is outside the "
                                  f"text model's vocabulary ({text.vocab_size} tokens).")
+
+    @property
+    def multimodal_rope(self) -> bool:
+        """Whether the text model rotates by position, so that images get multimodal (time, height, width) positions;
+        a model without RoPE (MLA with `qk_rope_head_dim = 0` and an indexer without RoPE, as GLM-5.3-Flash) counts
+        tokens only."""
+        text = self.text_config
+        return text.attention_type != "mla" or text.qk_rope_head_dim > 0 or text.index_rope
 
 
 __all__ = ["HybridIndexPoolConfig", "HybridIndexPoolMultimodalConfig"]

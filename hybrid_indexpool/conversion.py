@@ -63,6 +63,7 @@ CONVERTER_SCRIPTS = {
     "qwen3_5_moe_text": "scripts/convert_qwen3_next.py",
     "qwen4_exp": "scripts/convert_qwen4_exp.py",
     "qwen4_exp_text": "scripts/convert_qwen4_exp.py",
+    "glm5_next": "scripts/convert_glm5_next.py",
 }
 
 
@@ -425,6 +426,11 @@ def fresh_weights(
         for prefix, module in zip(modules, holder.parts)
         for name, tensor in module.state_dict().items()
     }
+
+
+def to_multimodal_name(name: str) -> str:
+    """Where a weight of our causal LM lives in our multimodal model (its text model under `model.language_model.`)."""
+    return name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model.")
 
 
 def target_model_class(config) -> type[HybridIndexPoolPreTrainedModel]:
@@ -924,4 +930,5 @@ __all__ = [
     "qwen_text_prefix",
     "rename",
     "run_conversion_command",
+    "to_multimodal_name",
 ]

@@ -130,33 +130,46 @@ def _project_card() -> str | None:
     return card.read_text(encoding="utf-8") if card.exists() else None
 
 
+# The model family a checkpoint's vision tower comes from, by its config's `model_type`, for the model card.
+VISION_FAMILIES = {"qwen4_exp_vision": "Qwen4-Exp", "glm5_next_vision": "GLM-5.3-Flash"}
+
+
 def render_model_card(model) -> str:
     """The checkpoint's `README.md`: the project card plus a section describing this checkpoint's config."""
     config = model.config.get_text_config()
     pattern = ", ".join(
         f"{sum(1 for t in config.layer_types if t == kind)} x {kind}" for kind in dict.fromkeys(config.layer_types)
     )
+    sparse_layers = config.mlp_types.count("sparse")
     mlp = (
-        f"mixture of {config.num_experts} experts (top {config.num_experts_per_tok})" if config.num_experts
+        f"mixture of {config.num_experts} experts (top {config.num_experts_per_tok}) in {sparse_layers} layers, "
+        f"dense SwiGLU MLP ({config.intermediate_size}) in the others" if sparse_layers
         else f"dense SwiGLU MLP ({config.intermediate_size})"
     )
+    linear = {"gated_deltanet": "Gated DeltaNet", "kimi_delta": "Kimi Delta Attention"}[config.linear_attention_type]
+    attention = {"gqa": "gated GQA", "mla": "MLA"}[config.attention_type]
+    shared = (config.indexer_types or []).count("shared")
     rows = [
         f"| parameters | {model.num_parameters():,} |",
         f"| layers | {config.num_hidden_layers} ({pattern}) |",
         f"| layer pattern | `{'`, `'.join('L' if t == 'linear_attention' else 'I' for t in config.layer_types)}` "
-        "(L = Gated DeltaNet, I = IndexPool) |",
+        f"(L = {linear}, I = IndexPool, {attention}) |",
         f"| hidden size | {config.hidden_size} |",
         f"| token budget (`index_topk`) | {config.index_topk} |",
         f"| pool size (`index_pool_size`) | {config.index_pool_size} |",
         f"| pooling | {config.index_pool_weighting} |",
-        f"| indexer | {config.index_n_heads} heads x {config.index_head_dim} |",
+        f"| indexer | {config.index_n_heads} heads x {config.index_head_dim}"
+        + (f"; {shared} IndexPool layers reuse the previous full layer's selection" if shared else "") + " |",
         f"| MLP | {mlp} |",
         f"| vocabulary | {config.vocab_size} |",
     ]
+    if config.has_hyper_connections:
+        rows.append(f"| residual streams | {config.hc_count} ({config.hc_type} hyper-connections) |")
     vision = getattr(model.config, "vision_config", None)
     if vision is not None:
-        rows.append(f"| vision tower | Qwen4-Exp vision, {vision.depth} blocks of width {vision.hidden_size}, patch "
-                    f"{vision.patch_size}, merge {vision.spatial_merge_size} (images and video) |")
+        family = VISION_FAMILIES.get(vision.model_type, vision.model_type)
+        rows.append(f"| vision tower | {family} vision, {vision.depth} blocks of width {vision.hidden_size}, patch "
+                    f"{vision.patch_size}, merge {vision.spatial_merge_size} |")
     section = "\n".join(["## This checkpoint", "", "| setting | value |", "|---|---|", *rows, ""])
     card = _project_card()
     if card is None:

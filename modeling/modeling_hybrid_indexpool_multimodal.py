@@ -1,11 +1,13 @@
-"""HybridIndexPool with images and video: transformers' Qwen4-Exp vision tower in front of the HybridIndexPool text
-model, as Qwen4-Exp (Qwen3.8-Flash-Next) puts its own in front of its text model.
+"""HybridIndexPool with images and video: a transformers vision tower in front of the HybridIndexPool text model, as
+Qwen4-Exp (Qwen3.8-Flash-Next) and GLM-5.3-Flash put their own in front of their text models.
 
-The vision tower's merged patch features replace the image / video placeholder tokens; the text model runs with
-three-stream multimodal RoPE (time, height, width), whose positions come from the layout of the prompt
-(`get_rope_index`). The indexer's windows follow the order of the real tokens, and a pooled window's key is rotated
-at the multimodal position of the window's first token, as Qwen4-Exp rotates its blocks. After the prompt, each row
-decodes at its token count plus the offset its images left (`rope_deltas`, kept in the cache).
+The vision tower (built from `vision_config` by `AutoModel`: Qwen4-Exp's or GLM-5.3-Flash's) gives merged patch
+features that replace the image / video placeholder tokens. A text model with RoPE runs with three-stream multimodal
+RoPE (time, height, width), whose positions come from the layout of the prompt (`get_rope_index`); the indexer's
+windows follow the order of the real tokens, and a pooled window's key is rotated at the multimodal position of the
+window's first token, as Qwen4-Exp rotates its blocks. After the prompt, each row decodes at its token count plus the
+offset its images left (`rope_deltas`, kept in the cache). A text model without RoPE (GLM-5.3-Flash's) only counts
+tokens, images included, as GLM does.
 """
 
 import itertools
@@ -29,6 +31,12 @@ from .layers import HybridIndexPoolLinear
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
 
+def frame_grids(video_grid_thw: torch.LongTensor) -> torch.LongTensor:
+    """`[videos, 3]` grids (frames, height, width) -> `[frames, 3]`, one `(1, height, width)` grid per frame."""
+    per_frame = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+    return torch.cat([torch.ones_like(per_frame[:, :1]), per_frame[:, 1:]], dim=1)
+
+
 class HybridIndexPoolMultimodalPreTrainedModel(HybridIndexPoolPreTrainedModel):
     """Weight initialisation and plumbing of the multimodal models (the vision tower initialises as transformers'
     own)."""
@@ -36,12 +44,13 @@ class HybridIndexPoolMultimodalPreTrainedModel(HybridIndexPoolPreTrainedModel):
     config_class = HybridIndexPoolMultimodalConfig
     config: HybridIndexPoolMultimodalConfig
     input_modalities = ("image", "video", "text")
-    _no_split_modules = ["HybridIndexPoolDecoderLayer", "Qwen4ExpVisionBlock"]
+    _no_split_modules = ["HybridIndexPoolDecoderLayer", "Qwen4ExpVisionBlock", "Glm5NextVisionBlock",
+                         "Glm5NextVisionPatchMerger"]
 
 
 class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
-    """The vision tower (`visual`, transformers' `Qwen4ExpVisionModel`) and the text model (`language_model`, a
-    [`HybridIndexPoolModel`]); returns the text model's output."""
+    """The vision tower (`visual`, transformers' `Qwen4ExpVisionModel` or `Glm5NextVisionModel`) and the text model
+    (`language_model`, a [`HybridIndexPoolModel`]); returns the text model's output."""
 
     def __init__(self, config: HybridIndexPoolMultimodalConfig):
         config.check_settings()
@@ -62,14 +71,23 @@ class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
         return self.visual(pixel_values, grid_thw=image_grid_thw, return_dict=True).pooler_output
 
     def get_video_features(self, pixel_values_videos: torch.Tensor, video_grid_thw: torch.LongTensor) -> torch.Tensor:
-        """Merged patch features `[video tokens, hidden]` of all videos, frame after frame."""
+        """Merged patch features `[video tokens, hidden]` of all videos, frame after frame. In GLM-5.3-Flash's layout
+        (`video_start_token_id` set) each frame goes through the vision tower alone, as GLM does."""
+        if self.config.video_start_token_id is not None:
+            video_grid_thw = frame_grids(video_grid_thw)
         return self.get_image_features(pixel_values_videos, video_grid_thw)
 
     def token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """`[batch, seq]`: 0 for text, 1 for image placeholders, 2 for video placeholders."""
-        image = (input_ids == self.config.image_token_id).long()
-        video = (input_ids == self.config.video_token_id).long()
-        return IMAGE * image + VIDEO * video
+        """`[batch, seq]`: 0 for text, 1 for image placeholders, 2 for video placeholders: `video_token_id`, or in
+        GLM-5.3-Flash's layout (`video_start_token_id` set) the image placeholders between the video delimiters."""
+        image = input_ids == self.config.image_token_id
+        if self.config.video_start_token_id is None:
+            video = input_ids == self.config.video_token_id
+        else:
+            starts = (input_ids == self.config.video_start_token_id).cumsum(-1)
+            in_video = starts > (input_ids == self.config.video_end_token_id).cumsum(-1)
+            image, video = image & ~in_video, image & in_video
+        return IMAGE * image.long() + VIDEO * video.long()
 
     def get_rope_index(
         self,
@@ -90,9 +108,8 @@ class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
         merge = self.config.vision_config.spatial_merge_size
         if mm_token_type_ids is None:
             mm_token_type_ids = self.token_types(input_ids)
-        if video_grid_thw is not None:  # one grid per frame
-            video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
-            video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], dim=1)
+        if video_grid_thw is not None:
+            video_grid_thw = frame_grids(video_grid_thw)
         grids = {IMAGE: iter([] if image_grid_thw is None else image_grid_thw.tolist()),
                  VIDEO: iter([] if video_grid_thw is None else video_grid_thw.tolist())}
         batch_size, seq_len = input_ids.shape
@@ -130,9 +147,9 @@ class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
             deltas.append((int(row_positions.max()) + 1 if row_positions.numel() else 0) - len(types))
         return position_ids, torch.tensor(deltas, device=input_ids.device)[:, None]
 
-    def _merge_features(self, input_ids, inputs_embeds, token_id, features, name):
-        """Put `features` in place of the `token_id` placeholders; their counts must agree."""
-        placeholders = input_ids == token_id
+    @staticmethod
+    def _merge_features(inputs_embeds, placeholders, features, name):
+        """Put `features` in place of the `placeholders` (`[batch, seq]` bool); their counts must agree."""
         count = int(placeholders.sum())
         if count != features.shape[0]:
             raise ValueError(f"The prompt has {count} {name} placeholder tokens but the {name}s give "
@@ -170,15 +187,16 @@ class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
         if inputs_embeds is None and input_ids is not None:
             self.language_model._check_inputs(input_ids, None)
             inputs_embeds = self.get_input_embeddings()(input_ids)
+        placeholder_types = self.token_types(input_ids) if has_vision else None
         if pixel_values is not None:
             if image_grid_thw is None:
                 raise ValueError("`pixel_values` need `image_grid_thw`, each image's patch grid (from the processor).")
-            inputs_embeds = self._merge_features(input_ids, inputs_embeds, self.config.image_token_id,
+            inputs_embeds = self._merge_features(inputs_embeds, placeholder_types == IMAGE,
                                                  self.get_image_features(pixel_values, image_grid_thw), "image")
         if pixel_values_videos is not None:
             if video_grid_thw is None:
                 raise ValueError("`pixel_values_videos` need `video_grid_thw` (from the processor).")
-            inputs_embeds = self._merge_features(input_ids, inputs_embeds, self.config.video_token_id,
+            inputs_embeds = self._merge_features(inputs_embeds, placeholder_types == VIDEO,
                                                  self.get_video_features(pixel_values_videos, video_grid_thw), "video")
 
         use_cache = use_cache if use_cache is not None else self.config.text_config.use_cache
@@ -187,7 +205,7 @@ class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
         grids = image_grid_thw is not None or video_grid_thw is not None
         # The prompt (the cache's first input) lays out the positions; a decode step continues from its offsets.
         prompt = cache is None or cache.seen_tokens is None
-        if position_ids is None and grids and input_ids is not None and prompt:
+        if position_ids is None and grids and input_ids is not None and prompt and self.config.multimodal_rope:
             seq_len = input_ids.shape[1]
             mask = None if attention_mask is None else attention_mask[:, -seq_len:]
             position_ids, rope_deltas = self.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw,

@@ -38,6 +38,7 @@ from hybrid_indexpool.conversion import (
     qwen_text_prefix,
     rename,
     run_conversion_command,
+    to_multimodal_name,
 )
 from hybrid_indexpool.modeling.per_layer_embedding import HybridIndexPoolNGramEmbedding
 
@@ -148,11 +149,6 @@ def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
 
 
 VISION_PREFIX = "model.visual."
-
-
-def to_multimodal_name(name: str) -> str:
-    """Where a weight of our causal LM lives in our multimodal model."""
-    return name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model.")
 
 
 def build_text_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig, keep_vision: bool) -> ConversionPlan:

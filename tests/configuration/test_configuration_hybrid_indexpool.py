@@ -1,6 +1,6 @@
 import pytest
 
-from hybrid_indexpool import HybridIndexPoolConfig
+from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
 
 
 def test_defaults_interleave_three_linear_then_one_indexpool():
@@ -90,6 +90,35 @@ def test_settings_changed_after_construction_are_checked_when_a_model_is_built()
     config.index_topk = 6
     with pytest.raises(ValueError, match="not a multiple of `index_pool_size`"):
         HybridIndexPoolModel(config)
+
+
+NOPE_MLA = dict(attention_type="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,
+                index_query_source="q_lora", index_rope=False)
+
+
+def test_the_multimodal_config_builds_the_vision_tower_its_model_type_names(tmp_path):
+    from transformers import Glm5NextVisionConfig, Qwen4ExpVisionConfig
+
+    text = dict(hidden_size=64, num_hidden_layers=2, vocab_size=248320,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 4, 8]})
+    default = HybridIndexPoolMultimodalConfig(text_config=text, vision_config={"out_hidden_size": 64})
+    assert isinstance(default.vision_config, Qwen4ExpVisionConfig)
+    glm = HybridIndexPoolMultimodalConfig(text_config={**text, **NOPE_MLA}, vision_config=Glm5NextVisionConfig(
+        out_hidden_size=64).to_dict())
+    assert isinstance(glm.vision_config, Glm5NextVisionConfig)
+    glm.save_pretrained(tmp_path)
+    assert isinstance(HybridIndexPoolMultimodalConfig.from_pretrained(tmp_path).vision_config, Glm5NextVisionConfig)
+
+
+def test_only_a_text_model_with_rope_needs_multimodal_rope_sections():
+    vision = {"model_type": "glm5_next_vision", "out_hidden_size": 64}
+    text = dict(hidden_size=64, num_hidden_layers=2, vocab_size=248320)  # the default vision tokens inside
+    nope = HybridIndexPoolMultimodalConfig(text_config={**text, **NOPE_MLA}, vision_config=vision)
+    assert not nope.multimodal_rope
+    with pytest.raises(ValueError, match="rope_parameters need 'mrope_section'"):
+        HybridIndexPoolMultimodalConfig(text_config={**text, **NOPE_MLA, "index_rope": True}, vision_config=vision)
+    with pytest.raises(ValueError, match="rope_parameters need 'mrope_section'"):
+        HybridIndexPoolMultimodalConfig(text_config=text, vision_config=vision)
 
 
 GLM_MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16)
