@@ -110,7 +110,7 @@ def sparse_attention_torch(
         return _attention_with_weights(query, key, value, selected_windows, query_positions, pool_size, scaling,
                                        dropout, training)
     batch_size, num_heads, num_queries, head_dim = query.shape
-    num_kv_heads, num_positions = key.shape[1], key.shape[2]
+    num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     topk = selected_windows.shape[-1]
     slots_per_query = topk * pool_size + pool_size - 1
