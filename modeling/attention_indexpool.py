@@ -28,6 +28,10 @@ class HybridIndexPoolAttentionBase(nn.Module):
         self.topk_windows = config.index_topk_windows
         self.sink_windows = config.index_sink_windows
         self.local_windows = config.index_local_windows
+
+    def add_indexer(self, config: HybridIndexPoolConfig, layer_idx: int) -> None:
+        """Register the indexer (None in a shared-indexer layer). Subclasses call it after their own projections, so
+        that parameters keep the order, and seeded initialisations the values, they had before MLA existed."""
         self.indexer = None if config.is_shared_indexer_layer(layer_idx) else HybridIndexPoolIndexer(config)
 
     def check_indexer_loss(self, indexer_loss: str | None, layer_cache, local_heads: int) -> None:

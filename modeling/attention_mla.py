@@ -43,6 +43,7 @@ class HybridIndexPoolMLAAttention(HybridIndexPoolAttentionBase):
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = HybridIndexPoolLinear(self.num_heads * self.v_head_dim, config.hidden_size,
                                             bias=config.attention_bias)
+        self.add_indexer(config, layer_idx)
 
     def forward(
         self,
