@@ -28,7 +28,8 @@ class HybridIndexPoolAttention(HybridIndexPoolAttentionBase):
         kv_width = self.num_kv_heads * self.head_dim
         self.k_proj = HybridIndexPoolLinear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.v_proj = HybridIndexPoolLinear(config.hidden_size, kv_width, bias=config.attention_bias)
-        self.o_proj = HybridIndexPoolLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = HybridIndexPoolLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                            bias=config.attention_bias)
         self.q_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.add_indexer(config, layer_idx)
