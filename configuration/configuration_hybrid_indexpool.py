@@ -5,8 +5,13 @@ from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, configuration_utils
-from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+
+try:
+    from transformers.configuration_utils import SubConfigSpec
+except ImportError:  # transformers < 5.20 (vLLM's pin), where only the text config is needed (the vLLM plugin)
+    SubConfigSpec = None
 
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
 POOL_WEIGHTINGS = ("learned", "learned_scalar", "mean", "prenorm_mean")
@@ -697,7 +702,8 @@ class HybridIndexPoolMultimodalConfig(PreTrainedConfig):
     model_type = "hybrid_indexpool_multimodal"
     sub_configs_defaults = {
         "text_config": HybridIndexPoolConfig,
-        "vision_config": SubConfigSpec(AutoConfig, model_type="qwen4_exp_vision"),
+        # Any vision tower by the `model_type` its dict names (Qwen4-Exp's by default).
+        "vision_config": SubConfigSpec(AutoConfig, model_type="qwen4_exp_vision") if SubConfigSpec else AutoConfig,
     }
 
     text_config: dict | PreTrainedConfig | None = None
