@@ -31,11 +31,12 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, KVCacheSpec
+from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec
 
 from ..kernels.pooled_index_topk.reference import pooled_index_topk_torch
 from ..kernels.sparse_attention.reference import masked_softmax
 from ..kernels.weighted_pool.reference import weighted_pool_torch
+from .memory import main_kv_spec, open_window_spec, pooled_key_spec
 
 # Queries attended at once: bounds the gathered keys/values to `QUERY_CHUNK x (budget + r - 1)` rows.
 QUERY_CHUNK = 256
@@ -104,13 +105,23 @@ class PooledKeyCache(QSACompressedKeyCache):
     def get_attn_backend(self) -> type[AttentionBackend]:
         return IndexPoolStateBackend
 
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return pooled_key_spec(self.head_size, self.compress_ratio, self.cache_config.block_size, self.dtype)
+
 
 class OpenWindowCache(QSAKeyStateCache):
     """vLLM's ring of each request's last `r` tokens (one block per request): raw indexer keys and gate logits,
     `kv_cache [blocks, r, 1, head_dim + gate_width]`; token `p` at row `p % r`."""
 
+    def __init__(self, gate_width: int, **kwargs):
+        super().__init__(**kwargs)
+        self.gate_width = gate_width
+
     def get_attn_backend(self) -> type[AttentionBackend]:
         return IndexPoolStateBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return open_window_spec(self.head_size - self.gate_width, self.gate_width, self.compress_ratio, self.dtype)
 
 
 class IndexPoolKVCache(nn.Module, AttentionLayerBase):
@@ -130,8 +141,7 @@ class IndexPoolKVCache(nn.Module, AttentionLayerBase):
         return IndexPoolAttentionBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=self.num_kv_heads,
-                                 head_size=self.head_dim, dtype=self.dtype)
+        return main_kv_spec(self.num_kv_heads, self.head_dim, vllm_config.cache_config.block_size, self.dtype)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store `key`/`value` `[tokens, kv_heads, head_dim]` at their slots (negative slots are skipped)."""
@@ -191,8 +201,9 @@ class IndexPoolIndexer(nn.Module):
                       compress_ratio=self.pool_size)
         # The ring holds each token's raw key and gate logits side by side (both exact in the model's dtype: they are
         # outputs of its linear layers).
-        self.open_window_cache = OpenWindowCache(head_size=self.head_dim + self.gate_width,
-                                                  prefix=f"{prefix}.open_window_cache", **common)
+        self.open_window_cache = OpenWindowCache(gate_width=self.gate_width,
+                                                 head_size=self.head_dim + self.gate_width,
+                                                 prefix=f"{prefix}.open_window_cache", **common)
         self.pooled_key_cache = PooledKeyCache(head_size=self.head_dim, prefix=f"{prefix}.pooled_key_cache",
                                                       **common)
 

@@ -4,8 +4,8 @@
     python hf_reference.py score CKPT IN.json OUT.json
 
 `score` reads `[{"prompt": [ids], "output": [ids]}, ...]` and writes, per request and generated token, the
-log-probability our `HybridIndexPoolForCausalLM` (bfloat16) gives that token when teacher-forced along the same
-tokens, and the best log-probability at that step: `[{"token_logprobs": [...], "best_logprobs": [...]}, ...]`.
+log-probability our `HybridIndexPoolForCausalLM` gives that token when teacher-forced along the same tokens, in
+bfloat16 and in float32: `[{"bfloat16": [...], "float32": [...]}, ...]`.
 """
 
 import json
@@ -29,7 +29,7 @@ def tiny_checkpoint(output_dir: str) -> None:
         index_n_heads=2, index_head_dim=32, index_topk=16, index_pool_size=4, index_pool_weighting="learned",
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        max_position_embeddings=4096, initializer_range=0.1,
+        max_position_embeddings=4096, initializer_range=0.05,
     )
     model = HybridIndexPoolForCausalLM(config)
     generator = torch.Generator().manual_seed(1)
@@ -44,18 +44,17 @@ def tiny_checkpoint(output_dir: str) -> None:
 def score(checkpoint: str, requests_path: str, output_path: str) -> None:
     from hybrid_indexpool import HybridIndexPoolForCausalLM
 
-    model = HybridIndexPoolForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
     with open(requests_path) as file:
         requests = json.load(file)
-    results = []
-    with torch.no_grad():
-        for request in requests:
-            prompt, output = request["prompt"], request["output"]
-            tokens = torch.tensor([prompt + output[:-1]])
-            logits = model(tokens, use_cache=False).logits[0, len(prompt) - 1:].float()
-            logprobs = logits.log_softmax(dim=-1)
-            chosen = logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0]
-            results.append({"token_logprobs": chosen.tolist(), "best_logprobs": logprobs.max(dim=-1).values.tolist()})
+    results = [{} for _ in requests]
+    for dtype in (torch.bfloat16, torch.float32):
+        model = HybridIndexPoolForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+        with torch.no_grad():
+            for request, result in zip(requests, results):
+                prompt, output = request["prompt"], request["output"]
+                logits = model(torch.tensor([prompt + output[:-1]]), use_cache=False).logits[0, len(prompt) - 1:]
+                logprobs = logits.float().log_softmax(dim=-1)
+                result[str(dtype).removeprefix("torch.")] = logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
     with open(output_path, "w") as file:
         json.dump(results, file)
 
