@@ -6,7 +6,9 @@ vLLM's CPU build pins an older transformers than this package, so it lives in it
 with the package's environment and give the vLLM environment's Python with `--vllm-python`. A random bfloat16
 checkpoint is saved first (byte-level tokenizer, no end-of-sequence token, so every request generates exactly
 `--new-tokens`); prompts are random printable text of `--min-prompt`..`--max-prompt` bytes (one token each), beyond
-the budget. Throughput is generated tokens over the wall time from the first request sent to the last answer.
+the budget. Throughput is generated tokens over the wall time from the first request sent to the last answer; the
+machine's 1-minute load average after each measurement is recorded beside it (other work on a shared machine slows
+whichever measurement it overlaps).
 
 vLLM reports how many tokens its KV cache holds in `VLLM_CPU_KVCACHE_SPACE` GiB; the benchmark starts a second vLLM
 engine on the same model with r = 1 (mean pooling in both, so the pooling weights take no room) to read that number
@@ -108,7 +110,8 @@ def serve_concurrently(url: str, model: str, prompts: list[str], new_tokens: int
     with ThreadPoolExecutor(len(prompts)) as pool:
         tokens = sum(pool.map(complete, prompts))
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "generated_tokens": tokens, "tokens_per_second": tokens / seconds}
+    return {"seconds": seconds, "generated_tokens": tokens, "tokens_per_second": tokens / seconds,
+            "load_average_1min_after": os.getloadavg()[0]}
 
 
 def vllm_server(python: str, checkpoint: Path, args, log_path: Path) -> Server:
@@ -141,7 +144,8 @@ def generate_one_by_one(checkpoint: Path, prompts: list[str], new_tokens: int) -
         output = model.generate(**encoded, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         tokens += output.shape[1] - encoded["input_ids"].shape[1]
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "generated_tokens": tokens, "tokens_per_second": tokens / seconds}
+    return {"seconds": seconds, "generated_tokens": tokens, "tokens_per_second": tokens / seconds,
+            "load_average_1min_after": os.getloadavg()[0]}
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:

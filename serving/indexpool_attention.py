@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
@@ -242,7 +243,11 @@ class IndexPoolAttention(nn.Module):
 
     def __init__(self, config, vllm_config: VllmConfig, prefix: str):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        # This rank's heads (all of them without tensor parallelism); key/value heads are replicated when fewer than
+        # the ranks, as QKVParallelLinear lays them out.
+        tp_size = get_tensor_model_parallel_world_size()
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5
         self.output_gate = config.attention_output_gate
@@ -250,9 +255,10 @@ class IndexPoolAttention(nn.Module):
         self.topk_windows = config.index_topk_windows
         self.sink_windows, self.local_windows = config.index_sink_windows, config.index_local_windows
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
-                                          self.num_heads * (2 if self.output_gate else 1), self.num_kv_heads,
-                                          bias=config.attention_bias, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                          config.num_attention_heads * (2 if self.output_gate else 1),
+                                          config.num_key_value_heads, bias=config.attention_bias,
+                                          prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=config.attention_bias, prefix=f"{prefix}.o_proj")
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
