@@ -38,9 +38,12 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
         config = vllm_config.model_config.hf_config
         problems = unsupported_options(config)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-            problems.append(f"tensor_parallel_size = {parallel.tensor_parallel_size}, pipeline_parallel_size = "
-                            f"{parallel.pipeline_parallel_size} (one process only; see the README's vLLM section)")
+        if parallel.pipeline_parallel_size > 1:
+            problems.append(f"pipeline_parallel_size = {parallel.pipeline_parallel_size} (use tensor parallelism)")
+        try:  # every rank holds whole heads
+            config.check_tensor_parallel_size(parallel.tensor_parallel_size)
+        except ValueError as error:
+            problems.append(str(error).removeprefix("HybridIndexPoolConfig: "))
         if vllm_config.speculative_config is not None:
             problems.append("speculative decoding (the open-window ring holds no draft tokens)")
         cache = vllm_config.cache_config

@@ -34,6 +34,11 @@ def test_unsupported_checkpoint_option_is_refused_at_start(checkpoint, tmp_path,
         vllm.LLM(str(changed), dtype="bfloat16", max_model_len=256, enforce_eager=True)
 
 
-def test_unsupported_engine_setting_is_refused_at_start(checkpoint):
-    with pytest.raises(ValueError, match="tensor_parallel_size = 2"):
-        vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=256, enforce_eager=True, tensor_parallel_size=2)
+@pytest.mark.parametrize("setting, named", [
+    ({"tensor_parallel_size": 3}, "tensor parallel size 3 does not divide"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size = 2"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+])
+def test_unsupported_engine_setting_is_refused_at_start(checkpoint, setting, named):
+    with pytest.raises(ValueError, match=named):
+        vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=256, enforce_eager=True, **setting)

@@ -62,3 +62,16 @@ def test_requests_alone_or_batched_give_the_same_tokens(engine):
     alone = [generate(engine, [prompt], max_tokens=12)[0] for prompt in prompts]
     for together, single in zip(batched, alone):
         assert together["output"] == single["output"]
+
+
+def test_tensor_parallel_2_matches_transformers(checkpoint, tmp_path, monkeypatch):
+    """Two ranks (one core each): attention and Gated DeltaNet split by heads, the indexer and its caches replicated,
+    so both ranks select the same windows; as close to our model as one rank is."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM's CPU workers bind one core list per rank
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, enforce_eager=True, tensor_parallel_size=2,
+                   seed=0)
+    try:
+        requests = generate(llm, random_prompts([5, 70, 130, 301], seed=4), max_tokens=16)
+    finally:
+        del llm
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
