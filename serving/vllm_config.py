@@ -20,8 +20,6 @@ def unsupported_options(config) -> list[str]:
     if config.index_key_cache_dtype != "auto":
         problems.append(f"index_key_cache_dtype = {config.index_key_cache_dtype!r} (the vLLM model keeps pooled keys "
                         "in the model's dtype; use 'auto')")
-    if config.num_experts > 0:
-        problems.append(f"mixture of experts (num_experts = {config.num_experts}; the vLLM model serves dense MLPs)")
     if "mrope_section" in config.rope_parameters:
         problems.append("multimodal RoPE (rope_parameters['mrope_section']; the multimodal model is not served yet)")
     if "linear_attention" not in config.layer_types:

@@ -18,7 +18,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
-from vllm.model_executor.models.qwen3_next import Qwen3NextMLP
+from vllm.model_executor.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .indexpool_attention import IndexPoolAttention
@@ -31,6 +31,8 @@ STACKED_WEIGHTS = (
     (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
     (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
     (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+    (".mlp.shared_expert.gate_proj.", ".mlp.shared_expert.gate_up_proj.", 0),
+    (".mlp.shared_expert.up_proj.", ".mlp.shared_expert.gate_up_proj.", 1),
     (".linear_attn.in_proj_qkv.", ".linear_attn.in_proj_qkvz.", (0, 1, 2)),
     (".linear_attn.in_proj_z.", ".linear_attn.in_proj_qkvz.", 3),
     (".linear_attn.in_proj_b.", ".linear_attn.in_proj_ba.", 0),
@@ -50,7 +52,8 @@ class GatedDeltaNetConfigView:
 
 
 class HybridIndexPoolDecoderLayer(nn.Module):
-    """Token mixer (Gated DeltaNet or IndexPool attention), then the SwiGLU MLP, each a pre-norm residual block."""
+    """Token mixer (Gated DeltaNet or IndexPool attention), then the SwiGLU MLP or the mixture of experts (vLLM's fused
+    MoE with the shared expert, as its Qwen3-Next), each a pre-norm residual block."""
 
     def __init__(self, config, vllm_config: VllmConfig, prefix: str):
         super().__init__()
@@ -60,8 +63,11 @@ class HybridIndexPoolDecoderLayer(nn.Module):
                                                           prefix=f"{prefix}.linear_attn")
         else:
             self.self_attn = IndexPoolAttention(config, vllm_config, prefix=f"{prefix}.self_attn")
-        self.mlp = Qwen3NextMLP(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                                hidden_act=config.hidden_act, prefix=f"{prefix}.mlp")
+        if config.num_experts > 0:
+            self.mlp = Qwen3NextSparseMoeBlock(vllm_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = Qwen3NextMLP(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                                    hidden_act=config.hidden_act, prefix=f"{prefix}.mlp")
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -149,11 +155,21 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint weights by name: q/k/v, gate/up and the Gated DeltaNet input projections go into vLLM's
-        fused parameters, everything else by its own name. An unknown name is an error."""
+        fused parameters, the fused experts (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) through
+        vLLM's fused-MoE loader, everything else by its own name. An unknown name is an error."""
         parameters = dict(self.named_parameters())
         loaded = set()
+        if self.config.num_experts > 0 and self.config.shared_expert_intermediate_size == 0:
+            # vLLM's MoE block always has a shared-expert gate; without a shared expert nothing reads it.
+            loaded |= {name for name in parameters if name.endswith(".mlp.shared_expert_gate.weight")}
         for name, tensor in weights:
             if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if ".mlp.experts." in name:
+                module_name, weight_name = name.split(".mlp.experts.")
+                experts = self.get_submodule(f"{module_name}.mlp.experts")
+                loaded |= {f"{module_name}.mlp.experts.{loaded_name}"
+                           for loaded_name in experts.load_weights([(weight_name, tensor)])}
                 continue
             for part, fused_part, shard in STACKED_WEIGHTS:
                 if part in name:

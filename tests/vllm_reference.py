@@ -18,9 +18,10 @@ def reference(*arguments: str) -> None:
     subprocess.run([REFERENCE_PYTHON, str(REFERENCE_SCRIPT), *arguments], check=True)
 
 
-def tiny_checkpoint(path: Path) -> Path:
-    """The tiny bfloat16 checkpoint of `hf_reference.py` (budget 16 tokens, r = 4), saved at `path`."""
-    reference("checkpoint", str(path))
+def tiny_checkpoint(path: Path, experts: bool = False) -> Path:
+    """The tiny bfloat16 checkpoint of `hf_reference.py` (budget 16 tokens, r = 4), saved at `path`; with
+    `experts`, a mixture of experts."""
+    reference("checkpoint", str(path), *(["experts"] if experts else []))
     return path
 
 

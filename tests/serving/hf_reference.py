@@ -1,6 +1,6 @@
 """The transformers side of the vLLM tests, run with the main environment's Python (transformers 5.24).
 
-    python hf_reference.py checkpoint OUT          # save the tiny bfloat16 checkpoint the vLLM tests serve
+    python hf_reference.py checkpoint OUT [experts]  # save the tiny bfloat16 checkpoint the vLLM tests serve
     python hf_reference.py score CKPT IN.json OUT.json
 
 `score` reads `[{"prompt": [ids], "output": [ids]}, ...]` and writes, per request and generated token, the
@@ -14,9 +14,10 @@ import sys
 import torch
 
 
-def tiny_checkpoint(output_dir: str) -> None:
+def tiny_checkpoint(output_dir: str, experts: str = "") -> None:
     """Two Gated DeltaNet and two IndexPool layers, linear head dim 64 (vLLM's CPU GDN needs 64 or 128), budget 16
-    tokens at r = 4, learned pooling with non-zero gates, the byte-level tokenizer; saved in bfloat16."""
+    tokens at r = 4, learned pooling with non-zero gates, the byte-level tokenizer; saved in bfloat16. With
+    `experts`, a mixture of 4 experts (2 per token) and a shared expert in place of the dense MLPs."""
     from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
@@ -30,6 +31,8 @@ def tiny_checkpoint(output_dir: str) -> None:
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         max_position_embeddings=4096, initializer_range=0.05,
+        **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+           if experts else {}),
     )
     model = HybridIndexPoolForCausalLM(config)
     generator = torch.Generator().manual_seed(1)

@@ -75,3 +75,14 @@ def test_tensor_parallel_2_matches_transformers(checkpoint, tmp_path, monkeypatc
     finally:
         del llm
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
+
+
+def test_mixture_of_experts_matches_transformers(tmp_path_factory, tmp_path):
+    """Routed experts (vLLM's fused MoE, loaded from our fused `gate_up_proj`/`down_proj`) and the shared expert."""
+    checkpoint = tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool-moe", experts=True)
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True, seed=0)
+    try:
+        requests = generate(llm, random_prompts([5, 37, 70, 130], seed=5), max_tokens=24)
+    finally:
+        del llm
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
