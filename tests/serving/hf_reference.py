@@ -17,7 +17,8 @@ import torch
 def tiny_checkpoint(output_dir: str, experts: str = "") -> None:
     """Two Gated DeltaNet and two IndexPool layers, linear head dim 64 (vLLM's CPU GDN needs 64 or 128), budget 16
     tokens at r = 4, learned pooling with non-zero gates, the byte-level tokenizer; saved in bfloat16. With
-    `experts`, a mixture of 4 experts (2 per token) and a shared expert in place of the dense MLPs."""
+    `experts`, a mixture of 4 experts (2 per token) and a shared expert in place of the dense MLPs, with a decisive
+    router (its weights scaled up), so that no expert choice ties within bfloat16 noise."""
     from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
@@ -40,6 +41,8 @@ def tiny_checkpoint(output_dir: str, experts: str = "") -> None:
         for name, parameter in model.named_parameters():
             if name.endswith(("pool_gate_proj.weight", "pool_slot_bias")) or name.endswith("norm.weight"):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+            if name.endswith(".mlp.gate.weight"):
+                parameter.mul_(40.0)
     model.to(torch.bfloat16).save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
 
