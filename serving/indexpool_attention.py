@@ -57,7 +57,7 @@ class IndexPoolMetadata(AttentionMetadata):
 class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
     """Host copies of the batch layout (the computation loops over requests) and the paging tensors."""
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):  # abstract in vLLM's base class
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

@@ -1,7 +1,7 @@
-"""The transformers side of the vLLM tests (`tests/serving/`, `tests/scripts/test_bench_serving.py`): a tiny checkpoint and
-teacher-forced log-probabilities from our model, computed by `serving/hf_reference.py` in the main environment's
-Python (`HYBRID_INDEXPOOL_REFERENCE_PYTHON`, default `.venv/bin/python` of this checkout): the vLLM environment pins
-an older transformers than the model needs."""
+"""The transformers side of the vLLM tests (`tests/serving/`, `tests/scripts/test_bench_serving.py`): a tiny
+checkpoint and teacher-forced log-probabilities from our model, computed by `serving/hf_reference.py` in the main
+environment's Python (`HYBRID_INDEXPOOL_REFERENCE_PYTHON`, default `.venv/bin/python` of this checkout): the vLLM
+environment pins an older transformers than the model needs."""
 
 import json
 import os

@@ -60,7 +60,8 @@ def score(checkpoint: str, requests_path: str, output_path: str) -> None:
                 prompt, output = request["prompt"], request["output"]
                 logits = model(torch.tensor([prompt + output[:-1]]), use_cache=False).logits[0, len(prompt) - 1:]
                 logprobs = logits.float().log_softmax(dim=-1)
-                result[str(dtype).removeprefix("torch.")] = logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+                chosen = logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0]
+                result[str(dtype).removeprefix("torch.")] = chosen.tolist()
     with open(output_path, "w") as file:
         json.dump(results, file)
 
