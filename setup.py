@@ -13,6 +13,7 @@ PACKAGE_FOLDERS = {
     "hybrid_indexpool.modeling": "modeling",
     "hybrid_indexpool.kernels": "kernels",
     "hybrid_indexpool.scripts": "scripts",
+    "hybrid_indexpool.serving": "serving",
 }
 
 setup(

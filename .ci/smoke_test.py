@@ -47,12 +47,16 @@ def check_installed_modules() -> None:
     assert package_folder.is_relative_to(SITE_PACKAGES), f"hybrid_indexpool imported from {package_folder}"
     modules = [info.name for info in pkgutil.walk_packages(hybrid_indexpool.__path__, "hybrid_indexpool.")]
     without_triton = importlib.util.find_spec("triton") is None
+    without_vllm = importlib.util.find_spec("vllm") is None
     for name in modules:
         try:
             importlib.import_module(name)
         except ImportError:
-            if not (without_triton and name.endswith(".triton_impl")):  # the Triton kernels need the triton extra
-                raise
+            if without_triton and name.endswith(".triton_impl"):  # the Triton kernels need the triton extra
+                continue
+            if without_vllm and name.startswith("hybrid_indexpool.serving."):  # the vLLM plugin's model needs vLLM
+                continue
+            raise
     for generic in ("modeling", "configuration", "kernels", "scripts"):
         spec = importlib.util.find_spec(generic)
         assert spec is None or not Path(spec.origin or "").resolve().is_relative_to(SITE_PACKAGES), \

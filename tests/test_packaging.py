@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # The design card's top-level folders, installed as subpackages of hybrid_indexpool.
-SUBPACKAGE_FOLDERS = ("configuration", "modeling", "kernels", "scripts")
+SUBPACKAGE_FOLDERS = ("configuration", "modeling", "kernels", "scripts", "serving")
 SHIPPED_SUFFIXES = (".py", ".c", ".h")
 
 
@@ -33,3 +33,7 @@ def test_the_wheel_ships_every_module_and_data_file(tmp_path):
     assert "hybrid_indexpool/model_card.md" in names
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top_level == {"hybrid_indexpool"}  # no generic top-level modules (`kernels`, `modeling`, ...)
+    (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+    # vLLM finds the plugin through this entry point: installing the wheel next to vLLM is all a user does.
+    assert "[vllm.general_plugins]\nhybrid_indexpool = hybrid_indexpool.serving:register" in \
+        zipfile.ZipFile(wheel).read(entry_points).decode()

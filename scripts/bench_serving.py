@@ -1,0 +1,218 @@
+"""Serving benchmark: the same concurrent requests served by vLLM (with the plugin), by `scripts/serve.py`
+(`transformers serve`, one request at a time) and by our `generate()` one request after another, side by side in
+one run; and the KV cache of one IndexPool layer in vLLM's accounting, pooled (r) against unpooled (r = 1).
+
+vLLM's CPU build pins an older transformers than this package, so it lives in its own environment: run this script
+with the package's environment and give the vLLM environment's Python with `--vllm-python`. A random bfloat16
+checkpoint is saved first (byte-level tokenizer, no end-of-sequence token, so every request generates exactly
+`--new-tokens`); prompts are random printable text of `--min-prompt`..`--max-prompt` bytes (one token each), beyond
+the budget. Throughput is generated tokens over the wall time from the first request sent to the last answer; the
+machine's 1-minute load average after each measurement is recorded beside it (other work on a shared machine slows
+whichever measurement it overlaps).
+
+vLLM reports how many tokens its KV cache holds in `VLLM_CPU_KVCACHE_SPACE` GiB; the benchmark starts a second vLLM
+engine on the same model with r = 1 (mean pooling in both, so the pooling weights take no room) to read that number
+too, and asks the plugin's specs for the bytes per token of each cache component.
+
+    python -m hybrid_indexpool.scripts.bench_serving --vllm-python .venv-vllm/bin/python --json docs/bench_serving.json
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+MODEL = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+             head_dim=128, partial_rotary_factor=0.25, index_n_heads=4, index_head_dim=64, index_topk=256,
+             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+             max_position_embeddings=8192)
+KV_BYTES_SCRIPT = """
+import json, sys
+from hybrid_indexpool.configuration import HybridIndexPoolConfig
+from hybrid_indexpool.serving.memory import bytes_per_token
+config = HybridIndexPoolConfig(**json.loads(sys.argv[1]))
+print(json.dumps(bytes_per_token(config, block_size=int(sys.argv[2]), context=int(sys.argv[3]))))
+"""
+
+
+def save_checkpoint(folder: Path, pool_size: int, weighting: str) -> None:
+    from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
+    from hybrid_indexpool.tokenization import byte_level_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = byte_level_tokenizer()
+    config = HybridIndexPoolConfig(vocab_size=len(tokenizer), index_pool_size=pool_size,
+                                   index_pool_weighting=weighting, pad_token_id=tokenizer.pad_token_id,
+                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=None, **MODEL)
+    HybridIndexPoolForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=3600) as response:
+        return json.loads(response.read())
+
+
+class Server:
+    """An OpenAI-compatible server in a subprocess, up once `/health` answers; its output goes to a log file."""
+
+    def __init__(self, command: list[str], port: int, log_path: Path, env: dict | None = None):
+        self.url, self.log_path = f"http://127.0.0.1:{port}", log_path
+        self.log = log_path.open("w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{command[:4]} exited:\n{log_path.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=5)
+                return
+            except OSError:
+                time.sleep(2)
+        raise RuntimeError(f"{command[:4]} did not answer /health in 600 s")
+
+    def close(self) -> str:
+        self.process.terminate()
+        self.process.wait(timeout=120)
+        self.log.close()
+        return self.log_path.read_text()
+
+
+def serve_concurrently(url: str, model: str, prompts: list[str], new_tokens: int, **options) -> dict:
+    """All prompts sent at once to `/v1/completions` (greedy, with the server's own `options`); generated tokens per
+    second of wall time."""
+    def complete(prompt: str) -> int:
+        reply = post(f"{url}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": new_tokens,
+                                                "temperature": 0, **options})
+        return reply["usage"]["completion_tokens"]
+
+    post(f"{url}/v1/completions", {"model": model, "prompt": prompts[0][:32], "max_tokens": 2, "temperature": 0})
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        tokens = sum(pool.map(complete, prompts))
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "generated_tokens": tokens, "tokens_per_second": tokens / seconds,
+            "load_average_1min_after": os.getloadavg()[0]}
+
+
+def vllm_server(python: str, checkpoint: Path, args, log_path: Path) -> Server:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "OMP_NUM_THREADS": str(args.threads)}
+    env.pop("TRITON_INTERPRET", None)
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--port", str(port),
+               "--dtype", "bfloat16", "--max-model-len", str(args.max_prompt + args.new_tokens + 8),
+               "--max-num-seqs", str(args.requests), "--enforce-eager"]
+    return Server(command, port, log_path, env)
+
+
+def kv_cache_tokens(log: str) -> int:
+    """The tokens vLLM's KV cache holds, from its start-up log."""
+    return int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+
+
+def generate_one_by_one(checkpoint: Path, prompts: list[str], new_tokens: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from hybrid_indexpool import HybridIndexPoolForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = HybridIndexPoolForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    inputs = [tokenizer(prompt, return_tensors="pt") for prompt in prompts]
+    model.generate(**inputs[0], max_new_tokens=2, do_sample=False)  # warm-up (kernel builds)
+    start = time.perf_counter()
+    tokens = 0
+    for encoded in inputs:
+        output = model.generate(**encoded, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        tokens += output.shape[1] - encoded["input_ids"].shape[1]
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "generated_tokens": tokens, "tokens_per_second": tokens / seconds,
+            "load_average_1min_after": os.getloadavg()[0]}
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=True, help="Python of an environment with vllm-cpu and this package")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=300)
+    parser.add_argument("--max-prompt", type=int, default=1000)
+    parser.add_argument("--pool-size", type=int, default=4)
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of the vLLM engines")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", help="write the results here")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_arguments(argv)
+    torch.set_num_threads(args.threads)
+    generator = random.Random(0)
+    prompts = ["".join(generator.choices(string.ascii_letters + " ", k=generator.randint(args.min_prompt,
+                                                                                       args.max_prompt)))
+               for _ in range(args.requests)]
+    results = {"requests": args.requests, "new_tokens": args.new_tokens, "prompt_tokens": [len(p) for p in prompts],
+               "model": MODEL, "pool_size": args.pool_size, "threads": args.threads, "kv_cache_gib": args.kv_cache_gib}
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        checkpoint, unpooled = scratch / "pooled", scratch / "unpooled"
+        save_checkpoint(checkpoint, args.pool_size, "mean")
+        save_checkpoint(unpooled, 1, "mean")
+
+        server = vllm_server(args.vllm_python, checkpoint, args, scratch / "vllm.log")
+        try:
+            # vLLM stops at the tokenizer's end-of-sequence token unless told not to; generate() has none to stop at.
+            results["vllm"] = serve_concurrently(server.url, str(checkpoint), prompts, args.new_tokens,
+                                                 ignore_eos=True)
+        finally:
+            log = server.close()
+        results["vllm"]["kv_cache_tokens"] = kv_cache_tokens(log)
+        server = vllm_server(args.vllm_python, unpooled, args, scratch / "vllm_r1.log")
+        results["vllm_r1_kv_cache_tokens"] = kv_cache_tokens(server.close())
+
+        port = free_port()
+        server = Server([sys.executable, "-m", "hybrid_indexpool.scripts.serve", str(checkpoint), "--port", str(port)],
+                        port, scratch / "serve.log")
+        try:
+            results["serve_py"] = serve_concurrently(server.url, str(checkpoint), prompts, args.new_tokens)
+        finally:
+            server.close()
+
+        results["generate"] = generate_one_by_one(checkpoint, prompts, args.new_tokens)
+
+    context = args.max_prompt + args.new_tokens
+    for name, pool_size in (("kv_bytes_per_token", args.pool_size), ("kv_bytes_per_token_r1", 1)):
+        config = {**MODEL, "index_pool_size": pool_size, "index_pool_weighting": "learned"}
+        output = subprocess.run([args.vllm_python, "-c", KV_BYTES_SCRIPT, json.dumps(config), "256", str(context)],
+                                check=True, capture_output=True, text=True).stdout
+        results[name] = json.loads(output.strip().splitlines()[-1])
+    for name in ("vllm", "serve_py", "generate"):
+        print(f"{name:10s} {results[name]['tokens_per_second']:8.1f} tokens/s "
+              f"({results[name]['generated_tokens']} tokens in {results[name]['seconds']:.1f} s)")
+    print(f"vLLM KV cache in {args.kv_cache_gib} GiB: {results['vllm']['kv_cache_tokens']} tokens at r = "
+          f"{args.pool_size}, {results['vllm_r1_kv_cache_tokens']} at r = 1")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Engine-start checks of a HybridIndexPool checkpoint and of the engine settings it is served with.
+
+Anything the vLLM model does not implement is refused here, with the option named, before weights are read: an
+unsupported setting must never produce wrong tokens.
+"""
+
+from vllm.logger import init_logger
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+logger = init_logger(__name__)
+
+
+def unsupported_options(config) -> list[str]:
+    """Why this checkpoint config cannot be served by the vLLM model (empty when it can)."""
+    problems = []
+    if config.hc_count > 1:
+        problems.append(f"hyper-connections (hc_count = {config.hc_count}; the vLLM model supports hc_count = 1)")
+    if config.ple_layers:
+        problems.append(f"per-layer n-gram embeddings (ple_layers = {config.ple_layers}; the vLLM model has none)")
+    if config.index_key_cache_dtype != "auto":
+        problems.append(f"index_key_cache_dtype = {config.index_key_cache_dtype!r} (the vLLM model keeps pooled keys "
+                        "in the model's dtype; use 'auto')")
+    if "mrope_section" in config.rope_parameters:
+        problems.append("multimodal RoPE (rope_parameters['mrope_section']; the multimodal model is not served yet)")
+    if "linear_attention" not in config.layer_types:
+        problems.append("a model without Gated DeltaNet layers (layer_types has no 'linear_attention')")
+    return problems
+
+
+class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
+    """vLLM's per-architecture hook (`MODELS_CONFIG_MAP`): refuse what the model cannot serve, turn prefix caching
+    off."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        config = vllm_config.model_config.hf_config
+        problems = unsupported_options(config)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            problems.append(f"pipeline_parallel_size = {parallel.pipeline_parallel_size} (use tensor parallelism)")
+        try:  # every rank holds whole heads
+            config.check_tensor_parallel_size(parallel.tensor_parallel_size)
+        except ValueError as error:
+            problems.append(str(error).removeprefix("HybridIndexPoolConfig: "))
+        if vllm_config.speculative_config is not None:
+            problems.append("speculative decoding (the open-window ring holds no draft tokens)")
+        cache = vllm_config.cache_config
+        if cache.cache_dtype not in ("auto", "bfloat16", "float16"):
+            problems.append(f"kv_cache_dtype = {cache.cache_dtype!r} (use 'auto')")
+        if vllm_config.model_config.dtype.itemsize != 2:
+            problems.append(f"dtype = {vllm_config.model_config.dtype} (vLLM's CPU Gated DeltaNet needs bfloat16)")
+        if problems:
+            raise ValueError("HybridIndexPool in vLLM does not support: " + "; ".join(problems) + ".")
+        if cache.mamba_ssm_cache_dtype == "auto":
+            cache.mamba_ssm_cache_dtype = "float32"  # our model keeps the Gated DeltaNet recurrent state in float32
+        if cache.enable_prefix_caching:
+            # A cached prefix would need its pooled windows, its open window's raw keys and the Gated DeltaNet states
+            # at the prefix's end; the last two are not kept per block, so reuse would give wrong tokens.
+            logger.warning("HybridIndexPool: prefix caching is not supported (the open window's raw indexer keys and "
+                           "the Gated DeltaNet states are not kept per block); it is disabled for this engine.")
+            cache.enable_prefix_caching = False

@@ -1,0 +1,186 @@
+"""`HybridIndexPoolForCausalLM` for vLLM: Gated DeltaNet layers (vLLM's own, with its state cache) interleaved with
+IndexPool attention layers (`indexpool_attention.py`), vLLM's parallel linear layers, RMSNorm and rotary embedding.
+Loads the weights of a checkpoint saved by `hybrid_indexpool` under their own names."""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFuncCalculator,
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
+from vllm.model_executor.models.utils import extract_layer_index
+
+from .indexpool_attention import IndexPoolAttention
+from .vllm_config import unsupported_options
+
+# Checkpoint weight name part -> (vLLM parameter name part, shard of the fused parameter).
+STACKED_WEIGHTS = (
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+    (".mlp.shared_expert.gate_proj.", ".mlp.shared_expert.gate_up_proj.", 0),
+    (".mlp.shared_expert.up_proj.", ".mlp.shared_expert.gate_up_proj.", 1),
+    (".linear_attn.in_proj_qkv.", ".linear_attn.in_proj_qkvz.", (0, 1, 2)),
+    (".linear_attn.in_proj_z.", ".linear_attn.in_proj_qkvz.", 3),
+    (".linear_attn.in_proj_b.", ".linear_attn.in_proj_ba.", 0),
+    (".linear_attn.in_proj_a.", ".linear_attn.in_proj_ba.", 1),
+)
+
+
+class GatedDeltaNetConfigView:
+    """The config fields vLLM's Gated DeltaNet layer reads, under its names (ours calls the gate activation
+    `linear_output_gate_act`)."""
+
+    def __init__(self, config):
+        for name in ("hidden_size", "hidden_act", "rms_norm_eps", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
+            setattr(self, name, getattr(config, name))
+        self.output_gate_type = config.linear_output_gate_act
+
+
+class HybridIndexPoolDecoderLayer(nn.Module):
+    """Token mixer (Gated DeltaNet or IndexPool attention), then the SwiGLU MLP or the mixture of experts (vLLM's fused
+    MoE with the shared expert, as its Qwen3-Next), each a pre-norm residual block."""
+
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        self.layer_type = config.layer_types[extract_layer_index(prefix)]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = QwenGatedDeltaNetAttention(GatedDeltaNetConfigView(config), vllm_config,
+                                                          prefix=f"{prefix}.linear_attn")
+        else:
+            self.self_attn = IndexPoolAttention(config, vllm_config, prefix=f"{prefix}.self_attn")
+        if config.num_experts > 0:
+            self.mlp = Qwen3NextSparseMoeBlock(vllm_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = Qwen3NextMLP(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                                    hidden_act=config.hidden_act, prefix=f"{prefix}.mlp")
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.layer_type == "linear_attention":
+            hidden_states = self.linear_attn(hidden_states=hidden_states)
+        else:
+            hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class HybridIndexPoolModel(nn.Module):
+    """Embedding, decoder layers and final norm. Runs eagerly: the IndexPool layers loop over requests on the host."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([
+            HybridIndexPoolDecoderLayer(config, vllm_config, prefix=f"{prefix}.layers.{index}")
+            for index in range(config.num_hidden_layers)
+        ])
+        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        return self.norm(hidden_states, residual)[0]
+
+
+class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    """The causal LM served by vLLM. Checkpoint settings it cannot serve are refused when the engine starts
+    (`vllm_config.unsupported_options`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        problems = unsupported_options(config)
+        if problems:  # also checked at engine start; a model built directly must refuse too
+            raise ValueError("HybridIndexPool in vLLM does not support: " + "; ".join(problems) + ".")
+        self.config = config
+        self.model = HybridIndexPoolModel(vllm_config=vllm_config, prefix=f"{prefix}model" if not prefix
+                                          else f"{prefix}.model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
+        cache = vllm_config.cache_config
+        return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        config = vllm_config.model_config.hf_config
+        return MambaStateShapeCalculator.gated_delta_net_state_shape(
+            vllm_config.parallel_config.tensor_parallel_size, config.linear_num_key_heads,
+            config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
+            config.linear_conv_kernel_dim, 0)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint weights by name: q/k/v, gate/up and the Gated DeltaNet input projections go into vLLM's
+        fused parameters, the fused experts (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) through
+        vLLM's fused-MoE loader, everything else by its own name. An unknown name is an error."""
+        parameters = dict(self.named_parameters())
+        loaded = set()
+        if self.config.num_experts > 0 and self.config.shared_expert_intermediate_size == 0:
+            # vLLM's MoE block always has a shared-expert gate; without a shared expert nothing reads it.
+            loaded |= {name for name in parameters if name.endswith(".mlp.shared_expert_gate.weight")}
+        for name, tensor in weights:
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if ".mlp.experts." in name:
+                module_name, weight_name = name.split(".mlp.experts.")
+                experts = self.get_submodule(f"{module_name}.mlp.experts")
+                loaded |= {f"{module_name}.mlp.experts.{loaded_name}"
+                           for loaded_name in experts.load_weights([(weight_name, tensor)])}
+                continue
+            for part, fused_part, shard in STACKED_WEIGHTS:
+                if part in name:
+                    parameter = parameters[name.replace(part, fused_part)]
+                    parameter.weight_loader(parameter, tensor, shard)
+                    loaded.add(name.replace(part, fused_part))
+                    break
+            else:
+                if name not in parameters:
+                    raise ValueError(f"HybridIndexPool: the checkpoint has a weight {name!r} this model does not know.")
+                parameter = parameters[name]
+                getattr(parameter, "weight_loader", default_weight_loader)(parameter, tensor)
+                loaded.add(name)
+        return loaded

@@ -1,0 +1,29 @@
+"""`scripts/bench_serving.py` end to end at a small size (marker `vllm`: it starts vLLM engines from the vLLM
+environment, this test's Python, and runs itself with the main environment's Python)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_reference import REFERENCE_PYTHON, REPO
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+
+def test_bench_serving_compares_the_three_servers_and_the_caches(tmp_path):
+    output = tmp_path / "bench.json"
+    subprocess.run([REFERENCE_PYTHON, "-m", "hybrid_indexpool.scripts.bench_serving", "--vllm-python", sys.executable,
+                    "--requests", "3", "--new-tokens", "4", "--min-prompt", "20", "--max-prompt", "40",
+                    "--json", str(output)], check=True, cwd=REPO)
+    results = json.loads(output.read_text())
+    for name in ("vllm", "serve_py", "generate"):
+        assert results[name]["generated_tokens"] == 3 * 4  # every request ran to its length
+        assert results[name]["tokens_per_second"] > 0
+    # r = 4 against r = 1: the pooled keys cost a quarter per token, so more tokens fit in the same KV space.
+    pooled, unpooled = results["kv_bytes_per_token"], results["kv_bytes_per_token_r1"]
+    assert pooled["pooled_keys"] * 4 == pytest.approx(unpooled["pooled_keys"])
+    assert pooled["main"] == unpooled["main"]
+    assert results["vllm"]["kv_cache_tokens"] > results["vllm_r1_kv_cache_tokens"]

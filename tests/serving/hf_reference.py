@@ -1,0 +1,71 @@
+"""The transformers side of the vLLM tests, run with the main environment's Python (transformers 5.24).
+
+    python hf_reference.py checkpoint OUT [experts]  # save the tiny bfloat16 checkpoint the vLLM tests serve
+    python hf_reference.py score CKPT IN.json OUT.json
+
+`score` reads `[{"prompt": [ids], "output": [ids]}, ...]` and writes, per request and generated token, the
+log-probability our `HybridIndexPoolForCausalLM` gives that token when teacher-forced along the same tokens, in
+bfloat16 and in float32: `[{"bfloat16": [...], "float32": [...]}, ...]`.
+"""
+
+import json
+import sys
+
+import torch
+
+
+def tiny_checkpoint(output_dir: str, experts: str = "") -> None:
+    """Two Gated DeltaNet and two IndexPool layers, linear head dim 64 (vLLM's CPU GDN needs 64 or 128), budget 16
+    tokens at r = 4, learned pooling with non-zero gates, the byte-level tokenizer; saved in bfloat16. With
+    `experts`, a mixture of 4 experts (2 per token) and a shared expert in place of the dense MLPs, with a decisive
+    router (its weights scaled up), so that no expert choice ties within bfloat16 noise."""
+    from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
+    from hybrid_indexpool.tokenization import byte_level_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = byte_level_tokenizer()
+    config = HybridIndexPoolConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        layer_types=["linear_attention", "indexpool_attention"] * 2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
+        index_n_heads=2, index_head_dim=32, index_topk=16, index_pool_size=4, index_pool_weighting="learned",
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=4096, initializer_range=0.05,
+        **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+           if experts else {}),
+    )
+    model = HybridIndexPoolForCausalLM(config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # pooling gates, slot biases and norms start at zero: give them values that matter
+        for name, parameter in model.named_parameters():
+            if name.endswith(("pool_gate_proj.weight", "pool_slot_bias")) or name.endswith("norm.weight"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+            if name.endswith(".mlp.gate.weight"):
+                parameter.mul_(40.0)
+    model.to(torch.bfloat16).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+
+
+def score(checkpoint: str, requests_path: str, output_path: str) -> None:
+    from hybrid_indexpool import HybridIndexPoolForCausalLM
+
+    with open(requests_path) as file:
+        requests = json.load(file)
+    results = [{} for _ in requests]
+    for dtype in (torch.bfloat16, torch.float32):
+        model = HybridIndexPoolForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+        with torch.no_grad():
+            for request, result in zip(requests, results):
+                prompt, output = request["prompt"], request["output"]
+                logits = model(torch.tensor([prompt + output[:-1]]), use_cache=False).logits[0, len(prompt) - 1:]
+                logprobs = logits.float().log_softmax(dim=-1)
+                chosen = logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0]
+                result[str(dtype).removeprefix("torch.")] = chosen.tolist()
+    with open(output_path, "w") as file:
+        json.dump(results, file)
+
+
+if __name__ == "__main__":
+    command, *arguments = sys.argv[1:]
+    {"checkpoint": tiny_checkpoint, "score": score}[command](*arguments)

@@ -1,0 +1,43 @@
+"""Engine-start checks (marker `vllm`): a checkpoint option or an engine setting the vLLM model does not support is
+refused before any weight is read, with the option named."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from vllm_reference import tiny_checkpoint
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool")
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"hc_count": 2}, "hc_count"),
+    ({"ple_layers": [0], "eos_token_id": 2}, "ple_layers"),
+    ({"index_key_cache_dtype": "float8_e4m3fn"}, "index_key_cache_dtype"),
+])
+def test_unsupported_checkpoint_option_is_refused_at_start(checkpoint, tmp_path, change, named):
+    changed = tmp_path / "changed"
+    shutil.copytree(checkpoint, changed)
+    config = json.loads((changed / "config.json").read_text())
+    config.update(change)
+    (changed / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=named):
+        vllm.LLM(str(changed), dtype="bfloat16", max_model_len=256, enforce_eager=True)
+
+
+@pytest.mark.parametrize("setting, named", [
+    ({"tensor_parallel_size": 3}, "tensor parallel size 3 does not divide"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size = 2"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+])
+def test_unsupported_engine_setting_is_refused_at_start(checkpoint, setting, named):
+    with pytest.raises(ValueError, match=named):
+        vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=256, enforce_eager=True, **setting)

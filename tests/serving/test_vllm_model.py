@@ -1,0 +1,90 @@
+"""The vLLM model of the plugin against our transformers model, on vLLM's CPU build (marker `vllm`, run in the vLLM
+environment: see the README's vLLM section). One engine serves every test of the module."""
+
+from pathlib import Path
+
+import pytest
+
+from vllm_reference import assert_close_to_reference, random_prompts, score, tiny_checkpoint
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+BUDGET = 16  # the tiny checkpoint's index_topk; r = 4
+# Prompts around and far beyond the budget; none a multiple of the chunk size or of r.
+PROMPT_LENGTHS = [5, 18, 37, 70, 23, 130, 250, 301]
+CHUNK_TOKENS = 38  # max_num_batched_tokens: prefills are split, and the splits fall inside windows (38 % 4 != 0)
+NUM_BLOCKS = 8  # KV blocks of 256 tokens: too few for the whole batch at once, so the scheduler preempts
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool")
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
+                   max_num_batched_tokens=CHUNK_TOKENS, num_gpu_blocks_override=NUM_BLOCKS, disable_log_stats=False,
+                   seed=0)
+    yield llm
+    del llm
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    return [{"prompt": prompt, "output": list(completion.token_ids),
+             "logprobs": [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]}
+            for prompt, output in zip(prompts, outputs) for completion in output.outputs]
+
+
+def test_batch_beyond_budget_matches_transformers(engine, checkpoint, tmp_path):
+    """Eight requests of different lengths in one batch, most far beyond the budget, prefills chunked inside windows
+    and at least one request preempted and recomputed (too few KV blocks for all): tokens as our model scores them."""
+    requests = generate(engine, random_prompts(PROMPT_LENGTHS, seed=0), max_tokens=24)
+    assert [len(request["output"]) for request in requests] == [24] * len(PROMPT_LENGTHS)
+    preemptions = {metric.name: metric for metric in engine.get_metrics()}["vllm:num_preemptions"]
+    assert preemptions.value >= 1
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
+
+
+def test_within_budget_is_dense_and_exact(engine, checkpoint, tmp_path):
+    """Up to `index_topk + r - 1` tokens every window is selected: vLLM and our model agree at every step."""
+    requests = generate(engine, random_prompts([3, 6, 9, 11], seed=1), max_tokens=BUDGET + 3 - 11)
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path), within_budget=True)
+
+
+def test_requests_alone_or_batched_give_the_same_tokens(engine):
+    """Continuous batching: a request's tokens do not depend on what it was batched with (nor on preemption)."""
+    prompts = random_prompts([130, 23, 301], seed=2)
+    batched = generate(engine, prompts, max_tokens=12)
+    alone = [generate(engine, [prompt], max_tokens=12)[0] for prompt in prompts]
+    for together, single in zip(batched, alone):
+        assert together["output"] == single["output"]
+
+
+def test_tensor_parallel_2_matches_transformers(checkpoint, tmp_path, monkeypatch):
+    """Two ranks (one core each): attention and Gated DeltaNet split by heads, the indexer and its caches replicated,
+    so both ranks select the same windows; as close to our model as one rank is."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM's CPU workers bind one core list per rank
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, enforce_eager=True, tensor_parallel_size=2,
+                   seed=0)
+    try:
+        requests = generate(llm, random_prompts([5, 70, 130, 301], seed=4), max_tokens=16)
+    finally:
+        del llm
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
+
+
+def test_mixture_of_experts_matches_transformers(tmp_path_factory, tmp_path):
+    """Routed experts (vLLM's fused MoE, loaded from our fused `gate_up_proj`/`down_proj`) and the shared expert, in a
+    batch within the budget (beyond it the attention is the one the other tests check). Experts amplify bfloat16
+    noise (our own bfloat16 model moves up to ~0.2 nat from float32 here), so the check is the statistical one."""
+    checkpoint = tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool-moe", experts=True)
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True, seed=0)
+    try:
+        requests = generate(llm, random_prompts([3, 6, 9, 11, 4, 7, 10, 8], seed=5), max_tokens=BUDGET + 3 - 11)
+    finally:
+        del llm
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
