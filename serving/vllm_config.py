@@ -10,6 +10,21 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 logger = init_logger(__name__)
 
 
+# Settings whose other values (GLM-5.3-Flash's MLA, Kimi Delta Attention, indexer, Sinkhorn streams and MoE) the vLLM
+# model does not implement: the value it serves.
+SERVED_VARIANTS = {
+    "attention_type": "gqa",
+    "linear_attention_type": "gated_deltanet",
+    "index_query_source": "hidden",
+    "index_key_norm": "rms_after_pool",
+    "index_rope": True,
+    "hc_type": "qwen4_exp",
+    "moe_router_type": "softmax",
+    "shared_expert_gate": True,
+    "swiglu_limit": None,
+}
+
+
 def unsupported_options(config) -> list[str]:
     """Why this checkpoint config cannot be served by the vLLM model (empty when it can)."""
     problems = []
@@ -22,6 +37,14 @@ def unsupported_options(config) -> list[str]:
                         "in the model's dtype; use 'auto')")
     if "mrope_section" in config.rope_parameters:
         problems.append("multimodal RoPE (rope_parameters['mrope_section']; the multimodal model is not served yet)")
+    for name, served in SERVED_VARIANTS.items():
+        if getattr(config, name) != served:
+            problems.append(f"{name} = {getattr(config, name)!r} (a GLM-5.3-Flash variant; the vLLM model serves "
+                            f"{name} = {served!r})")
+    if config.indexer_types is not None and "shared" in config.indexer_types:
+        problems.append("shared indexer layers (indexer_types has 'shared'; the vLLM model runs every indexer)")
+    if config.num_experts > 0 and "dense" in config.mlp_types:
+        problems.append("dense layers among MoE layers (mlp_layer_types; the vLLM model gives every layer experts)")
     if "linear_attention" not in config.layer_types:
         problems.append("a model without Gated DeltaNet layers (layer_types has no 'linear_attention')")
     return problems

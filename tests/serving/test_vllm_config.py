@@ -41,3 +41,25 @@ def test_unsupported_checkpoint_option_is_refused_at_start(checkpoint, tmp_path,
 def test_unsupported_engine_setting_is_refused_at_start(checkpoint, setting, named):
     with pytest.raises(ValueError, match=named):
         vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=256, enforce_eager=True, **setting)
+
+
+@pytest.mark.parametrize("variant, named", [
+    (dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
+          qk_rope_head_dim=0), "attention_type = 'mla'"),
+    (dict(linear_attention_type="kimi_delta", linear_num_value_heads=2, linear_num_key_heads=2),
+     "linear_attention_type = 'kimi_delta'"),
+    (dict(hc_type="sinkhorn"), "hc_type = 'sinkhorn'"),
+    (dict(index_rope=False), "index_rope = False"),
+    (dict(index_key_norm="layer_norm_before_pool"), "index_key_norm"),
+    (dict(indexer_types=["full"] * 4 + ["shared"] * 4), "shared indexer layers"),
+    (dict(num_experts=4, moe_router_type="sigmoid_grouped", n_group=2, topk_group=1), "moe_router_type"),
+    (dict(num_experts=4, mlp_layer_types=["dense"] + ["sparse"] * 7), "mlp_layer_types"),
+    (dict(swiglu_limit=7.0), "swiglu_limit"),
+])
+def test_glm_variants_are_refused_with_the_option_named(variant, named):
+    from hybrid_indexpool import HybridIndexPoolConfig
+    from hybrid_indexpool.serving.vllm_config import unsupported_options
+
+    assert unsupported_options(HybridIndexPoolConfig()) == []
+    problems = unsupported_options(HybridIndexPoolConfig(**variant))
+    assert any(named in problem for problem in problems), problems
