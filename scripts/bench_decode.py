@@ -11,7 +11,8 @@ HybridIndexPool settings decode from a cache reserved the way `generate()` reser
 setting and context: prefill seconds, milliseconds per decoded token (median) in eager mode and, with `--compile`,
 compiled whole (`torch.compile(fullgraph=True)`, inductor; compile time reported apart), the aten operator calls of one
 decode step (from `torch.profiler`, nested calls included), and the cache's bytes reserved and in use per component
-(what a GPU would hold, not resident-set growth); for the HybridIndexPool settings also the decode indexer step (top-k
+(what a GPU would hold, not resident-set growth), the measuring process's peak resident memory (`peak_rss_bytes`,
+the fork server's share included); for the HybridIndexPool settings also the decode indexer step (top-k
 over the pooled keys) and the fraction of the machine's memory bandwidth it reaches, the bandwidth measured by a
 large copy in the same process right after the step was timed; and the roofline, the bytes a step must move (weights,
 selected keys/values, pooled keys, states) over that copy bandwidth, and over the read bandwidth of a large sum (most
