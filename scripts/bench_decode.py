@@ -207,14 +207,15 @@ def roofline_bytes(model, cache, context: int) -> int:
     weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
     embedding = model.get_input_embeddings().weight
     total = weights + embedding[0].numel() * embedding.element_size()
-    element = embedding.element_size()
     for layer in cache.layers:
         if hasattr(layer, "recurrent_state"):
             total += 2 * sum(t.numel() * t.element_size() for t in (layer.recurrent_state, layer.conv_state))
             continue
         r = layer.pool_size
         attended = min(context, config.index_topk + r - 1)
-        total += 2 * attended * config.num_key_value_heads * config.head_dim * element  # keys and values
+        # Keys and values of a token as stored (MLA: one latent, read once for both).
+        total += attended * sum(storage[0, 0].numel() * storage.element_size()
+                                for storage in (layer.key_storage, layer.value_storage) if storage is not None)
         if config.index_topk < context:
             pooled = layer.pooled_storage  # a key as stored: index_head_dim elements, or packed fp8 values and scale
             total += (context // r) * pooled.shape[-1] * pooled.element_size()  # every pooled key, once
@@ -279,6 +280,8 @@ def fill_cache_synthetically(cache, context: int, seed: int) -> None:
         if context > layer.capacity:
             raise ValueError(f"the cache holds {layer.capacity} tokens per row, fewer than {context}")
         for storage in (layer.key_storage, layer.value_storage):
+            if storage is None:  # MLA: latents only
+                continue
             storage[:, start:context] = torch.randn(storage[:, start:context].shape, generator=generator,
                                                     dtype=storage.dtype)
         pooled = layer.pooled_storage[:, start // r: context // r]

@@ -205,3 +205,20 @@ def test_pooled_index_bytes_per_token_are_a_sixteenth_of_unpooled_after_the_prom
     # 320 prompt tokens: 20 complete windows and no open one.
     assert pooled["context_cache_bytes"]["open_window"] == 0
     assert pooled["per_token"]["index_bytes"] * 16 == unpooled["per_token"]["index_bytes"] == 16 * 4
+
+
+def test_synthetic_mla_cache_has_the_bytes_of_a_real_prefill_and_the_roofline_reads_latents_once():
+    args = bench_decode.parse_arguments(TINY_GLM)
+    real = bench_decode.measure("pooled_r16", 352, args)
+    args.synthetic_from = 300
+    synthetic = bench_decode.measure("pooled_r16", 352, args)
+    assert synthetic["prefill_s"] is None and synthetic["per_token"]["prefill_ms"] is None
+    for component in ("key_value", "pooled_index_keys", "reserved"):
+        assert synthetic["cache_bytes"][component] == real["cache_bytes"][component], component
+    assert synthetic["context_cache_bytes"] == real["context_cache_bytes"]
+    # Budget 32 + tail 15 tokens of one latent (24 float32), read once: what a GQA layer of 2 x 24 would read twice.
+    model = bench_decode.build_model("pooled_r16", args)
+    weights = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name) * 4
+    states = real["cache_bytes"]["conv_state"] + real["cache_bytes"]["recurrent_state"]
+    pooled_keys = (352 // 16) * 16 * 4
+    assert real["roofline_bytes"] == weights + 64 * 4 + 2 * states + 47 * 24 * 4 + pooled_keys
