@@ -1,5 +1,6 @@
 """Decode benchmark at long contexts: pooled r = 4 against unpooled r = 1, dense attention, and transformers'
-Qwen4-Exp, side by side in one run.
+Qwen4-Exp, side by side in one run; with `--preset glm-flash`, pooled r = 16 against unpooled r = 1, dense attention,
+and transformers' GLM-5.3-Flash (`glm5_next`).
 
 The HybridIndexPool settings share one model's weights (mean pooling, so r changes nothing else) and one prompt;
 "dense" is the same model with a budget beyond the context. Qwen4-Exp (`Qwen4ExpForCausalLM`, the mean-pooled QSA
@@ -10,7 +11,8 @@ HybridIndexPool settings decode from a cache reserved the way `generate()` reser
 setting and context: prefill seconds, milliseconds per decoded token (median) in eager mode and, with `--compile`,
 compiled whole (`torch.compile(fullgraph=True)`, inductor; compile time reported apart), the aten operator calls of one
 decode step (from `torch.profiler`, nested calls included), and the cache's bytes reserved and in use per component
-(what a GPU would hold, not resident-set growth); for the HybridIndexPool settings also the decode indexer step (top-k
+(what a GPU would hold, not resident-set growth), the measuring process's peak resident memory (`peak_rss_bytes`,
+the fork server's share included); for the HybridIndexPool settings also the decode indexer step (top-k
 over the pooled keys) and the fraction of the machine's memory bandwidth it reaches, the bandwidth measured by a
 large copy in the same process right after the step was timed; and the roofline, the bytes a step must move (weights,
 selected keys/values, pooled keys, states) over that copy bandwidth, and over the read bandwidth of a large sum (most
@@ -23,6 +25,13 @@ cache to the context with random keys, values and pooled keys, so that the cache
 bytes of a real one and a decode step does exactly the work it does after a real prefill (its cost does not depend
 on the values). Those rows say `synthetic` in the prefill column.
 
+`--preset glm-flash` builds GLM-5.3-Flash's layer shapes (MLA attention, Kimi Delta Attention, GLM's indexer options,
+see PRESETS) for our settings `pooled_r16`, `unpooled_r1` and `dense`, and the same widths as transformers'
+`Glm5NextForConditionalGeneration` (setting `glm5_next`, random weights of its own; a tiny vision tower that text
+prompts never run), at the contexts up to `--reference-max-context`: its indexer keeps every token's packed state and
+builds a dense [queries, context] mask. Every row also reports the cache right after the prompt (`context_cache_bytes`,
+exactly `context` tokens, before any decoded token): the per-token numbers of `docs/glm5_next_comparison.md`.
+
 With `--index-key-dtypes auto,float8_e4m3fn` each HybridIndexPool setting runs once per storage of its pooled index
 keys (`index_key_cache_dtype`: the model's dtype, or packed fp8 values and a scale per key), side by side.
 
@@ -31,12 +40,16 @@ keys (`index_key_cache_dtype`: the model's dtype, or packed fp8 values and a sca
         --compile --threads 1
     python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,16384,32768,65536 --json docs/bench.json \\
         --plot docs/bench_decode.png
+    python -m hybrid_indexpool.scripts.bench_decode --preset glm-flash --layers 1 --dtype bfloat16 --contexts 8192 \\
+        --json docs/bench_decode_glm_flash_8k.json
 """
 
 import argparse
 import json
 import platform
+import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -45,18 +58,44 @@ from tqdm import tqdm
 from .measuring_process import MeasurementFailed, MeasuringProcesses
 
 SETTINGS = ("pooled_r4", "unpooled_r1", "dense", "qwen4_exp")
+GLM_SETTINGS = ("pooled_r16", "unpooled_r1", "dense", "glm5_next")
+ALL_SETTINGS = tuple(dict.fromkeys(SETTINGS + GLM_SETTINGS))
+REFERENCES = ("qwen4_exp", "glm5_next")  # transformers' implementations
 DENSE_BUDGET = 1 << 22
 # Layer widths. flash-next: Qwen3.8-Flash-Next's attention (16 query heads of 256, 2 key/value heads, a quarter of
 # each head rotated by RoPE of base 10^7), Gated DeltaNet (16 key heads and 32 value heads of 128) and indexer (4 heads
 # of 128, budget 2048) in 4 layers (3 Gated DeltaNet + 1 IndexPool); unlike the real model it has 4 layers instead of
 # 48, a dense MLP of 1024 instead of 512 experts, a 16K vocabulary instead of 248K, and no hyper-connections or n-gram
 # embeddings. The rotated channels must fit the indexer head, which shares them: Qwen4-Exp's config rejects 256 of 128.
+# glm-flash: GLM-5.3-Flash's MLA attention (64 heads, q_lora_rank 1536, kv_lora_rank 512, 256-wide NoPE query/key and
+# value heads), Kimi Delta Attention (64 heads of 128) and indexer (32 heads of 128, learned pools of r = 16, budget
+# 2048, queries from q_lora, LayerNorm before pooling, no RoPE, head weights) in 4 layers (3 KDA + 1 MLA); unlike the
+# real model it has 4 layers instead of 45, a dense MLP of 1024 instead of 288 routed experts (and 3 dense layers of
+# 12288), a 16K vocabulary instead of 154,880, one residual stream instead of 4 Sinkhorn hyper-connections, and
+# random weights (transformers' model its own: timings and bytes do not depend on the values).
 PRESETS = {
     "tiny": {},
     "flash-next": dict(hidden_size=2048, intermediate_size=1024, layers=4, heads=16, kv_heads=2, head_dim=256,
                        partial_rotary_factor=0.25, rope_theta=1e7, index_heads=4, index_head_dim=128, topk=2048,
                        linear_key_heads=16, linear_value_heads=32, linear_head_dim=128, vocab_size=16384),
+    "glm-flash": dict(hidden_size=4096, intermediate_size=1024, layers=4, heads=64, q_lora_rank=1536,
+                      kv_lora_rank=512, qk_nope_head_dim=256, v_head_dim=256, index_heads=32, index_head_dim=128,
+                      topk=2048, linear_key_heads=64, linear_value_heads=64, linear_head_dim=128, vocab_size=16384),
 }
+# Presets with GLM-5.3-Flash's layer kinds (the others have Qwen3-Next's: GQA attention, Gated DeltaNet).
+GLM_PRESETS = ("glm-flash",)
+GLM_POOL_SIZE = 16  # GLM-5.3-Flash's index_kpool
+
+
+def is_glm(args) -> bool:
+    return args.preset in GLM_PRESETS
+
+
+def pool_size(setting: str, args) -> int:
+    """Pool size r of one of our settings: from its name, or the preset's for dense (the budget covers everything)."""
+    if setting.startswith("pooled_r") or setting.startswith("unpooled_r"):
+        return int(setting.rsplit("_r", 1)[1])
+    return GLM_POOL_SIZE if is_glm(args) else 4
 
 
 # torch.compile options for inference on CPU: inductor folds the weights into the graph (and prepacks them for the
@@ -65,9 +104,51 @@ PRESETS = {
 FROZEN_OPTIONS = {"freezing": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
+def glm_model_config(setting: str, args, index_key_dtype: str = "auto"):
+    """Config of one setting of the glm-flash family: ours with GLM-5.3-Flash's variants, or transformers'
+    `Glm5NextConfig` of the same widths (a tiny vision tower, never run on text prompts)."""
+    if setting == "glm5_next":
+        from transformers import Glm5NextConfig
+
+        text = dict(
+            vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+            q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=0, v_head_dim=args.v_head_dim, index_n_heads=args.index_heads,
+            index_head_dim=args.index_head_dim, index_topk=args.topk, index_kpool=GLM_POOL_SIZE,
+            linear_num_heads=args.linear_value_heads, linear_head_dim=args.linear_head_dim,
+            layer_types=["linear_attention"] * (args.layers - 1) + ["indexed_attention"], indexer_types=["full"] * args.layers,
+            mlp_layer_types=["dense"] * args.layers, hc_mult=1, rms_norm_eps=1e-5, pad_token_id=0)
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=args.hidden_size,
+                      projection_intermediate_size=32)
+        return Glm5NextConfig(text_config=text, vision_config=vision)
+    from hybrid_indexpool import HybridIndexPoolConfig
+
+    if args.linear_key_heads != args.linear_value_heads:
+        raise SystemExit("bench_decode: Kimi Delta Attention (glm-flash) needs --linear-key-heads equal to "
+                         "--linear-value-heads")
+    return HybridIndexPoolConfig(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        head_dim=args.qk_nope_head_dim, attention_type="mla", q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=0, v_head_dim=args.v_head_dim,
+        linear_attention_type="kimi_delta", linear_gate_lower_bound=-5.0,
+        linear_num_key_heads=args.linear_key_heads, linear_num_value_heads=args.linear_value_heads,
+        linear_key_head_dim=args.linear_head_dim, linear_value_head_dim=args.linear_head_dim,
+        index_n_heads=args.index_heads, index_head_dim=args.index_head_dim,
+        index_topk=DENSE_BUDGET if setting == "dense" else args.topk, index_pool_size=pool_size(setting, args),
+        index_pool_weighting="learned", index_head_weights=True, index_query_source="q_lora",
+        index_key_norm="layer_norm_before_pool", index_rope=False,
+        layer_types=["linear_attention"] * (args.layers - 1) + ["indexpool_attention"],
+        swiglu_limit=10.0, rms_norm_eps=1e-5, index_key_cache_dtype=index_key_dtype,
+    )
+
+
 def model_config(setting: str, args, index_key_dtype: str = "auto"):
-    """Config of one setting; every HybridIndexPool setting has the same weights (whatever `index_key_dtype`, the
-    config's `index_key_cache_dtype`), and Qwen4-Exp the same RoPE."""
+    """Config of one setting; every HybridIndexPool setting of the Qwen presets has the same weights (whatever
+    `index_key_dtype`, the config's `index_key_cache_dtype`), and Qwen4-Exp the same RoPE."""
+    if is_glm(args):
+        return glm_model_config(setting, args, index_key_dtype)
     rope = {"rope_type": "default", "rope_theta": args.rope_theta, "partial_rotary_factor": args.partial_rotary_factor}
     if setting == "qwen4_exp":
         from transformers import Qwen4ExpTextConfig
@@ -94,7 +175,7 @@ def model_config(setting: str, args, index_key_dtype: str = "auto"):
         linear_num_value_heads=args.linear_value_heads, linear_key_head_dim=args.linear_head_dim,
         linear_value_head_dim=args.linear_head_dim, index_n_heads=args.index_heads, index_head_dim=args.index_head_dim,
         index_topk=DENSE_BUDGET if setting == "dense" else args.topk,
-        index_pool_size=1 if setting == "unpooled_r1" else 4, index_pool_weighting="mean",
+        index_pool_size=pool_size(setting, args), index_pool_weighting="mean",
         layer_types=["linear_attention"] * (args.layers - 1) + ["indexpool_attention"],
         index_key_cache_dtype=index_key_dtype,
     )
@@ -107,6 +188,11 @@ def build_model(setting: str, args, index_key_dtype: str = "auto"):
 
         torch.manual_seed(args.seed)
         return Qwen4ExpForCausalLM(model_config(setting, args)).eval().to(dtype)
+    if setting == "glm5_next":
+        from transformers import Glm5NextForConditionalGeneration
+
+        torch.manual_seed(args.seed)
+        return Glm5NextForConditionalGeneration(model_config(setting, args)).eval().to(dtype)
     from hybrid_indexpool import HybridIndexPoolForCausalLM
 
     torch.manual_seed(args.seed)
@@ -121,22 +207,24 @@ def roofline_bytes(model, cache, context: int) -> int:
     weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
     embedding = model.get_input_embeddings().weight
     total = weights + embedding[0].numel() * embedding.element_size()
-    element = embedding.element_size()
     for layer in cache.layers:
         if hasattr(layer, "recurrent_state"):
             total += 2 * sum(t.numel() * t.element_size() for t in (layer.recurrent_state, layer.conv_state))
             continue
         r = layer.pool_size
         attended = min(context, config.index_topk + r - 1)
-        total += 2 * attended * config.num_key_value_heads * config.head_dim * element  # keys and values
+        # Keys and values of a token as stored (MLA: one latent, read once for both).
+        total += attended * sum(storage[0, 0].numel() * storage.element_size()
+                                for storage in (layer.key_storage, layer.value_storage) if storage is not None)
         if config.index_topk < context:
             pooled = layer.pooled_storage  # a key as stored: index_head_dim elements, or packed fp8 values and scale
             total += (context // r) * pooled.shape[-1] * pooled.element_size()  # every pooled key, once
     return total
 
 
-def qwen4_cache_bytes(cache) -> dict:
-    """Bytes per component of a transformers cache of Qwen4-Exp."""
+def transformers_cache_bytes(cache) -> dict:
+    """Bytes per component of a transformers cache of Qwen4-Exp or GLM-5.3-Flash: keys and values (GLM's MLA
+    latents), the indexer's per-token keys (GLM's packed key, gate and validity), the linear layers' states."""
     sizes = {"key_value": 0, "index_keys": 0, "linear_states": 0}
     for layer in cache.layers:
         for name, component in (("keys", "key_value"), ("values", "key_value"), ("indexer_keys", "index_keys")):
@@ -160,6 +248,7 @@ def indexer_step(model, cache, args) -> dict:
 
     layers = cache.index_layers
     query = torch.randn(1, 1, args.index_heads, args.index_head_dim)
+    head_weights = torch.randn(1, 1, args.index_heads) if model.config.index_head_weights else None
     topk = model.config.index_topk_windows
 
     def run():
@@ -167,7 +256,7 @@ def indexer_step(model, cache, args) -> dict:
             pooled = layer.pooled_storage
             # Packed fp8 keys take float queries (rotated inside).
             pooled_index_topk(query if is_packed(pooled) else query.to(pooled.dtype), pooled, layer.num_pooled[:, None],
-                              topk)
+                              topk, head_weights)
 
     samples = []
     for _ in range(args.repeats):
@@ -191,6 +280,8 @@ def fill_cache_synthetically(cache, context: int, seed: int) -> None:
         if context > layer.capacity:
             raise ValueError(f"the cache holds {layer.capacity} tokens per row, fewer than {context}")
         for storage in (layer.key_storage, layer.value_storage):
+            if storage is None:  # MLA: latents only
+                continue
             storage[:, start:context] = torch.randn(storage[:, start:context].shape, generator=generator,
                                                     dtype=storage.dtype)
         pooled = layer.pooled_storage[:, start // r: context // r]
@@ -220,7 +311,7 @@ def measure(setting: str, context: int, args, index_key_dtype: str = "auto") -> 
 
     torch.set_num_threads(args.threads)
     model = build_model(setting, args, index_key_dtype)
-    ours = setting != "qwen4_exp"
+    ours = setting not in REFERENCES
     compile_step = args.compile and ours
     synthetic = ours and context >= args.synthetic_from
     prompt_length = min(context, args.topk * 2) if synthetic else context
@@ -238,6 +329,8 @@ def measure(setting: str, context: int, args, index_key_dtype: str = "auto") -> 
         cache, token = output.cache, output.logits[:, -1:].argmax(-1)
         if synthetic:
             fill_cache_synthetically(cache, context, args.seed)
+        result["context_cache_bytes"] = cache.memory_footprint() if ours else transformers_cache_bytes(cache)
+        result["per_token"] = per_token(result)
 
         def decode(forward):
             nonlocal token
@@ -278,8 +371,20 @@ def measure(setting: str, context: int, args, index_key_dtype: str = "auto") -> 
             # between runs, and the roofline should use what the machine gave while the step was timed.
             result["copy_bandwidth"], result["read_bandwidth"] = copy_bandwidth(), read_bandwidth()
         else:
-            result["cache_bytes"] = qwen4_cache_bytes(cache)
+            result["cache_bytes"] = transformers_cache_bytes(cache)
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
+
+
+def per_token(result: dict) -> dict:
+    """The cache after the prompt (exactly `context` tokens) and the prefill, per prompt token: indexer bytes (ours:
+    pooled keys and the open window; transformers': its per-token indexer state), key/value bytes (MLA: latents),
+    all bytes in use (the linear layers' fixed-size states included), and prefill milliseconds."""
+    cache, context = result["context_cache_bytes"], result["context"]
+    index = cache.get("index_keys", cache.get("pooled_index_keys", 0) + cache.get("open_window", 0))
+    prefill = result["prefill_s"]
+    return {"index_bytes": index / context, "key_value_bytes": cache["key_value"] / context,
+            "total_bytes": cache["total"] / context, "prefill_ms": None if prefill is None else prefill / context * 1e3}
 
 
 def median_seconds(function, repeats: int = 5) -> float:
@@ -346,6 +451,33 @@ def print_table(results: list[dict], bandwidth: float) -> None:
         print("".join(f"{c:>15}" for c in cells))
 
 
+def print_per_token_table(results: list[dict]) -> None:
+    """The per-token numbers of every row (`per_token`), and each against transformers' implementation at the same
+    context where it ran ("x ref": ours over theirs)."""
+    references = {row["context"]: row for row in results if row["setting"] in REFERENCES}
+    header = ("setting", "index keys", "context", "index B/tok", "x ref", "KV B/tok", "total B/tok", "x ref",
+              "prefill ms/tok", "x ref", "decode ms/tok", "x ref")
+    print("\nper prompt token (cache right after the prompt):")
+    print("".join(f"{h:>15}" for h in header))
+
+    def ratio(value, key, reference):
+        if reference is None or value is None or not reference[key]:
+            return "-"
+        return f"{value / reference[key]:.3f}x"
+
+    for row in results:
+        numbers, reference = row["per_token"], references.get(row["context"])
+        theirs = None if reference is None else {**reference["per_token"], "decode_ms": reference["decode_ms"]}
+        prefill = numbers["prefill_ms"]
+        cells = (row["setting"], KEY_DTYPE_NAMES[row.get("index_key_dtype", "auto")], f"{row['context']:,}",
+                 f"{numbers['index_bytes']:.1f}", ratio(numbers["index_bytes"], "index_bytes", theirs),
+                 f"{numbers['key_value_bytes']:.1f}", f"{numbers['total_bytes']:.1f}",
+                 ratio(numbers["total_bytes"], "total_bytes", theirs),
+                 "synthetic" if prefill is None else f"{prefill:.3f}", ratio(prefill, "prefill_ms", theirs),
+                 f"{row['decode_ms']:.1f}", ratio(row["decode_ms"], "decode_ms", theirs))
+        print("".join(f"{c:>15}" for c in cells))
+
+
 def plot(results: list[dict], path: str) -> None:
     """Decode latency (eager, and compiled where measured) and reserved cache bytes against context, log axes."""
     try:
@@ -356,7 +488,7 @@ def plot(results: list[dict], path: str) -> None:
     except ImportError as error:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from error
     figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4))
-    for setting, key_dtype in ((s, d) for s in SETTINGS for d in KEY_DTYPE_NAMES):
+    for setting, key_dtype in ((s, d) for s in ALL_SETTINGS for d in KEY_DTYPE_NAMES):
         rows = [row for row in results if row["setting"] == setting and row.get("index_key_dtype", "auto") == key_dtype]
         if not rows:
             continue
@@ -376,7 +508,7 @@ def plot(results: list[dict], path: str) -> None:
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=7)
-    figure.suptitle("HybridIndexPool decode on CPU: pooled r=4 vs r=1 vs dense vs Qwen4-Exp")
+    figure.suptitle("HybridIndexPool decode on CPU: " + " vs ".join(dict.fromkeys(row["setting"] for row in results)))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -384,9 +516,12 @@ def plot(results: list[dict], path: str) -> None:
 def parse_arguments(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", help="comma-separated prompt lengths (default 8K to 1M; --quick: 2K,4K)")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"any of {', '.join(SETTINGS)}")
+    parser.add_argument("--settings", help=f"any of {', '.join(ALL_SETTINGS)} (default: {', '.join(SETTINGS)}; "
+                        f"glm-flash: {', '.join(GLM_SETTINGS)}); qwen4_exp goes with the Qwen presets, glm5_next "
+                        "with glm-flash")
     parser.add_argument("--reference-max-context", type=int, default=16384,
-                        help="longest context given to Qwen4-Exp (its indexer loops over queries in Python)")
+                        help="longest context given to transformers' implementation (Qwen4-Exp's indexer loops over "
+                             "queries in Python; GLM-5.3-Flash's builds a dense [queries, context] mask)")
     parser.add_argument("--dense-max-context", type=int, default=1 << 20, help="longest context for dense")
     parser.add_argument("--synthetic-from", type=int, default=262144,
                         help="contexts from this length on get a synthetic cache instead of a real prefill (see above)")
@@ -394,8 +529,9 @@ def parse_arguments(argv=None):
     parser.add_argument("--new-tokens", type=int, default=8, help="decoded tokens per run (median reported)")
     parser.add_argument("--repeats", type=int, default=5, help="repetitions of the indexer-step timing")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="layer widths: tiny (the benchmark model of docs/) or flash-next (Qwen3.8-Flash-Next's "
-                             "per-layer widths; see PRESETS); explicit width options override it")
+                        help="layer widths: tiny (the benchmark model of docs/), flash-next (Qwen3.8-Flash-Next's "
+                             "per-layer widths) or glm-flash (GLM-5.3-Flash's: MLA, Kimi Delta Attention, GLM's "
+                             "indexer; see PRESETS); explicit width options override it")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--index-key-dtypes", default="auto",
                         help="comma-separated index_key_cache_dtype values, each HybridIndexPool setting run once per "
@@ -411,9 +547,13 @@ def parse_arguments(argv=None):
     parser.add_argument("--rope-theta", type=float, default=1e7, help="RoPE base, for every setting")
     parser.add_argument("--index-heads", type=int, default=2)
     parser.add_argument("--index-head-dim", type=int, default=32)
-    parser.add_argument("--linear-key-heads", type=int, default=2, help="Gated DeltaNet key heads")
-    parser.add_argument("--linear-value-heads", type=int, default=4, help="Gated DeltaNet value heads")
-    parser.add_argument("--linear-head-dim", type=int, default=32, help="Gated DeltaNet key and value head width")
+    parser.add_argument("--linear-key-heads", type=int, default=2, help="linear-attention key heads (Gated DeltaNet; KDA: equal to the value heads)")
+    parser.add_argument("--linear-value-heads", type=int, default=4, help="linear-attention value heads")
+    parser.add_argument("--linear-head-dim", type=int, default=32, help="linear-attention key and value head width")
+    parser.add_argument("--q-lora-rank", type=int, default=32, help="MLA query rank (glm-flash)")
+    parser.add_argument("--kv-lora-rank", type=int, default=32, help="MLA latent width, cached per token (glm-flash)")
+    parser.add_argument("--qk-nope-head-dim", type=int, default=16, help="MLA query/key head width (glm-flash)")
+    parser.add_argument("--v-head-dim", type=int, default=16, help="MLA value head width (glm-flash)")
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
@@ -428,7 +568,10 @@ def parse_arguments(argv=None):
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--plot", help="draw latency and memory against context to this image file")
     args = parser.parse_args(argv)
-    given = {action.dest for action in parser._actions if any(option in (argv or []) for option in action.option_strings)}
+    given_options = sys.argv[1:] if argv is None else argv
+    given = {action.dest for action in parser._actions
+             if any(word == option or word.startswith(option + "=") for word in given_options
+                    for option in action.option_strings)}
     for name, value in PRESETS[args.preset].items():
         if name not in given:
             setattr(args, name, value)
@@ -437,9 +580,14 @@ def parse_arguments(argv=None):
         args.new_tokens, args.repeats = 4, 3
         args.reference_max_context = min(args.reference_max_context, 4096)
     args.contexts = args.contexts or "8192,16384,32768,65536,131072,262144,524288,1048576"
-    unknown = set(args.settings.split(",")) - set(SETTINGS)
+    args.settings = args.settings or ",".join(GLM_SETTINGS if is_glm(args) else SETTINGS)
+    unknown = set(args.settings.split(",")) - set(ALL_SETTINGS)
     if unknown:
-        parser.error(f"unknown settings {sorted(unknown)}; choose from {', '.join(SETTINGS)}")
+        parser.error(f"unknown settings {sorted(unknown)}; choose from {', '.join(ALL_SETTINGS)}")
+    wrong_reference = "qwen4_exp" if is_glm(args) else "glm5_next"
+    if wrong_reference in args.settings.split(","):
+        parser.error(f"{wrong_reference} does not have the {args.preset} preset's layers; use "
+                     f"{'glm5_next' if is_glm(args) else 'qwen4_exp'}")
     unknown = set(args.index_key_dtypes.split(",")) - set(KEY_DTYPE_NAMES)
     if unknown:
         parser.error(f"unknown --index-key-dtypes {sorted(unknown)}; choose from {', '.join(KEY_DTYPE_NAMES)}")
@@ -452,8 +600,8 @@ def main(argv=None) -> dict:
     runs = [
         (setting, length, key_dtype) for length in (int(c) for c in args.contexts.split(","))
         for setting in args.settings.split(",")
-        for key_dtype in (["auto"] if setting == "qwen4_exp" else args.index_key_dtypes.split(","))
-        if not (setting == "qwen4_exp" and length > args.reference_max_context)
+        for key_dtype in (["auto"] if setting in REFERENCES else args.index_key_dtypes.split(","))
+        if not (setting in REFERENCES and length > args.reference_max_context)
         and not (setting == "dense" and length > args.dense_max_context)
     ]
     try:
@@ -465,6 +613,7 @@ def main(argv=None) -> dict:
     except MeasurementFailed as error:
         raise SystemExit(f"bench_decode: {error}") from None
     print_table(results, bandwidth)
+    print_per_token_table(results)
     report = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                     "torch": torch.__version__, "copy_bandwidth_bytes_per_second": bandwidth},

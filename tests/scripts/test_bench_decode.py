@@ -131,3 +131,94 @@ def test_unknown_index_key_dtype_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench_decode.parse_arguments(["--index-key-dtypes", "auto,int4"])
     assert "int4" in capsys.readouterr().err
+
+
+# glm-flash's layer kinds at tiny widths (explicit options win over the preset's): 2 layers (KDA + MLA), r = 16,
+# budget 32 tokens (2 windows); 317 prompt tokens + 3 decoded = 320, a multiple of 16.
+TINY_GLM = ["--preset", "glm-flash", "--layers", "2", "--hidden-size", "64", "--intermediate-size", "64", "--heads", "4",
+            "--q-lora-rank", "32", "--kv-lora-rank", "24", "--qk-nope-head-dim", "16", "--v-head-dim", "16",
+            "--index-heads", "4", "--index-head-dim", "16", "--topk", "32", "--linear-key-heads", "2",
+            "--linear-value-heads", "2", "--linear-head-dim", "16", "--vocab-size", "256", "--new-tokens", "2",
+            "--repeats", "1"]
+
+
+def test_glm_flash_preset_builds_glm_5_3_flash_layers_for_ours_and_transformers():
+    args = bench_decode.parse_arguments(["--preset", "glm-flash"])
+    assert args.settings.split(",") == list(bench_decode.GLM_SETTINGS)
+    pooled = bench_decode.model_config("pooled_r16", args)
+    assert (pooled.hidden_size, pooled.num_hidden_layers, pooled.num_attention_heads) == (4096, 4, 64)
+    assert (pooled.attention_type, pooled.q_lora_rank, pooled.kv_lora_rank) == ("mla", 1536, 512)
+    assert (pooled.qk_nope_head_dim, pooled.qk_rope_head_dim, pooled.v_head_dim) == (256, 0, 256)
+    assert (pooled.linear_attention_type, pooled.linear_num_key_heads, pooled.linear_num_value_heads) == (
+        "kimi_delta", 64, 64)
+    assert (pooled.linear_key_head_dim, pooled.linear_value_head_dim, pooled.linear_gate_lower_bound) == (128, 128, -5.0)
+    assert (pooled.index_n_heads, pooled.index_head_dim, pooled.index_pool_size, pooled.index_topk) == (32, 128, 16, 2048)
+    assert (pooled.index_query_source, pooled.index_key_norm, pooled.index_rope) == (
+        "q_lora", "layer_norm_before_pool", False)
+    assert pooled.index_head_weights and pooled.index_pool_weighting == "learned"
+    assert pooled.layer_types == ["linear_attention"] * 3 + ["indexpool_attention"]
+    unpooled, dense = (bench_decode.model_config(setting, args) for setting in ("unpooled_r1", "dense"))
+    assert (unpooled.index_pool_size, unpooled.index_topk) == (1, 2048)
+    assert (dense.index_pool_size, dense.index_topk) == (16, bench_decode.DENSE_BUDGET)
+    theirs = bench_decode.model_config("glm5_next", args).text_config
+    assert (theirs.hidden_size, theirs.num_attention_heads, theirs.q_lora_rank, theirs.kv_lora_rank) == (
+        4096, 64, 1536, 512)
+    assert (theirs.qk_nope_head_dim, theirs.qk_rope_head_dim, theirs.v_head_dim) == (256, 0, 256)
+    assert (theirs.index_n_heads, theirs.index_head_dim, theirs.index_kpool, theirs.index_topk) == (32, 128, 16, 2048)
+    assert (theirs.linear_num_heads, theirs.linear_head_dim) == (64, 128)
+    assert theirs.layer_types == ["linear_attention"] * 3 + ["indexed_attention"]
+
+
+def test_references_go_with_their_presets(capsys):
+    with pytest.raises(SystemExit):
+        bench_decode.parse_arguments(["--preset", "glm-flash", "--settings", "pooled_r16,qwen4_exp"])
+    with pytest.raises(SystemExit):
+        bench_decode.parse_arguments(["--settings", "pooled_r4,glm5_next"])
+    assert "glm5_next does not have the tiny preset's layers" in capsys.readouterr().err
+
+
+def test_glm_flash_against_transformers_reports_per_token_cache_bytes(capsys):
+    report = bench_decode.main(TINY_GLM + ["--contexts", "317"])
+    rows = {row["setting"]: row for row in report["results"]}
+    assert set(rows) == set(bench_decode.GLM_SETTINGS)
+    theirs = rows["glm5_next"]
+    # Every token's packed indexer state: a key of 16, a gate of 16 and a validity flag, float32.
+    assert theirs["context_cache_bytes"]["index_keys"] == 317 * (2 * 16 + 1) * 4
+    assert theirs["per_token"]["index_bytes"] == (2 * 16 + 1) * 4
+    unpooled = rows["unpooled_r1"]["cache_bytes"]["pooled_index_keys"]
+    pooled = rows["pooled_r16"]["cache_bytes"]["pooled_index_keys"]
+    assert unpooled == 320 * 16 * 4 and pooled * 16 == unpooled  # after the 3 decoded tokens: 20 complete windows
+    for setting in ("pooled_r16", "unpooled_r1", "dense"):
+        numbers = rows[setting]["per_token"]
+        assert numbers["index_bytes"] < theirs["per_token"]["index_bytes"]
+        # MLA caches one latent of 24 per token, as transformers' does.
+        assert numbers["key_value_bytes"] == theirs["per_token"]["key_value_bytes"] == 24 * 4
+        assert numbers["prefill_ms"] > 0 and rows[setting]["decode_ms"] > 0
+    assert theirs["per_token"]["prefill_ms"] > 0 and theirs["decode_ms"] > 0
+    printed = capsys.readouterr().out
+    assert "per prompt token" in printed and "x ref" in printed and "glm5_next" in printed
+
+
+def test_pooled_index_bytes_per_token_are_a_sixteenth_of_unpooled_after_the_prompt():
+    args = bench_decode.parse_arguments(TINY_GLM)
+    pooled, unpooled = (bench_decode.measure(setting, 320, args) for setting in ("pooled_r16", "unpooled_r1"))
+    # 320 prompt tokens: 20 complete windows and no open one.
+    assert pooled["context_cache_bytes"]["open_window"] == 0
+    assert pooled["per_token"]["index_bytes"] * 16 == unpooled["per_token"]["index_bytes"] == 16 * 4
+
+
+def test_synthetic_mla_cache_has_the_bytes_of_a_real_prefill_and_the_roofline_reads_latents_once():
+    args = bench_decode.parse_arguments(TINY_GLM)
+    real = bench_decode.measure("pooled_r16", 352, args)
+    args.synthetic_from = 300
+    synthetic = bench_decode.measure("pooled_r16", 352, args)
+    assert synthetic["prefill_s"] is None and synthetic["per_token"]["prefill_ms"] is None
+    for component in ("key_value", "pooled_index_keys", "reserved"):
+        assert synthetic["cache_bytes"][component] == real["cache_bytes"][component], component
+    assert synthetic["context_cache_bytes"] == real["context_cache_bytes"]
+    # Budget 32 + tail 15 tokens of one latent (24 float32), read once: what a GQA layer of 2 x 24 would read twice.
+    model = bench_decode.build_model("pooled_r16", args)
+    weights = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name) * 4
+    states = real["cache_bytes"]["conv_state"] + real["cache_bytes"]["recurrent_state"]
+    pooled_keys = (352 // 16) * 16 * 4
+    assert real["roofline_bytes"] == weights + 64 * 4 + 2 * states + 47 * 24 * 4 + pooled_keys

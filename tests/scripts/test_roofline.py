@@ -84,3 +84,43 @@ def test_help_and_bad_arguments(capsys):
     assert "HBM" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         roofline.parse_arguments(["--batches", "0"])
+
+
+def test_glm_widths_count_every_parameter_of_a_tiny_glm5_next_once():
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+    config = Glm5NextTextConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=8, num_hidden_layers=8,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=8,
+        v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, index_n_heads=2, index_head_dim=16, index_topk=32,
+        linear_num_heads=2, linear_head_dim=8, hc_mult=2, pad_token_id=0)
+    widths = roofline.glm_widths_from_config(config)
+    total = sum(p.numel() for p in Glm5NextTextModel(config).parameters()) + 100 * 32  # and the LM head
+    # 8 layers: the first 3 MLPs dense, 5 MoE layers of 4 experts.
+    assert widths.moe_layers == 5
+    assert (widths.shared_parameters + widths.expert_parameters * 4 * 5 + widths.embedding_row_parameters * 100
+            == total)
+    assert widths.expert_parameters == 3 * 32 * 8
+    # Every 4th layer MLA: one latent of 24 per token, read once as key and value.
+    assert (widths.index_layers, widths.linear_layers, widths.kv_heads, widths.head_dim) == (2, 6, 1, 24)
+    assert widths.key_value_tensors == 1
+
+
+def test_glm_flash_reads_latents_once_and_pooled_keys_of_16_tokens():
+    widths = roofline.glm_widths_from_config(roofline.glm_flash_config())
+    assert (widths.index_layers, widths.linear_layers, widths.head_dim, widths.index_head_dim) == (11, 34, 512, 128)
+    unpooled, bf16, fp8 = roofline.variants(widths.index_head_dim, 16)
+    assert (bf16.name, bf16.pool_size, fp8.index_key_bytes) == ("pooled r=16 bf16", 16, 132)
+    context = 1 << 20
+    parts = roofline.step_bytes(widths, bf16, context, batch=1)
+    assert parts["key_value"] == 11 * (2048 + 15) * 512 * 2  # the selected windows and the open tail, bf16 latents
+    assert parts["index_keys"] * 16 == roofline.step_bytes(widths, unpooled, context, batch=1)["index_keys"]
+    # 34 KDA layers, 64 heads of 128: float32 states read and written.
+    assert parts["linear_states"] == 34 * 2 * (64 * 128 * 128 + 3 * 64 * 128 * 3) * 4
+
+
+def test_main_glm_flash_preset(capsys):
+    report = roofline.main(["--preset", "glm-flash", "--contexts", "1048576", "--batches", "1"])
+    assert "| 1,024K | 1 | pooled r=16 fp8 |" in capsys.readouterr().out
+    assert report["preset"] == "glm-flash" and report["widths"]["index_layers"] == 11
