@@ -192,10 +192,9 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["HybridIndexPoolDecoderLayer"]
-    # The linear attentions' decay parameters, the grouped router's bias and the Sinkhorn streams' affine mixing
-    # parameters stay float32 when the model is loaded in half precision (as in GLM-5.3-Flash).
-    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias", "hyper_connection.base",
-                                    "hyper_connection.scale"]
+    # The linear attentions' decay parameters stay float32 when the model is loaded in half precision; the model adds
+    # the float32 parameters of GLM-5.3-Flash's variants it has (`HybridIndexPoolModel`).
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias"]
     _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _is_stateful = True
@@ -304,9 +303,15 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             self.hyper_connection_mixer = HybridIndexPoolHyperConnection(config, inject=False)
         else:
             self.norm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if config.moe_router_type == "sigmoid_grouped":
-            # GLM-5.3-Flash routes in float32: its router weights stay float32 when loaded in half precision.
-            self._keep_in_fp32_modules_strict = [*self._keep_in_fp32_modules_strict, "mlp.gate.weight"]
+        # GLM-5.3-Flash's grouped router (weights and bias) and the Sinkhorn streams' affine mixing parameters stay
+        # float32 when loaded in half precision, as there; only those the model has are named (transformers checks).
+        float32_parameters = []
+        if config.moe_router_type == "sigmoid_grouped" and "sparse" in config.mlp_types:
+            float32_parameters += ["mlp.gate.weight", "e_score_correction_bias"]
+        if config.hc_type == "sinkhorn":
+            float32_parameters += [f"{block}_hyper_connection.{name}" for block in ("attn", "mlp")
+                                   for name in ("base", "scale")]
+        self._keep_in_fp32_modules_strict = [*self._keep_in_fp32_modules_strict, *float32_parameters]
         self.rotary_emb = HybridIndexPoolRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()

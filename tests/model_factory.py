@@ -50,3 +50,6 @@ def tiny_model(seed: int = 0, **overrides) -> HybridIndexPoolForCausalLM:
 # Kimi Delta Attention in the linear-attention layers (GLM-5.3-Flash's variant): as many value heads as key heads, of
 # the same width, and GLM's forget-gate lower bound.
 KIMI_DELTA = dict(linear_attention_type="kimi_delta", linear_num_value_heads=2, linear_gate_lower_bound=-5.0)
+
+# MLA IndexPool attention (GLM-5.3-Flash's variant, NoPE) at toy ranks.
+MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16)

@@ -17,7 +17,7 @@ from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
 from hybrid_indexpool.scripts import finetune
 from hybrid_indexpool.tokenization import byte_level_tokenizer
 from hybrid_indexpool.training import FinetuneArguments, build_model
-from model_factory import KIMI_DELTA, tiny_config, tiny_model
+from model_factory import KIMI_DELTA, MLA, tiny_config, tiny_model
 
 TESTS = Path(__file__).parent
 # One thread per process: two processes on two shared cores otherwise spend their time spinning.
@@ -125,9 +125,9 @@ def test_the_plans_name_only_modules_the_model_has(features):
     assert model.tp_plan["lm_head"] == "colwise_gather_output"
 
 
-def test_the_plans_of_a_dense_a_full_featured_and_a_kimi_delta_model_cover_every_entry():
+def test_the_plans_of_a_dense_a_full_featured_a_kimi_delta_and_an_mla_model_cover_every_entry():
     plans = tiny_config().base_model_tp_plan | tiny_config(**FULL_FEATURED).base_model_tp_plan \
-        | tiny_config(**KIMI_DELTA).base_model_tp_plan
+        | tiny_config(**KIMI_DELTA).base_model_tp_plan | tiny_config(**MLA).base_model_tp_plan
     assert plans == HybridIndexPoolConfig.TENSOR_PARALLEL_PLAN
 
 
