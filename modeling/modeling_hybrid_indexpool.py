@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging import version
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
@@ -184,6 +186,22 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         return self.mlp(hidden_states), None
 
 
+# The oldest transformers the model runs on. The package installs next to older ones (vLLM pins transformers < 5.20)
+# because its vLLM plugin needs only the configuration; building a model there is refused here.
+MINIMUM_TRANSFORMERS_VERSION = "5.24"
+
+
+def require_transformers_version() -> None:
+    """Raise an `ImportError` saying what to install when the installed transformers is too old for the model."""
+    if version.parse(transformers.__version__) < version.parse(MINIMUM_TRANSFORMERS_VERSION):
+        raise ImportError(
+            f"The HybridIndexPool model needs transformers >= {MINIMUM_TRANSFORMERS_VERSION}, but transformers "
+            f"{transformers.__version__} is installed (an environment with vLLM pins an older one: serve there through "
+            f"the vLLM plugin, or run the model elsewhere). Upgrade with "
+            f"`pip install 'transformers>={MINIMUM_TRANSFORMERS_VERSION}'`."
+        )
+
+
 class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     """Weight initialisation and the Hugging Face plumbing shared by the HybridIndexPool models."""
 
@@ -198,6 +216,10 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _is_stateful = True
+
+    def __init__(self, config, *inputs, **kwargs):
+        require_transformers_version()
+        super().__init__(config, *inputs, **kwargs)
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):

@@ -280,3 +280,14 @@ def test_long_input_never_builds_a_tokens_by_tokens_tensor(monkeypatch):
         model(torch.randint(1, 97, (1, tokens)), logits_to_keep=1)
     # Linear in the length (the Gated DeltaNet chunk matrices are tokens x 64 x heads), far below tokens^2.
     assert LargestTensor.largest <= 512 * tokens < tokens * tokens // 4
+
+
+def test_a_model_refuses_a_transformers_older_than_it_needs(monkeypatch):
+    from hybrid_indexpool.modeling import modeling_hybrid_indexpool
+
+    monkeypatch.setattr(modeling_hybrid_indexpool.transformers, "__version__", "5.19.0")
+    with pytest.raises(ImportError, match=r"needs transformers >= 5\.24, but transformers 5\.19\.0 is installed"):
+        modeling_hybrid_indexpool.HybridIndexPoolForCausalLM(tiny_config())
+    monkeypatch.setattr(modeling_hybrid_indexpool.transformers, "__version__",
+                        modeling_hybrid_indexpool.MINIMUM_TRANSFORMERS_VERSION)
+    modeling_hybrid_indexpool.HybridIndexPoolForCausalLM(tiny_config())  # the minimum itself is accepted
