@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +37,16 @@ CACHE_VARIABLE = "HYBRID_INDEXPOOL_CACHE"
 ENABLE_VARIABLE = "HYBRID_INDEXPOOL_CPU_KERNELS"
 PRELUDE = Path(__file__).with_name("cpu_prelude.h")
 BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
+
+def op_namespace(module_name: str) -> str:
+    """Namespace of the custom ops a CPU kernel module registers. A checkpoint's remote code carries copies of these
+    modules, imported beside the package (one per checkpoint folder): each copy registers its ops under a namespace of
+    its own, so that no copy replaces another's registration, which torch's dispatcher loses when that copy is freed
+    (a later call of the op then crashed the process)."""
+    if module_name.startswith("hybrid_indexpool."):
+        return "hybrid_indexpool"
+    return f"hybrid_indexpool_{zlib.crc32(module_name.encode()):08x}"
+
 
 
 def cpu_kernels_enabled() -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cpu_build import CpuKernel
+from ..cpu_build import CpuKernel, op_namespace
 
 try:
     from torch.distributed.tensor import DTensor
@@ -77,7 +77,7 @@ def run_linear_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out
 
 
-@torch.library.custom_op("hybrid_indexpool::linear_rows", mutates_args=(), device_types="cpu")
+@torch.library.custom_op(f"{op_namespace(__name__)}::linear_rows", mutates_args=(), device_types="cpu")
 def linear_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`run_linear_rows` as a custom op, so that a compiled step keeps one graph."""
     return run_linear_rows(input, weight, bias)

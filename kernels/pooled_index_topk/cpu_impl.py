@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..cpu_build import CpuKernel
+from ..cpu_build import CpuKernel, op_namespace
 from ..fp8_index_keys import SCALE_BYTES, is_packed, rotate_queries
 from .reference import ID_BASE, INVISIBLE_HIGH, scaled_head_weights, select_with_keys
 
@@ -103,7 +103,7 @@ def _per_segment(windows: int, topk: int, segments: int) -> int:
     return min(topk, -(-windows // segments))
 
 
-@torch.library.custom_op("hybrid_indexpool::pooled_topk_windows", mutates_args=(), device_types="cpu")
+@torch.library.custom_op(f"{op_namespace(__name__)}::pooled_topk_windows", mutates_args=(), device_types="cpu")
 def pooled_topk_windows(queries: torch.Tensor, pooled_index_keys: torch.Tensor, weights: torch.Tensor,
                         visible: torch.Tensor, topk: int, segments: int, sink_windows: int,
                         local_windows: int) -> torch.Tensor:
