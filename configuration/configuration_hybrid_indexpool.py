@@ -590,7 +590,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             fail(f"`ple_layers` {wrong} are not layer indices; they are zero-based, below {self.num_hidden_layers}.")
         not_linear = [index for index in self.ple_layers if self.layer_types[index] != "linear_attention"]
         if not_linear:
-            fail(f"`ple_layers` {not_linear} are not Gated DeltaNet layers; PLE sits on 'linear_attention' layers only.")
+            fail(f"`ple_layers` {not_linear} are not Gated DeltaNet layers; "
+                 "PLE sits on 'linear_attention' layers only.")
         heads = (self.ple_ngram_size - 1) * self.ple_heads_per_ngram
         if self.ple_ngram_size < 2 or self.ple_heads_per_ngram < 1 or self.ple_embed_dim % heads != 0:
             fail(

@@ -11,7 +11,6 @@ from transformers import (
     AutoModelForMultimodalLM,
     AutoModelForSequenceClassification,
 )
-
 from transformers.models.auto import modeling_auto
 
 from .configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig

@@ -489,7 +489,8 @@ class _ConcatenationFile:
         shapes, dtypes = [shape for shape, _ in headers], {dtype for _, dtype in headers}
         if len(dtypes) != 1 or any(len(shape) < 1 or shape[1:] != shapes[0][1:] for shape in shapes):
             raise ConversionError(
-                f"The parts of {concatenation.target} ({_names_preview(concatenation.sources, 2)}) differ in dtype or in "
+                f"The parts of {concatenation.target} ({_names_preview(concatenation.sources, 2)}) differ in dtype "
+                "or in "
                 f"their trailing shape ({sorted(dtypes)}, {shapes[:3]}...); they cannot be concatenated."
             )
         self.dtype = dtypes.pop()
@@ -722,7 +723,8 @@ def convert_checkpoint(
     extra = dict(extra_tensors() if callable(extra_tensors) else (extra_tensors or {}))
     both = set(plan.targets) & set(extra)
     if both:
-        raise ConversionError(f"Both the plan and `extra_tensors` produce {_names_preview(both)}; give each one source.")
+        raise ConversionError(f"Both the plan and `extra_tensors` produce {_names_preview(both)}; "
+                              "give each one source.")
     planned = plan.targets + list(extra)
     missing, unexpected = set(expected) - set(planned), set(planned) - set(expected)
     if missing or unexpected:

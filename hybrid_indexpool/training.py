@@ -19,10 +19,10 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     HfArgumentParser,
-    default_data_collator,
     PreTrainedTokenizerBase,
     Trainer,
     TrainingArguments,
+    default_data_collator,
     set_seed,
 )
 
@@ -57,8 +57,9 @@ class ModelDataArguments:
                           "byte-level tokenizer."},
     )
     train_files: list[str] = field(
-        default_factory=list, metadata={"help": "Local training files: .txt (one example per paragraph) or .json/.jsonl "
-                                                "(one example per record, see --text_field)."}
+        default_factory=list,
+        metadata={"help": "Local training files: .txt (one example per paragraph) or .json/.jsonl "
+                          "(one example per record, see --text_field)."}
     )
     validation_files: list[str] = field(default_factory=list, metadata={"help": "Local validation files."})
     text_field: str = field(default="text", metadata={"help": "Field holding the text in JSON files."})

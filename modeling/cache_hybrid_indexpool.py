@@ -49,7 +49,8 @@ def _store(current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     state keeps its address for CUDA graphs), otherwise `new` itself."""
     if (
         current is not None and current.shape == new.shape and current.dtype == new.dtype
-        and current.device == new.device and not (torch.is_grad_enabled() and (new.requires_grad or current.requires_grad))
+        and current.device == new.device
+        and not (torch.is_grad_enabled() and (new.requires_grad or current.requires_grad))
     ):
         return current.copy_(new)
     return new

@@ -97,7 +97,8 @@ class HybridIndexPoolRotaryEmbedding(nn.Module):
         """Inverse frequencies of plain RoPE over the rotated channels."""
         base = config.rope_parameters["rope_theta"]
         dim = config.rotary_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+        inv_freq = 1.0 / (base**exponents)
         return inv_freq, 1.0
 
     @torch.no_grad()

@@ -654,8 +654,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         else:
             raise ValueError(
                 f"`position_ids` has shape {tuple(position_ids.shape)}; give [batch, seq] text positions, or "
-                "[3, batch, seq] multimodal (time, height, width) positions, or [4, batch, seq] with the text positions "
-                "first."
+                "[3, batch, seq] multimodal (time, height, width) positions, or [4, batch, seq] with the text "
+                "positions first."
             )
         if multimodal is not None and streams == 1:
             if not bool((multimodal == multimodal[:1]).all()):
@@ -861,7 +861,8 @@ class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
         else:
             # The rightmost non-pad token, for left and right padding alike.
             not_pad = (input_ids != self.config.pad_token_id).to(logits.device, torch.int32)
-            last_real = (torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32) * not_pad).argmax(-1)
+            columns = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+            last_real = (columns * not_pad).argmax(-1)
         pooled_logits = logits[torch.arange(batch_size, device=logits.device), last_real]
         loss = None
         if labels is not None:

@@ -20,13 +20,13 @@ from transformers.utils.generic import can_return_tuple
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolMultimodalConfig
 from .cache_hybrid_indexpool import HybridIndexPoolCache
+from .layers import HybridIndexPoolLinear
 from .modeling_hybrid_indexpool import (
     HybridIndexPoolCausalLMOutput,
     HybridIndexPoolGenerationMixin,
     HybridIndexPoolModel,
     HybridIndexPoolPreTrainedModel,
 )
-from .layers import HybridIndexPoolLinear
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 

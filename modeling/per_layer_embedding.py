@@ -51,7 +51,8 @@ class HybridIndexPoolNGramEmbedding(nn.Module):
             for position in range(1, order):
                 mixed = mixed ^ (shifted[position] * self.multipliers[position])
             heads = slice((order - 2) * self.heads_per_ngram, (order - 1) * self.heads_per_ngram)
-            row_ids.append(torch.remainder(mixed[..., None], self.head_table_sizes[heads]) + self.head_table_offsets[heads])
+            rows = torch.remainder(mixed[..., None], self.head_table_sizes[heads])
+            row_ids.append(rows + self.head_table_offsets[heads])
         row_ids = torch.cat(row_ids, dim=-1)[:, -seq_len:]  # [batch, seq, heads]
         embeddings = self.ngram_embedding(row_ids.to(self.ngram_embedding.weight.device)).flatten(-2)
         if num_real is None:

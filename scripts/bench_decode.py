@@ -117,7 +117,8 @@ def glm_model_config(setting: str, args, index_key_dtype: str = "auto"):
             qk_rope_head_dim=0, v_head_dim=args.v_head_dim, index_n_heads=args.index_heads,
             index_head_dim=args.index_head_dim, index_topk=args.topk, index_kpool=GLM_POOL_SIZE,
             linear_num_heads=args.linear_value_heads, linear_head_dim=args.linear_head_dim,
-            layer_types=["linear_attention"] * (args.layers - 1) + ["indexed_attention"], indexer_types=["full"] * args.layers,
+            layer_types=["linear_attention"] * (args.layers - 1) + ["indexed_attention"],
+            indexer_types=["full"] * args.layers,
             mlp_layer_types=["dense"] * args.layers, hc_mult=1, rms_norm_eps=1e-5, pad_token_id=0)
         vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=args.hidden_size,
                       projection_intermediate_size=32)
@@ -130,7 +131,8 @@ def glm_model_config(setting: str, args, index_key_dtype: str = "auto"):
     return HybridIndexPoolConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-        head_dim=args.qk_nope_head_dim, attention_type="mla", q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        head_dim=args.qk_nope_head_dim, attention_type="mla", q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
         qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=0, v_head_dim=args.v_head_dim,
         linear_attention_type="kimi_delta", linear_gate_lower_bound=-5.0,
         linear_num_key_heads=args.linear_key_heads, linear_num_value_heads=args.linear_value_heads,
@@ -422,7 +424,8 @@ KEY_DTYPE_NAMES = {"auto": "model dtype", "float8_e4m3fn": "fp8"}
 
 def print_table(results: list[dict], bandwidth: float) -> None:
     print(f"\nmemory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s")
-    header = ("setting", "index keys", "context", "prefill s", "eager ms", "compiled ms", "speedup", "frozen ms", "speedup",
+    header = ("setting", "index keys", "context", "prefill s", "eager ms", "compiled ms", "speedup", "frozen ms",
+              "speedup",
               "roofline ms", "best/roofline", "best/read roof",
               "aten calls", "compiled aten", "reserved MiB", "in use MiB", "index keys KiB", "indexer ms",
               "indexer % bw")
@@ -433,14 +436,17 @@ def print_table(results: list[dict], bandwidth: float) -> None:
         fraction = row.get("indexer_bytes_per_second", 0) / row.get("copy_bandwidth", bandwidth)
         prefill = "synthetic" if row["prefill_s"] is None else f"{row['prefill_s']:.2f}"
         compiled = row.get("compiled_decode_ms")
-        roofline = row["roofline_bytes"] / row.get("copy_bandwidth", bandwidth) * 1e3 if "roofline_bytes" in row else None
+        copy_bandwidth = row.get("copy_bandwidth", bandwidth)
+        roofline = row["roofline_bytes"] / copy_bandwidth * 1e3 if "roofline_bytes" in row else None
         read_roofline = row["roofline_bytes"] / row["read_bandwidth"] * 1e3 if "read_bandwidth" in row else None
         frozen = row.get("frozen_decode_ms")
         best = min(row["decode_ms"], compiled or float("inf"), frozen or float("inf"))
-        cells = (row["setting"], KEY_DTYPE_NAMES[row.get("index_key_dtype", "auto")], f"{row['context']:,}", prefill, f"{row['decode_ms']:.2f}",
+        cells = (row["setting"], KEY_DTYPE_NAMES[row.get("index_key_dtype", "auto")], f"{row['context']:,}", prefill,
+                 f"{row['decode_ms']:.2f}",
                  "-" if compiled is None else f"{compiled:.2f}",
                  "-" if compiled is None else f"{row['decode_ms'] / compiled:.1f}x",
-                 "-" if frozen is None else f"{frozen:.2f}", "-" if frozen is None else f"{row['decode_ms'] / frozen:.1f}x",
+                 "-" if frozen is None else f"{frozen:.2f}",
+                 "-" if frozen is None else f"{row['decode_ms'] / frozen:.1f}x",
                  "-" if roofline is None else f"{roofline:.2f}", "-" if roofline is None else f"{best / roofline:.2f}x",
                  "-" if read_roofline is None else f"{best / read_roofline:.2f}x",
                  f"{row['aten_calls']:,}",
@@ -547,7 +553,8 @@ def parse_arguments(argv=None):
     parser.add_argument("--rope-theta", type=float, default=1e7, help="RoPE base, for every setting")
     parser.add_argument("--index-heads", type=int, default=2)
     parser.add_argument("--index-head-dim", type=int, default=32)
-    parser.add_argument("--linear-key-heads", type=int, default=2, help="linear-attention key heads (Gated DeltaNet; KDA: equal to the value heads)")
+    parser.add_argument("--linear-key-heads", type=int, default=2,
+                        help="linear-attention key heads (Gated DeltaNet; KDA: equal to the value heads)")
     parser.add_argument("--linear-value-heads", type=int, default=4, help="linear-attention value heads")
     parser.add_argument("--linear-head-dim", type=int, default=32, help="linear-attention key and value head width")
     parser.add_argument("--q-lora-rank", type=int, default=32, help="MLA query rank (glm-flash)")
@@ -560,7 +567,8 @@ def parse_arguments(argv=None):
     parser.add_argument("--compile", action="store_true",
                         help="also time the decode step compiled whole (inductor; minutes of compilation per run)")
     parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend for --compile (aot_eager checks the capture without code generation)")
+                        help="torch.compile backend for --compile "
+                             "(aot_eager checks the capture without code generation)")
     parser.add_argument("--compile-frozen", action="store_true",
                         help="with --compile, also time the step compiled for inference: weights frozen into the graph "
                              "(inductor's freezing) and no guards on the modules (FROZEN_OPTIONS)")

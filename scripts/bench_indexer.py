@@ -49,7 +49,8 @@ def measure(windows: int, storage: str, args) -> dict:
     visible = torch.tensor([[windows]])
     topk = args.topk_windows
     if not cpu_impl.fused_topk_applies(args.index_heads, keys):
-        raise RuntimeError(f"The CPU kernel does not serve this step ({cpu_impl.KERNEL.error or 'turned off or backend forced'}).")
+        reason = cpu_impl.KERNEL.error or "turned off or backend forced"
+        raise RuntimeError(f"The CPU kernel does not serve this step ({reason}).")
     kernel = median_seconds(lambda: pooled_index_topk(query, keys, visible, topk, head_weights), args.repeats)
     reference = median_seconds(lambda: pooled_index_topk_torch(query, keys, visible, topk, head_weights),
                                args.repeats)
@@ -103,9 +104,11 @@ def format_table(report: dict) -> str:
                               for key in ("kernel_bf16_over_fp8", "reference_bf16_over_fp8"))
         lines.append(
             f"| {row['threads']} | {row['windows']:,} | {row['dtype']} | {row['key_bytes'] / 2**20:,.0f} | "
-            f"{row['copy_bytes_per_second'] / 1e9:.1f} | {row['kernel_ms']:.2f} | {row['kernel_bandwidth_fraction']:.0%} | "
+            f"{row['copy_bytes_per_second'] / 1e9:.1f} | {row['kernel_ms']:.2f} | "
+            f"{row['kernel_bandwidth_fraction']:.0%} | "
             f"{row['reference_ms']:.2f} | {row['reference_bandwidth_fraction']:.0%} | "
-            f"{row['reference_ms'] / row['kernel_ms']:.1f}x | {'yes' if row['same_selection'] else 'NO'} | {speedups} |")
+            f"{row['reference_ms'] / row['kernel_ms']:.1f}x | {'yes' if row['same_selection'] else 'NO'} | "
+            f"{speedups} |")
     return "\n".join(lines)
 
 

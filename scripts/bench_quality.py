@@ -18,11 +18,11 @@ is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
    attention) through `hybrid_indexpool.indexer_training`.
 3. On held-out text at the full context measure (a) the fraction of the dense attention mass that the selection
    (selected windows + tail) captures, averaged over heads, layers and the queries that see more windows than the
-   budget keeps, and the mass of the best selection any indexer could make at that pool size and budget (the
-   windows holding the most head-averaged attention): its bound; (b) perplexity with the sparse attention, over all tokens and over the tokens beyond the budget,
-   relative to dense; (c) passkey accuracy (all five digits right, teacher-forced, i.e. what greedy decoding gives)
-   of samples with one needle, at depths spread evenly over the context (also reported per depth quarter), and the
-   fraction of single digits right (chance: 10%).
+   budget keeps, and the mass of the best selection any indexer could make at that pool size and budget (the windows
+   holding the most head-averaged attention): its bound; (b) perplexity with the sparse attention, over all tokens
+   and over the tokens beyond the budget, relative to dense; (c) passkey accuracy (all five digits right,
+   teacher-forced, i.e. what greedy decoding gives) of samples with one needle, at depths spread evenly over the
+   context (also reported per depth quarter), and the fraction of single digits right (chance: 10%).
 4. Unless `--sparse-steps 0`: continue each indexer's model with the sparse stage (DeepSeek-V3.2 stage 2: every
    parameter trains, sparse attention, language-model loss plus `indexer_loss_weight` times the KL over the selected
    windows), and the dense model with the same number of plain language-model steps on the same data, so that every
@@ -53,8 +53,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from hybrid_indexpool.retrieval_task import (NEEDLE_AND_QUESTION_CHARACTERS, NEEDLE_LABELS, PASSKEY_DIGITS,
-                                             needles_that_fit, passkey_sample, stdlib_texts, text_window)
+from hybrid_indexpool.retrieval_task import (
+    NEEDLE_AND_QUESTION_CHARACTERS,
+    NEEDLE_LABELS,
+    PASSKEY_DIGITS,
+    needles_that_fit,
+    passkey_sample,
+    stdlib_texts,
+    text_window,
+)
 
 SETTINGS = ("learned_r4", "learned_scalar_r4", "prenorm_mean_r4", "mean_r4", "unpooled_r1", "dense")
 LABELS = {"learned_r4": "learned pooling r=4", "learned_scalar_r4": "learned scalar pooling r=4",
@@ -249,6 +256,7 @@ def key_cache_rows(setting: str, model, blocks: torch.Tensor, passkeys: torch.Te
 
 def run(args) -> dict:
     from transformers import DataCollatorForLanguageModeling, Trainer
+
     from hybrid_indexpool import HybridIndexPoolForCausalLM
     from hybrid_indexpool.indexer_training import kl_summary, train_indexer_stage
     from hybrid_indexpool.tokenization import byte_level_tokenizer
@@ -420,7 +428,8 @@ def format_table(report: dict) -> str:
         f"{settings['held_out_files']} held-out files ({settings['held_out_chars']:,} chars)",
         f"model: {settings['layers']} layers (Gated DeltaNet / IndexPool alternating), hidden "
         f"{settings['hidden_size']}, byte-level; context {settings['context']}, budget {settings['budget']} tokens; "
-        + (recall_curriculum_text(report["base_training"]) if report["base_training"].get("recall_curriculum") else "") +
+        + (recall_curriculum_text(report["base_training"])
+           if report["base_training"].get("recall_curriculum") else "") +
         f"base {settings['train_steps']} steps x {settings['batch_size']} (final loss "
         f"{report['base_training']['losses'][-1]:.3f}, {report['base_training']['seconds']:.0f} s); "
         f"warm-up {settings['warmup_steps']} steps per indexer; "
@@ -430,7 +439,8 @@ def format_table(report: dict) -> str:
         f"{settings['eval_blocks']} held-out blocks, {settings['passkey_samples']} passkey samples; "
         f"{report['seconds']:.0f} s in all",
         "",
-        "| indexer | after | attention mass captured | best selection's mass | training KL first -> last | held-out KL | ppl | ppl vs dense | "
+        "| indexer | after | attention mass captured | best selection's mass | training KL first -> last | "
+        "held-out KL | ppl | ppl vs dense | "
         "ppl beyond budget | vs dense | passkey accuracy | by needle depth quarter | passkey digits right |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -549,7 +559,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="Fraction of the training passkey samples that are lists: as many needles as the context "
                              "holds, all asked at the end (many answers per sequence: retrieval is learned sooner).")
     parser.add_argument("--settings", default=",".join(SETTINGS),
-                        help=f"Comma-separated indexers to compare, dense included (default all: {', '.join(SETTINGS)}).")
+                        help="Comma-separated indexers to compare, dense included "
+                             f"(default all: {', '.join(SETTINGS)}).")
     parser.add_argument("--key-cache-settings", default=None,
                         help="Comma-separated sparse settings also measured with each storage of the pooled index "
                              "keys (full precision, fp8 as the cache stores it, fp8 without the rotation, bfloat16) "

@@ -116,7 +116,8 @@ def split_qkvz(source: str, targets: tuple[str, str], config: HybridIndexPoolCon
     def build(tensors):
         weight = tensors[source]
         if weight.shape[0] != num_groups * sum(widths):
-            raise ConversionError(f"{source} has {weight.shape[0]} rows; the config implies {num_groups * sum(widths)}.")
+            raise ConversionError(f"{source} has {weight.shape[0]} rows; the config implies "
+                                  f"{num_groups * sum(widths)}.")
         query, key, value, gate = weight.view(num_groups, sum(widths), -1).split(widths, dim=1)
         flat = [part.reshape(-1, weight.shape[1]) for part in (query, key, value, gate)]
         return {targets[0]: torch.cat(flat[:3]), targets[1]: flat[3]}
@@ -177,7 +178,8 @@ def indexer_weights(config: HybridIndexPoolConfig, seed: int) -> dict[str, torch
     """A freshly initialised indexer for every IndexPool layer (our `_init_weights`, deterministic for `seed`)."""
     layers = [index for index, kind in enumerate(config.layer_types) if kind == "indexpool_attention"]
     return fresh_weights(
-        config, {f"model.layers.{index}.self_attn.indexer": partial(HybridIndexPoolIndexer, config) for index in layers},
+        config,
+        {f"model.layers.{index}.self_attn.indexer": partial(HybridIndexPoolIndexer, config) for index in layers},
         seed,
     )
 

@@ -193,7 +193,8 @@ def build_text_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig, kee
             if not table_parts:
                 raise ConversionError(f"The source has no n-gram table for PLE layer {index + 1} ({table}.shard_*); "
                                       "the checkpoint is incomplete.")
-            concatenations.append(ConcatenatedWeight(tuple(table_parts), f"{dst}ple.ple_embedding.ngram_embedding.weight"))
+            concatenations.append(ConcatenatedWeight(tuple(table_parts),
+                                                     f"{dst}ple.ple_embedding.ngram_embedding.weight"))
             buffers = tuple(f"{src}ple.ple_embedding.{name}"
                             for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"))
             if all(name in names for name in buffers):

@@ -205,7 +205,8 @@ def step_bytes(widths: DecodeWidths, variant: Variant, context: int, batch: int,
 def cache_bytes_held(widths: DecodeWidths, variant: Variant, context: int, batch: int, kv_bytes: int = 2) -> int:
     """Bytes the caches of `batch` sequences of `context` tokens hold (every token's keys and values, every pooled
     key, the states): what must fit in the GPUs' memory beside the weights."""
-    per_sequence = widths.index_layers * (context * widths.key_value_tensors * widths.kv_heads * widths.head_dim * kv_bytes
+    key_value_bytes = widths.key_value_tensors * widths.kv_heads * widths.head_dim * kv_bytes
+    per_sequence = widths.index_layers * (context * key_value_bytes
                                           + (context // variant.pool_size) * variant.index_key_bytes)
     states = step_bytes(widths, variant, context, 1)["linear_states"] // 2  # held once, moved twice
     return batch * per_sequence + batch * states

@@ -18,9 +18,10 @@ import transformers
 import hybrid_indexpool
 from hybrid_indexpool.configuration import HybridIndexPoolConfig
 
-SERVE_HELP = """Serve a HybridIndexPool checkpoint with transformers' own OpenAI-compatible server (`transformers serve`:
-/v1/completions, /v1/chat/completions, streaming); every option is transformers'. --continuous-batching and --compile
-are refused (transformers' paged and static caches cannot hold this model's state)."""
+SERVE_HELP = """Serve a HybridIndexPool checkpoint with transformers' own OpenAI-compatible server
+(`transformers serve`: /v1/completions, /v1/chat/completions, streaming); every option is transformers'.
+--continuous-batching and --compile are refused (transformers' paged and static caches cannot hold this model's
+state)."""
 
 MODEL_CLASSES = (
     hybrid_indexpool.HybridIndexPoolModel,

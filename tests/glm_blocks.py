@@ -2,9 +2,8 @@
 block-level tests of the Sinkhorn streams and the GLM feed-forward variants share."""
 
 import torch
-from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
-
 from model_factory import tiny_config
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
 # Small enough that random weights cross it often: the clamp changes the result.
 SWIGLU_LIMIT = 0.3

@@ -7,6 +7,7 @@ from functools import partial
 
 import pytest
 import torch
+from qwen_sources import INDEXER, save_source, tiny_source_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -20,7 +21,6 @@ from hybrid_indexpool.conversion import (
     rename,
 )
 from hybrid_indexpool.scripts.convert_qwen3_next import build_config, build_plan, convert, indexer_weights
-from qwen_sources import INDEXER, save_source, tiny_source_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 quiet = dict(progress=False, log=lambda message: None)
@@ -118,7 +118,8 @@ def test_source_of_another_architecture_is_refused_with_the_right_script(tmp_pat
 
     folder = tmp_path / "qwen4"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen4_exp", "architectures": ["Qwen4ExpForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen4_exp",
+                                                    "architectures": ["Qwen4ExpForCausalLM"]}))
     save_file({"model.norm.weight": torch.zeros(4)}, folder / "model.safetensors")
     with pytest.raises(ConversionError, match=r"'qwen4_exp'.*use scripts/convert_qwen4_exp.py for it"):
         convert(folder, tmp_path / "ours", INDEXER, **quiet)
@@ -195,7 +196,8 @@ def test_plan_that_does_not_cover_our_model_is_refused_before_writing(source_fol
 
 def test_wrong_shapes_are_named_as_they_are_built(source_folder, tmp_path):
     def transposed_embedding(plan):
-        plan.groups[0] = replace(plan.groups[0], build=lambda t: {"model.embed_tokens.weight": next(iter(t.values())).T})
+        plan.groups[0] = replace(plan.groups[0],
+                                 build=lambda t: {"model.embed_tokens.weight": next(iter(t.values())).T})
         return plan
 
     with pytest.raises(ConversionError, match=r"Built model\.embed_tokens\.weight with shape \(64, 97\), but our model "

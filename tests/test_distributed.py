@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_factory import KIMI_DELTA, MLA, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
@@ -17,7 +18,6 @@ from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
 from hybrid_indexpool.scripts import finetune
 from hybrid_indexpool.tokenization import byte_level_tokenizer
 from hybrid_indexpool.training import FinetuneArguments, build_model
-from model_factory import KIMI_DELTA, MLA, tiny_config, tiny_model
 
 TESTS = Path(__file__).parent
 # One thread per process: two processes on two shared cores otherwise spend their time spinning.

@@ -3,10 +3,13 @@ format changes the selection."""
 
 import pytest
 import torch
-
-from hybrid_indexpool.indexer_training import (freeze_all_but_indexer, index_key_format_measures,
-                                               selection_attention_mass)
 from model_factory import tiny_model
+
+from hybrid_indexpool.indexer_training import (
+    freeze_all_but_indexer,
+    index_key_format_measures,
+    selection_attention_mass,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

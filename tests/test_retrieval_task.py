@@ -3,17 +3,17 @@
 import glob
 import json
 import os
-import re
 import random
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from model_factory import tiny_model
 
 from hybrid_indexpool.retrieval_task import PASSKEY_DIGITS, passkey_documents, passkey_sample, write_lm_eval_task
 from hybrid_indexpool.tokenization import byte_level_tokenizer
-from model_factory import tiny_model
 
 FILLER = "".join(f"value_{index} = compute({index}, other)\n" for index in range(400))
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 
-from hybrid_indexpool.training import FinetuneArguments, build_lm_dataset, run_finetune
 from hybrid_indexpool.tokenization import byte_level_tokenizer
+from hybrid_indexpool.training import FinetuneArguments, build_lm_dataset, run_finetune
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

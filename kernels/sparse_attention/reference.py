@@ -48,7 +48,8 @@ def gather_positions(rows: torch.Tensor, positions: torch.Tensor, out: torch.Ten
     """`[batch, n, width]` rows of `rows` `[batch, positions, width]` at `positions` `[batch, ...]` (n entries per
     row), written into `out` when given (not differentiable then)."""
     batch_size, num_positions, width = rows.shape
-    flat_index = positions.reshape(batch_size, -1) + num_positions * torch.arange(batch_size, device=rows.device)[:, None]
+    row_offsets = num_positions * torch.arange(batch_size, device=rows.device)[:, None]
+    flat_index = positions.reshape(batch_size, -1) + row_offsets
     flat_rows = rows.reshape(batch_size * num_positions, width)
     if out is None:
         return flat_rows.index_select(0, flat_index.flatten()).view(batch_size, -1, width)

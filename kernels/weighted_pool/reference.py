@@ -1,7 +1,8 @@
 """PyTorch reference of weighted pooling: one key per window of `r` raw indexer keys.
 
 `learned`: per channel, `w_j = softmax_j(gate_logits_j)` over the window's tokens, pooled key `sum_j w_j k_j`
-(gate logits of width 1 give one weight per token for all channels). `mean`: `w_j = 1 / r`. Both in float32; with all-zero gate logits the two agree exactly for power-of-two `r`.
+(gate logits of width 1 give one weight per token for all channels). `mean`: `w_j = 1 / r`.
+Both in float32; with all-zero gate logits the two agree exactly for power-of-two `r`.
 Norm and RoPE of the pooled key belong to the indexer module (they use its parameters).
 """
 

@@ -8,13 +8,12 @@ import stat
 import pytest
 import torch
 import torch.nn.functional as F
+from fresh_process import run_in_fresh_process
 
 from hybrid_indexpool.kernels import cpu_build
 from hybrid_indexpool.kernels.cpu_build import CACHE_VARIABLE, ENABLE_VARIABLE, CpuKernel, cpu_kernels_enabled
 from hybrid_indexpool.kernels.decode_linear import cpu_impl as linear_impl
 from hybrid_indexpool.kernels.pooled_index_topk import cpu_impl as topk_impl
-
-from fresh_process import run_in_fresh_process
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 requires_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler on this machine")

@@ -291,8 +291,7 @@ LATENT_CASES = [  # batch, queries, heads, latent_dim, pool_size, context, topk
 @pytest.mark.parametrize("batch, queries, heads, latent_dim, pool_size, context, topk", LATENT_CASES)
 def test_sparse_latent_attention_matches_reference(batch, queries, heads, latent_dim, pool_size, context, topk):
     """MLA's absorbed shape: every head over one latent that is the key and the value; split or not."""
-    from hybrid_indexpool.kernels.sparse_attention import (sparse_latent_attention_torch,
-                                                           sparse_latent_attention_triton)
+    from hybrid_indexpool.kernels.sparse_attention import sparse_latent_attention_torch, sparse_latent_attention_triton
 
     generator, positions, real, context = layout(batch, queries, pool_size, context, seed=11)
     num_visible = torch.where(real, (positions + 1) // pool_size, 0)
@@ -311,8 +310,7 @@ def test_sparse_latent_attention_matches_reference(batch, queries, heads, latent
 def test_sparse_latent_attention_bfloat16_inputs_run_the_gpu_tiles():
     """bfloat16 latents and queries at GLM's r = 16 take the 16-bit tile shapes (upcast in the interpreter): the output
     matches the reference on the same values in float32, to bfloat16 rounding."""
-    from hybrid_indexpool.kernels.sparse_attention import (sparse_latent_attention_torch,
-                                                           sparse_latent_attention_triton)
+    from hybrid_indexpool.kernels.sparse_attention import sparse_latent_attention_torch, sparse_latent_attention_triton
 
     generator, positions, real, context = layout(2, 1, 16, 260, seed=12)
     selected = random_selection(torch.where(real, (positions + 1) // 16, 0), 6, generator)

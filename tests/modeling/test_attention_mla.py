@@ -5,12 +5,11 @@ whether the two attend to the same tokens."""
 
 import pytest
 import torch
+from model_factory import tiny_config
 
 from hybrid_indexpool.kernels.sparse_attention import sparse_attention_torch, sparse_latent_attention_torch
 from hybrid_indexpool.modeling import modeling_hybrid_indexpool as modeling
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
-
-from model_factory import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

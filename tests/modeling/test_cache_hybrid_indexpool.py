@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from model_factory import tiny_model
 
 from hybrid_indexpool import HybridIndexPoolCache
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
-
-from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -7,14 +7,13 @@ step must work as the first thing a process does (no CPU kernel built or loaded 
 import pytest
 import torch
 import torch._dynamo.testing
+from fresh_process import run_in_fresh_process
+from model_factory import KIMI_DELTA, tiny_model
 from transformers import CompileConfig
 
 from hybrid_indexpool import HybridIndexPoolCache
 from hybrid_indexpool.kernels.decode_linear.cpu_impl import KERNEL as LINEAR_KERNEL
 from hybrid_indexpool.kernels.pooled_index_topk.cpu_impl import KERNEL as TOPK_KERNEL
-
-from fresh_process import run_in_fresh_process
-from model_factory import KIMI_DELTA, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CPU_KERNELS = (LINEAR_KERNEL, TOPK_KERNEL)

@@ -4,12 +4,11 @@ switches to it by a config change, and training keeps full-precision keys."""
 
 import pytest
 import torch
+from model_factory import tiny_model
 
 from hybrid_indexpool import HybridIndexPoolCache, HybridIndexPoolConfig, HybridIndexPoolForCausalLM
 from hybrid_indexpool.kernels.fp8_index_keys import dequantize_pooled_keys, packed_width, quantize_pooled_keys
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
-
-from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 FP8 = dict(index_key_cache_dtype="float8_e4m3fn")

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from model_factory import tiny_config
 
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import LinearAttentionLayerCache
 from hybrid_indexpool.modeling.linear_attention_gdn import HybridIndexPoolGatedDeltaNet
-
-from model_factory import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

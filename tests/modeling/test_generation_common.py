@@ -4,10 +4,9 @@ would alone, with or without a cache, greedy, sampling and beams, continuing fro
 
 import pytest
 import torch
+from model_factory import tiny_model
 
 from hybrid_indexpool import HybridIndexPoolCache
-
-from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

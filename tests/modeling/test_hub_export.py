@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_factory import KIMI_DELTA, tiny_model
 
 from hybrid_indexpool.modeling import hub_export
 from hybrid_indexpool.tokenization import byte_level_tokenizer
-from model_factory import KIMI_DELTA, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -3,13 +3,13 @@ Qwen4-Exp modules they reproduce."""
 
 import pytest
 import torch
+from model_factory import tiny_config, tiny_model
 from transformers import Qwen4ExpTextConfig
 from transformers.models.qwen4_exp import modeling_qwen4_exp as qwen4
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
 from hybrid_indexpool.modeling.per_layer_embedding import HybridIndexPoolNGramEmbedding
 from hybrid_indexpool.modeling.residual_streams import HybridIndexPoolHyperConnection
-from model_factory import tiny_config, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
-from hybrid_indexpool.modeling.indexer import window_kl_divergence
-from hybrid_indexpool import HybridIndexPoolForCausalLM
 from model_factory import tiny_config, tiny_model
+
+from hybrid_indexpool import HybridIndexPoolForCausalLM
+from hybrid_indexpool.modeling.indexer import window_kl_divergence
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

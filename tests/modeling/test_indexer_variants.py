@@ -3,10 +3,9 @@ selects), and shared-indexer layers in the GQA shape."""
 
 import pytest
 import torch
+from model_factory import tiny_config, tiny_model
 
 from hybrid_indexpool.modeling.indexer import HybridIndexPoolIndexer
-
-from model_factory import tiny_config, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

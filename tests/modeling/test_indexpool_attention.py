@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
-
-from hybrid_indexpool.modeling import attention_indexpool, modeling_hybrid_indexpool as modeling
-from hybrid_indexpool.modeling.layers import apply_rotary
-
 from model_factory import randomize_indexer, tiny_config
+
+from hybrid_indexpool.modeling import attention_indexpool
+from hybrid_indexpool.modeling import modeling_hybrid_indexpool as modeling
+from hybrid_indexpool.modeling.layers import apply_rotary
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -154,8 +154,9 @@ def test_the_sparse_path_is_taken_beyond_the_budget_and_changes_the_result():
 def test_sink_and_local_windows_are_selected_by_the_layer_and_decode_equals_one_pass(monkeypatch):
     """`index_sink_windows` / `index_local_windows`: every query past the budget selects the first window and its own
     latest complete window (inside the budget), in the prefill and in each decode step alike."""
-    from hybrid_indexpool import HybridIndexPoolCache
     from model_factory import tiny_model
+
+    from hybrid_indexpool import HybridIndexPoolCache
 
     recorded = []
 

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from model_factory import tiny_model
 from transformers import DataCollatorWithFlattening
 
 from hybrid_indexpool.tokenization import byte_level_tokenizer
-
-from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -183,10 +182,9 @@ def test_malformed_inputs_get_a_message_naming_the_argument(kwargs, message):
 
 
 def test_invalid_rope_settings_are_config_errors_and_scaled_rope_types_follow_transformers():
+    from model_factory import tiny_config
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
-
-    from model_factory import tiny_config
 
     with pytest.raises(ValueError, match="rope_type"):
         tiny_config(rope_parameters={"rope_type": "bogus", "rope_theta": 10000.0})

@@ -3,6 +3,7 @@ weights, whole, in chunks, decoding and padded; and a whole HybridIndexPool mode
 
 import pytest
 import torch
+from model_factory import KIMI_DELTA, tiny_config, tiny_model
 from transformers import DynamicCache
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextLinearAttention
@@ -10,8 +11,6 @@ from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextLinearA
 from hybrid_indexpool import HybridIndexPoolForCausalLM
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import HybridIndexPoolCache, LinearAttentionLayerCache
 from hybrid_indexpool.modeling.linear_attention_kda import HybridIndexPoolKimiDeltaAttention
-
-from model_factory import KIMI_DELTA, tiny_config, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from model_factory import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_indexpool import HybridIndexPoolCache
 from hybrid_indexpool.kernels.pooled_index_topk import reference as topk_reference
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache, LinearAttentionLayerCache
-from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -3,6 +3,7 @@ load-balancing loss (checked against transformers' Qwen3-Next)."""
 
 import pytest
 import torch
+from model_factory import tiny_config, tiny_model
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func as qwen_load_balancing_loss
 
 from hybrid_indexpool import HybridIndexPoolForSequenceClassification
@@ -11,8 +12,6 @@ from hybrid_indexpool.modeling.moe import (
     grouped_mm_fits,
     load_balancing_loss,
 )
-
-from model_factory import tiny_config, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

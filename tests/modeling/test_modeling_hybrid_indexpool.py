@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from model_factory import tiny_config, tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from hybrid_indexpool import (
@@ -10,8 +11,6 @@ from hybrid_indexpool import (
     HybridIndexPoolForSequenceClassification,
     HybridIndexPoolModel,
 )
-
-from model_factory import tiny_config, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -86,7 +85,8 @@ def test_save_and_load_round_trip_and_auto_classes(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(input_ids).logits, model(input_ids).logits)
     assert type(AutoModel.from_pretrained(tmp_path)) is HybridIndexPoolModel
-    assert type(AutoModelForSequenceClassification.from_pretrained(tmp_path)) is HybridIndexPoolForSequenceClassification
+    classifier = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert type(classifier) is HybridIndexPoolForSequenceClassification
 
 
 def test_tied_embeddings_share_one_tensor_and_survive_save_load(tmp_path):

@@ -3,12 +3,11 @@ group-limited sigmoid router and the MoE block with ungated shared experts, in e
 
 import pytest
 import torch
+from glm_blocks import SWIGLU_LIMIT, glm_text_config, glm_to_ours, our_config_of, randomize
+from model_factory import tiny_config
 from transformers.models.glm5_next import modeling_glm5_next as glm
 
 from hybrid_indexpool.modeling.moe import HybridIndexPoolExperts, HybridIndexPoolMLP, HybridIndexPoolSparseMoeBlock
-
-from glm_blocks import SWIGLU_LIMIT, glm_text_config, glm_to_ours, our_config_of, randomize
-from model_factory import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

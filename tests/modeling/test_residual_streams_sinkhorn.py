@@ -3,15 +3,14 @@ and a whole tiny model with them, the grouped router and dense and sparse layers
 
 import pytest
 import torch
+from glm_blocks import glm_text_config, glm_to_ours, our_config_of, randomize
+from model_factory import tiny_model
 from transformers.models.glm5_next import modeling_glm5_next as glm
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolDecoderLayer
 from hybrid_indexpool.modeling.residual_streams import HybridIndexPoolSinkhornHyperConnection
-
-from glm_blocks import glm_text_config, glm_to_ours, our_config_of, randomize
-from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

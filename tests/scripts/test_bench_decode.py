@@ -135,11 +135,11 @@ def test_unknown_index_key_dtype_is_refused(capsys):
 
 # glm-flash's layer kinds at tiny widths (explicit options win over the preset's): 2 layers (KDA + MLA), r = 16,
 # budget 32 tokens (2 windows); 317 prompt tokens + 3 decoded = 320, a multiple of 16.
-TINY_GLM = ["--preset", "glm-flash", "--layers", "2", "--hidden-size", "64", "--intermediate-size", "64", "--heads", "4",
-            "--q-lora-rank", "32", "--kv-lora-rank", "24", "--qk-nope-head-dim", "16", "--v-head-dim", "16",
-            "--index-heads", "4", "--index-head-dim", "16", "--topk", "32", "--linear-key-heads", "2",
-            "--linear-value-heads", "2", "--linear-head-dim", "16", "--vocab-size", "256", "--new-tokens", "2",
-            "--repeats", "1"]
+TINY_GLM = ["--preset", "glm-flash", "--layers", "2", "--hidden-size", "64", "--intermediate-size", "64",
+            "--heads", "4", "--q-lora-rank", "32", "--kv-lora-rank", "24", "--qk-nope-head-dim", "16",
+            "--v-head-dim", "16", "--index-heads", "4", "--index-head-dim", "16", "--topk", "32",
+            "--linear-key-heads", "2", "--linear-value-heads", "2", "--linear-head-dim", "16", "--vocab-size", "256",
+            "--new-tokens", "2", "--repeats", "1"]
 
 
 def test_glm_flash_preset_builds_glm_5_3_flash_layers_for_ours_and_transformers():
@@ -151,8 +151,10 @@ def test_glm_flash_preset_builds_glm_5_3_flash_layers_for_ours_and_transformers(
     assert (pooled.qk_nope_head_dim, pooled.qk_rope_head_dim, pooled.v_head_dim) == (256, 0, 256)
     assert (pooled.linear_attention_type, pooled.linear_num_key_heads, pooled.linear_num_value_heads) == (
         "kimi_delta", 64, 64)
-    assert (pooled.linear_key_head_dim, pooled.linear_value_head_dim, pooled.linear_gate_lower_bound) == (128, 128, -5.0)
-    assert (pooled.index_n_heads, pooled.index_head_dim, pooled.index_pool_size, pooled.index_topk) == (32, 128, 16, 2048)
+    linear_widths = (pooled.linear_key_head_dim, pooled.linear_value_head_dim, pooled.linear_gate_lower_bound)
+    assert linear_widths == (128, 128, -5.0)
+    index_widths = (pooled.index_n_heads, pooled.index_head_dim, pooled.index_pool_size, pooled.index_topk)
+    assert index_widths == (32, 128, 16, 2048)
     assert (pooled.index_query_source, pooled.index_key_norm, pooled.index_rope) == (
         "q_lora", "layer_norm_before_pool", False)
     assert pooled.index_head_weights and pooled.index_pool_weighting == "learned"

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from vllm_reference import REFERENCE_PYTHON, REPO
 
 pytestmark = pytest.mark.vllm

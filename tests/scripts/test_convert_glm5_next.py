@@ -6,15 +6,15 @@ import json
 
 import pytest
 import torch
+from glm_sources import PATCH, VARIANTS, VISION_TOKENS, tiny_glm_source
+from qwen_sources import save_source, tiny_source_model
 from safetensors.torch import load_file, save_file
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
 
-from glm_sources import PATCH, VARIANTS, VISION_TOKENS, tiny_glm_source
 from hybrid_indexpool.conversion import ConversionError
 from hybrid_indexpool.scripts import convert_glm5_next
 from hybrid_indexpool.scripts.convert_glm5_next import convert
-from qwen_sources import save_source, tiny_source_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 QUIET = dict(progress=False, log=lambda message: None)

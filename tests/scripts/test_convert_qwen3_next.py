@@ -6,13 +6,13 @@ import os
 
 import pytest
 import torch
+from qwen_sources import INDEXER, save_source, tiny_source_model
 from transformers import AutoModelForCausalLM
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
 from hybrid_indexpool.conversion import SourceCheckpoint
 from hybrid_indexpool.scripts import convert_qwen3_next
 from hybrid_indexpool.scripts.convert_qwen3_next import convert
-from qwen_sources import INDEXER, save_source, tiny_source_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

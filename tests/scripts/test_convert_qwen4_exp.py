@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from qwen_sources import save_source, tiny_qwen4_source, tiny_source_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -13,7 +14,6 @@ from hybrid_indexpool import HybridIndexPoolForCausalLM
 from hybrid_indexpool.conversion import ConversionError
 from hybrid_indexpool.scripts import convert_qwen4_exp
 from hybrid_indexpool.scripts.convert_qwen4_exp import convert
-from qwen_sources import save_source, tiny_qwen4_source, tiny_source_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 QUIET = dict(progress=False, log=lambda message: None)

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 import torch
+from qwen_sources import VISION_TOKENS, save_source, tiny_qwen4_source
 from transformers import AutoModelForImageTextToText
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM, HybridIndexPoolForConditionalGeneration
 from hybrid_indexpool.scripts.convert_qwen4_exp import convert
-from qwen_sources import VISION_TOKENS, save_source, tiny_qwen4_source
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 QUIET = dict(progress=False, log=lambda message: None)
@@ -36,7 +36,8 @@ def vision_tokens(kind: str, frames: int, height: int, width: int) -> list[int]:
     for frame in range(frames if kind == "video" else 1):
         if kind == "video":
             tokens.append(40 + frame)  # a timestamp
-        tokens += [VISION_TOKENS["vision_start_token_id"]] + [token] * per_frame + [VISION_TOKENS["vision_end_token_id"]]
+        start, end = VISION_TOKENS["vision_start_token_id"], VISION_TOKENS["vision_end_token_id"]
+        tokens += [start] + [token] * per_frame + [end]
     return tokens
 
 
@@ -131,7 +132,8 @@ def test_the_multimodal_checkpoint_loads_as_remote_code_without_the_package(conv
     inputs = {"input_ids": input_ids, "attention_mask": mask, **vision}
     torch.save(inputs, tmp_path / "inputs.pt")
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-c", LOAD_AS_REMOTE_CODE, str(folder / "ours"), str(tmp_path / "inputs.pt")],
+    result = subprocess.run([sys.executable, "-c", LOAD_AS_REMOTE_CODE, str(folder / "ours"),
+                             str(tmp_path / "inputs.pt")],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     ours = HybridIndexPoolForConditionalGeneration.from_pretrained(folder / "ours").eval()

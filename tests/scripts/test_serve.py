@@ -10,13 +10,12 @@ import urllib.error
 import urllib.request
 
 import pytest
-import torch
+from model_factory import tiny_model
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybrid_indexpool.scripts import serve
 from hybrid_indexpool.tokenization import byte_level_tokenizer
-from model_factory import tiny_model
 
 NEW_TOKENS = 12
 

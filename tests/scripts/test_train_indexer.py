@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_factory import tiny_model
 from transformers import AutoModelForCausalLM
 
 from hybrid_indexpool.indexer_training import is_indexer_parameter
 from hybrid_indexpool.scripts import train_indexer
 from hybrid_indexpool.tokenization import byte_level_tokenizer
-from model_factory import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -10,7 +10,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from vllm_reference import assert_close_to_reference, random_prompts, score, tiny_checkpoint
 
 pytestmark = pytest.mark.vllm

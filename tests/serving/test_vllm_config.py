@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from vllm_reference import tiny_checkpoint
 
 pytestmark = pytest.mark.vllm

@@ -4,7 +4,6 @@ environment: see the README's vLLM section). One engine serves every test of the
 from pathlib import Path
 
 import pytest
-
 from vllm_reference import assert_close_to_reference, random_prompts, score, tiny_checkpoint
 
 pytestmark = pytest.mark.vllm

@@ -12,7 +12,6 @@ import unittest
 from pathlib import Path
 
 import pytest
-
 import transformers
 
 PREPARED = Path(__file__).resolve().parents[2] / ".transformers_tests"
@@ -34,9 +33,9 @@ if prepared_version() != transformers.__version__:
 
 sys.path.insert(0, str(PREPARED))
 import torch  # noqa: E402
+from transformers_tests.generation.test_utils import GenerationTesterMixin  # noqa: E402
 from transformers_tests.test_configuration_common import ConfigTester  # noqa: E402
 from transformers_tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask  # noqa: E402
-from transformers_tests.generation.test_utils import GenerationTesterMixin  # noqa: E402
 
 from hybrid_indexpool import (  # noqa: E402
     HybridIndexPoolConfig,
