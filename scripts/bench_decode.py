@@ -55,7 +55,12 @@ import time
 import torch
 from tqdm import tqdm
 
-from .measuring_process import MeasurementFailed, MeasuringProcesses
+from hybrid_indexpool.benchmarking import (
+    MeasurementFailed,
+    MeasuringProcesses,
+    copy_bandwidth,
+    read_bandwidth,
+)
 
 SETTINGS = ("pooled_r4", "unpooled_r1", "dense", "qwen4_exp")
 GLM_SETTINGS = ("pooled_r16", "unpooled_r1", "dense", "glm5_next")
@@ -389,29 +394,6 @@ def per_token(result: dict) -> dict:
             "total_bytes": cache["total"] / context, "prefill_ms": None if prefill is None else prefill / context * 1e3}
 
 
-def median_seconds(function, repeats: int = 5) -> float:
-    """Median wall time of `repeats` calls of `function`."""
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def copy_bandwidth(elements: int = 1 << 27) -> float:
-    """Bytes read plus written per second by a 512 MiB in-memory copy with the current thread count, median of five."""
-    source = torch.ones(elements)
-    target = torch.empty_like(source)
-    return 2 * source.numel() * source.element_size() / median_seconds(lambda: target.copy_(source))
-
-
-def read_bandwidth(elements: int = 1 << 27) -> float:
-    """Bytes per second of a sum over 512 MiB (reads only, as most of a decode step's bytes), median of five."""
-    source = torch.ones(elements)
-    return source.numel() * source.element_size() / median_seconds(source.sum)
-
-
 def machine_copy_bandwidth(args) -> float:
     """`copy_bandwidth` with the benchmark's thread count (run in a fresh worker process)."""
     torch.set_num_threads(args.threads)
@@ -436,8 +418,8 @@ def print_table(results: list[dict], bandwidth: float) -> None:
         fraction = row.get("indexer_bytes_per_second", 0) / row.get("copy_bandwidth", bandwidth)
         prefill = "synthetic" if row["prefill_s"] is None else f"{row['prefill_s']:.2f}"
         compiled = row.get("compiled_decode_ms")
-        copy_bandwidth = row.get("copy_bandwidth", bandwidth)
-        roofline = row["roofline_bytes"] / copy_bandwidth * 1e3 if "roofline_bytes" in row else None
+        row_bandwidth = row.get("copy_bandwidth", bandwidth)
+        roofline = row["roofline_bytes"] / row_bandwidth * 1e3 if "roofline_bytes" in row else None
         read_roofline = row["roofline_bytes"] / row["read_bandwidth"] * 1e3 if "read_bandwidth" in row else None
         frozen = row.get("frozen_decode_ms")
         best = min(row["decode_ms"], compiled or float("inf"), frozen or float("inf"))

@@ -21,7 +21,7 @@ import platform
 import torch
 from tqdm import tqdm
 
-from .bench_decode import copy_bandwidth, median_seconds
+from hybrid_indexpool.benchmarking import copy_bandwidth, median_seconds
 
 # Key storages: a torch dtype's name, or fp8 for packed fp8 keys.
 KEY_STORAGES = ("float32", "bfloat16", "fp8")

@@ -1,4 +1,5 @@
-"""Run each measurement of a benchmark in a fresh process, and fail loudly when that process fails.
+"""Helpers the benchmark scripts share: each measurement in a fresh process that fails loudly, wall-time medians,
+and the machine's memory bandwidth (the roofline's denominator).
 
 A fresh process per measurement keeps one run's allocations, compiled code and thread pools out of the next. The
 child sends back its result or its formatted traceback, never an exception object: an exception that cannot be
@@ -9,8 +10,12 @@ dies without answering (`os._exit`, a signal, the out-of-memory killer) is repor
 
 import multiprocessing
 import signal
+import statistics
+import time
 import traceback
 from multiprocessing.connection import wait
+
+import torch
 
 
 class MeasurementFailed(RuntimeError):
@@ -70,3 +75,26 @@ class MeasuringProcesses:
         if kind == "error":
             raise MeasurementFailed(f"{name} raised in its measuring process:\n{payload}")
         return payload
+
+
+def median_seconds(function, repeats: int = 5) -> float:
+    """Median wall time of `repeats` calls of `function`."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(elements: int = 1 << 27) -> float:
+    """Bytes read plus written per second by a 512 MiB in-memory copy with the current thread count, median of five."""
+    source = torch.ones(elements)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * source.element_size() / median_seconds(lambda: target.copy_(source))
+
+
+def read_bandwidth(elements: int = 1 << 27) -> float:
+    """Bytes per second of a sum over 512 MiB (reads only, as most of a decode step's bytes), median of five."""
+    source = torch.ones(elements)
+    return source.numel() * source.element_size() / median_seconds(source.sum)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hybrid_indexpool.scripts.measuring_process import MeasurementFailed, MeasuringProcesses
+from hybrid_indexpool.benchmarking import MeasurementFailed, MeasuringProcesses
 
 # Each child imports this module, and through it the package: preloaded in the fork server, once.
 PROCESSES = MeasuringProcesses(["hybrid_indexpool"])
