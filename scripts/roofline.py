@@ -82,7 +82,7 @@ def flash_next_config(layers: int = LAYERS["flash-next"]):
     """`Qwen4ExpTextConfig` of Qwen3.8-Flash-Next: its defaults, `bench_decode`'s flash-next widths, `layers` layers."""
     from transformers import Qwen4ExpTextConfig
 
-    from .bench_decode import PRESETS
+    from hybrid_indexpool.scripts.bench_decode import PRESETS
 
     preset = PRESETS["flash-next"]
     return Qwen4ExpTextConfig(
@@ -102,7 +102,7 @@ def glm_flash_config(layers: int = LAYERS["glm-flash"]):
     default schedules: every 4th layer MLA, the first 3 MLPs dense)."""
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
-    from .bench_decode import PRESETS
+    from hybrid_indexpool.scripts.bench_decode import PRESETS
 
     preset = PRESETS["glm-flash"]
     return Glm5NextTextConfig(
