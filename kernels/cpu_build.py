@@ -6,6 +6,10 @@ without `-fopenmp`, single-threaded, where the compiler has no OpenMP, as Apple'
 (`$HYBRID_INDEXPOOL_CACHE`, else `$XDG_CACHE_HOME/hybrid_indexpool` or `~/.cache/hybrid_indexpool`), one file per
 source, limits, compiler version and CPU model, and loaded with `ctypes`.
 
+A checkpoint's remote code (flat Python modules, see `modeling/hub_export.py`) carries no C sources: beside an
+installed package it builds the installed package's sources, when they are the ones the checkpoint was saved with
+(`SOURCE_DIGESTS`, filled in when the remote code is generated), and otherwise runs the PyTorch paths.
+
 [`CpuKernel`] owns all of it: a failed build is logged once with its reason (and not retried in the process), and
 `HYBRID_INDEXPOOL_CPU_KERNELS=0` turns every CPU kernel off. It also owns the switch between a direct call (eager
 code: a custom op's dispatch costs tens of microseconds) and the custom op (compiled graphs). Nothing here builds,
@@ -16,11 +20,13 @@ build fails there.
 
 import ctypes
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import zlib
@@ -37,6 +43,33 @@ CACHE_VARIABLE = "HYBRID_INDEXPOOL_CACHE"
 ENABLE_VARIABLE = "HYBRID_INDEXPOOL_CPU_KERNELS"
 PRELUDE = Path(__file__).with_name("cpu_prelude.h")
 BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
+PACKAGE = "hybrid_indexpool"
+# C file name -> sha256 of its text, for the sources of the package that a checkpoint's remote code was generated
+# from. Empty in the package itself, whose sources lie beside its modules; `hub_export` fills it in the remote code.
+SOURCE_DIGESTS: dict[str, str] = {}
+
+
+def source_digests(folder: Path = PRELUDE.parent) -> dict[str, str]:
+    """C file name -> sha256 of its text, for the prelude and every kernel source under `folder` (names are unique)."""
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted([*folder.glob("*.h"), *folder.glob("*/*.c")])}
+
+
+def installed_kernels_folder() -> Path | None:
+    """The `kernels` folder of the installed `hybrid_indexpool` package, found without importing the package (whose
+    import registers its classes with transformers); None when the package is not installed."""
+    try:
+        package = importlib.util.find_spec(PACKAGE)
+        if package is None or not package.submodule_search_locations:
+            return None
+        # The finder that found the package finds its subpackage (an editable install maps it outside the package).
+        for finder in sys.meta_path:
+            spec = finder.find_spec(f"{PACKAGE}.kernels", list(package.submodule_search_locations))
+            if spec is not None:
+                return Path(spec.origin).parent if spec.origin else None
+    except (ImportError, ValueError, AttributeError):  # a finder that refuses the name: not installed for us
+        return None
+    return None
 
 def op_namespace(module_name: str) -> str:
     """Namespace of the custom ops a CPU kernel module registers. A checkpoint's remote code carries copies of these
@@ -146,26 +179,48 @@ class CpuKernel:
         which saves the op's dispatch cost."""
         return op if torch.compiler.is_compiling() else direct
 
+    def _sources(self) -> tuple[Path, Path]:
+        """The kernel's C source and the prelude it includes: beside this module in the package; for a checkpoint's
+        remote code, the installed package's, when they match the ones the checkpoint was saved with."""
+        if self.source.is_file() and PRELUDE.is_file():
+            return self.source, PRELUDE
+        if not SOURCE_DIGESTS:
+            raise RuntimeError(f"its C source {self.source} is missing; reinstall the package "
+                               "(`pip install --force-reinstall hybrid-indexpool`) to get it back")
+        installed = installed_kernels_folder()
+        if installed is None:
+            raise RuntimeError("this model runs from a checkpoint's remote code, which carries only Python files, and "
+                               "the kernels' C sources come with the hybrid_indexpool package, which is not installed "
+                               "here; `pip install hybrid-indexpool` for the faster CPU kernels")
+        found = {path.name: path for path in [*installed.glob("*.h"), *installed.glob("*/*.c")]}
+        source, prelude = found.get(self.source.name), found.get(PRELUDE.name)
+        installed_digests = source_digests(installed)
+        for name in (self.source.name, PRELUDE.name):
+            if name not in SOURCE_DIGESTS or installed_digests.get(name) != SOURCE_DIGESTS[name]:
+                raise RuntimeError(f"the installed hybrid_indexpool package ({installed}) has another {name} than the "
+                                   "package this checkpoint's remote code was saved with; install that version of "
+                                   "hybrid-indexpool, or load the checkpoint without trust_remote_code, to use the "
+                                   "faster CPU kernels")
+        return source, prelude
+
     def _build_and_load(self) -> ctypes.CDLL:
-        if not self.source.is_file():
-            raise RuntimeError(f"its C source {self.source} is missing (a checkpoint's remote code carries only Python "
-                               "files; `pip install hybrid-indexpool` brings the kernels' sources)")
+        source_path, prelude = self._sources()
         compiler, version = _compiler()
-        source = self.source.read_text()
+        source = source_path.read_text()
         defines = _define_flags(self.defines)
-        key = "\0".join([source, PRELUDE.read_text(), *defines, *BASE_FLAGS, compiler, version, _cpu_signature()])
+        key = "\0".join([source, prelude.read_text(), *defines, *BASE_FLAGS, compiler, version, _cpu_signature()])
         target = cache_folder() / f"{self.name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
         if not target.exists():
-            self._compile(compiler, defines, target)
+            self._compile(compiler, source_path, prelude, defines, target)
         library = ctypes.CDLL(str(target))
         self.declare(library)
         return library
 
-    def _compile(self, compiler: str, defines: list[str], target: Path) -> None:
+    def _compile(self, compiler: str, source: Path, prelude: Path, defines: list[str], target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            common = [compiler, *BASE_FLAGS, f"-I{PRELUDE.parent}", *defines, str(self.source), "-o", str(built)]
+            common = [compiler, *BASE_FLAGS, f"-I{prelude.parent}", *defines, str(source), "-o", str(built)]
             result = subprocess.run(common[:1] + ["-fopenmp"] + common[1:], capture_output=True, text=True)
             if result.returncode != 0:
                 # Compilers without OpenMP (Apple's clang, clang without libomp) reject -fopenmp: build the kernel

@@ -19,6 +19,8 @@ ENTRY_MODULES = (
 )
 # A multimodal checkpoint's classes live in a module of their own (which imports the text model's).
 MULTIMODAL_ENTRY_MODULE = f"{PACKAGE}.modeling.modeling_hybrid_indexpool_multimodal"
+# Its `SOURCE_DIGESTS` is filled in the remote code, which finds the CPU kernels' C sources in the installed package.
+CPU_BUILD_MODULE = f"{PACKAGE}.kernels.cpu_build"
 AUTO_MAP = {
     "AutoConfig": "configuration_hybrid_indexpool.HybridIndexPoolConfig",
     "AutoModel": "modeling_hybrid_indexpool.HybridIndexPoolModel",
@@ -82,6 +84,17 @@ def _flatten(module: str, source: str) -> str:
     return "".join(lines)
 
 
+def _with_source_digests(source: str) -> str:
+    """The CPU kernels' build module with the digests of the package's C sources: remote code has no C files and
+    builds the installed package's sources only when they are these (`cpu_build.SOURCE_DIGESTS`)."""
+    from ..kernels import cpu_build
+
+    empty = "SOURCE_DIGESTS: dict[str, str] = {}\n"
+    if source.count(empty) != 1:
+        raise ValueError(f"{CPU_BUILD_MODULE} must define `{empty.strip()}` once for the remote code to fill in.")
+    return source.replace(empty, f"SOURCE_DIGESTS: dict[str, str] = {cpu_build.source_digests()!r}\n")
+
+
 def generate_remote_code(multimodal: bool = False) -> dict[str, str]:
     """Flat file name -> source, for every module the configuration and modeling modules need (and the multimodal
     modeling module, for a multimodal checkpoint)."""
@@ -95,7 +108,10 @@ def generate_remote_code(multimodal: bool = False) -> dict[str, str]:
         source = path.read_text(encoding="utf-8")
         source_path = "/".join(module.split(".")[1:]) + ("/__init__.py" if path.name == "__init__.py" else ".py")
         header = GENERATED_HEADER.format(source=source_path)
-        files[name] = header + _flatten(module, source)
+        flat = _flatten(module, source)
+        if module == CPU_BUILD_MODULE:
+            flat = _with_source_digests(flat)
+        files[name] = header + flat
         pending.extend(target for _, target in _relative_imports(module, source))
     return files
 

@@ -139,3 +139,29 @@ def test_a_model_loaded_as_remote_code_saves_a_loadable_checkpoint_again(tmp_pat
     input_ids = torch.randint(1, 97, (1, 20))
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids).logits, model(input_ids).logits)
+
+
+LOAD_BESIDE_THE_PACKAGE = r'''
+import logging, sys
+import torch
+from transformers import AutoModelForCausalLM
+logging.basicConfig(level=logging.WARNING)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert not type(model).__module__.startswith("hybrid_indexpool"), type(model).__module__
+assert "hybrid_indexpool" not in sys.modules, "finding the C sources must not import the package"
+with torch.no_grad():
+    model.generate(torch.randint(1, 97, (1, 8)), max_new_tokens=3, do_sample=False)
+kernels = [module.KERNEL for name, module in sys.modules.items()
+           if name.endswith("_cpu_impl") and hasattr(module, "KERNEL")]
+assert len(kernels) == 2 and all(kernel.is_loaded for kernel in kernels), [kernel.error for kernel in kernels]
+'''
+
+
+def test_remote_code_beside_the_installed_package_builds_its_cpu_kernels(tmp_path):
+    _, folder = save_checkpoint(tmp_path)
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "HYBRID_INDEXPOOL_CACHE": str(tmp_path / "kernels")}
+    result = subprocess.run([sys.executable, "-c", LOAD_BESIDE_THE_PACKAGE, str(folder)], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "could not be built" not in result.stderr and "pip install" not in result.stderr, result.stderr[-3000:]
