@@ -350,7 +350,7 @@ def _dense_pass(model, input_ids: torch.Tensor):
     pieces = []
     for layer, weights in zip(layers, outputs.attentions):
         inputs = entered[layer]
-        hidden_states, positions, rotary_emb = inputs["hidden_states"], inputs["positions"], inputs["rotary_emb"]
+        hidden_states, positions = inputs["hidden_states"], inputs["positions"]
         cos, sin = inputs["position_embeddings"]
         index_queries, raw_keys, gate_logits, head_weights = layer.indexer(hidden_states, cos, sin)
         # Unpadded rows: window c is tokens c * r .. c * r + r - 1 of every row.
@@ -361,7 +361,7 @@ def _dense_pass(model, input_ids: torch.Tensor):
         pooled_keys = layer.indexer.pool_windows(
             raw_keys[:, : num_windows * r].unflatten(1, (num_windows, r)),
             None if gate_logits is None else gate_logits[:, : num_windows * r].unflatten(1, (num_windows, r)),
-            first_positions, rotary_emb,
+            first_positions,
         )
         num_visible = (positions + 1) // r
         pieces.append(_LayerPieces(layer, weights, index_queries, pooled_keys, head_weights, positions, num_visible,

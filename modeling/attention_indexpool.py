@@ -1,5 +1,8 @@
-"""What every IndexPool attention shares, whatever its heads look like (GQA, MLA): the window selection (its own
-indexer's, or a shared one's), the dense path while the budget covers everything, and the indexer's KL loss."""
+"""What every IndexPool attention shares, whatever its heads look like (GQA, MLA): the forward (indexer, cache,
+window selection, attention, output gate), the dense path while the budget covers everything, and the indexer's KL
+loss. A head shape provides only its projections (`project`) and its attention over the stored keys (`attend`)."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -8,7 +11,28 @@ from torch import nn
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.pooled_index_topk import pooled_index_scores_torch, pooled_index_topk
 from ..kernels.sparse_attention import masked_softmax
+from .cache_hybrid_indexpool import IndexPoolLayerCache
 from .indexer import HybridIndexPoolIndexer, window_kl_divergence
+
+
+@dataclass
+class ProjectedTokens:
+    """The new tokens as a head shape projects them.
+
+    Attributes:
+        query: `[batch, heads, seq, qk_dim]`, rotated where the heads use RoPE.
+        key, value: `[batch, kv_heads, seq, head_dim]` as the cache stores them; MLA gives its latents `[batch, 1,
+            seq, kv_lora_rank]` as keys and no values (None).
+        gate: `[batch, seq, heads * head_dim]` output-gate logits (sigmoid), or None.
+        query_latent: `[batch, seq, q_lora_rank]` the MLA query latent, which an indexer with
+            `index_query_source="q_lora"` reads; None otherwise.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor | None
+    gate: torch.Tensor | None = None
+    query_latent: torch.Tensor | None = None
 
 
 class HybridIndexPoolAttentionBase(nn.Module):
@@ -33,6 +57,91 @@ class HybridIndexPoolAttentionBase(nn.Module):
         """Register the indexer (None in a shared-indexer layer). Subclasses call it after their own projections, so
         that parameters keep the order, and seeded initialisations the values, they had before MLA existed."""
         self.indexer = None if config.is_shared_indexer_layer(layer_idx) else HybridIndexPoolIndexer(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        rope_positions: torch.Tensor,
+        token_is_real: torch.Tensor,
+        layer_cache: IndexPoolLayerCache | None = None,
+        output_attentions: bool = False,
+        indexer_loss: str | None = None,
+        shared_selection: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """`positions [batch, seq]` count each row's real tokens (windows and the cache follow them);
+        `rope_positions [streams, batch, seq]` are the rotary positions (pooled keys are rotated at their windows'
+        first tokens' ones).
+
+        Returns the output, the attention weights (when asked), the indexer's KL loss (when asked:
+        `indexer_loss="dense"` against dense attention over all complete windows, `"sparse"` over the selected ones;
+        None in a shared layer) and the selection `[batch, seq, topk]` (None when dense), which a shared layer takes
+        as `shared_selection`.
+
+        `indexer_loss="dense"` is the dense warm-up: the attention itself is then dense at any length, not only
+        within the budget, so the target and the output are those of the dense model.
+        """
+        batch_size, seq_len, _ = hidden_states.shape
+        cos, sin = position_embeddings
+        projected = self.project(hidden_states, cos, sin)
+        self.check_indexer_loss(indexer_loss, layer_cache, projected.query.shape[1])
+
+        index_queries = raw_index_keys = gate_logits = head_weights = None
+        if self.indexer is not None:
+            # The indexer reads detached inputs: only its own loss trains it, and it never trains the model (the
+            # selection passes no gradient either way).
+            query_latent = None if projected.query_latent is None else projected.query_latent.detach()
+            index_queries, raw_index_keys, gate_logits, head_weights = self.indexer(
+                hidden_states.detach(), cos, sin, query_latent)
+        state = layer_cache
+        if state is None:  # without a cache, a per-call state does the same bookkeeping
+            state = IndexPoolLayerCache(self.pool_size)
+            state.plan(token_is_real)
+        # By position: [batch, kv_heads, capacity, head_dim] (MLA: latents, no values)
+        key, value, completed = state.update(
+            projected.key, projected.value, raw_index_keys, gate_logits, token_is_real, rope_positions)
+        pooled_index_keys = state.pooled_index_keys  # [batch, capacity // r, index_head_dim]
+        if completed is not None:
+            pooled = self.indexer.pool_windows(completed.keys, completed.gate_logits, completed.first_positions,
+                                               quantize=state.fp8_index_keys)
+            pooled_index_keys = state.store_pooled_index_keys(completed, pooled)
+        # A padding query sees no window, only its tail: a finite output that is never read.
+        num_visible = torch.where(token_is_real, (positions + 1) // self.pool_size, 0)
+
+        decode = seq_len == 1 and layer_cache is not None and indexer_loss is None
+        if not decode:
+            length = int(positions.max()) + 1  # no query of this input sees beyond
+            key = key[:, :, :length]
+            value = None if value is None else value[:, :, :length]
+            if pooled_index_keys is not None:
+                pooled_index_keys = pooled_index_keys[:, : length // self.pool_size]
+        selected = self.select_windows(index_queries, pooled_index_keys, head_weights, num_visible, decode,
+                                       indexer_loss, shared_selection)
+        output, weights = self.attend(projected.query, key, value, selected, positions, output_attentions)
+        output = output.reshape(batch_size, seq_len, -1)
+        if projected.gate is not None:
+            output = output * torch.sigmoid(projected.gate)
+        kl = None
+        if indexer_loss is not None and self.indexer is not None:
+            target_query, target_key = self.indexer_target(projected.query, key)
+            kl = self._indexer_kl(target_query.detach(), target_key.detach(), index_queries, pooled_index_keys,
+                                  head_weights, num_visible, positions, token_is_real,
+                                  selected if indexer_loss == "sparse" else None)
+        return self.o_proj(output), weights, kl, selected
+
+    def project(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> ProjectedTokens:
+        """The new tokens' queries, keys/values as the cache stores them, and output gate (the head shape's own)."""
+        raise NotImplementedError
+
+    def attend(self, query, key, value, selected, positions, output_attentions):
+        """Attention `[batch, seq, heads, ...]` and its weights (when asked) over the stored `key`/`value`: dense
+        when `selected` is None, else over the selected windows plus each query's open window."""
+        raise NotImplementedError
+
+    def indexer_target(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and stored keys whose scaled dot products are the attention scores the indexer learns from."""
+        return query, key
 
     def check_indexer_loss(self, indexer_loss: str | None, layer_cache, local_heads: int) -> None:
         """Refuse an indexer loss this layer cannot compute: fp8 cached keys, or a rank holding only some heads."""

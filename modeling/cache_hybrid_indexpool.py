@@ -18,18 +18,23 @@ storage is allocated once, at the first update, for exactly what the rows can re
 at most 1/16 of what it holds, rounded up to `GROWTH_CHUNK` positions, so reserved bytes stay within ~6% of the bytes
 in use plus one chunk. `memory_footprint()` reports both.
 
+The cache only stores: it never pools, norms, rotates or quantises. `IndexPoolLayerCache.update` stores the new
+keys/values and returns the raw indexer keys of the windows the step completes ([`CompletedWindows`]); the layer's
+indexer pools them, and `store_pooled_index_keys` writes the result where those windows belong.
+
 A decode step (one new token per row) uses fixed shapes and makes no host synchronisation: tokens are written at
-each row's length with indexed writes, the window it completes (if any) is pooled and written with a masked write,
-and the lengths are advanced in place. With `max_cache_len` nothing in the step depends on host-side counters, so a
+each row's length with indexed writes, the window it completes (if any) is written with a masked write, and the
+lengths are advanced in place. With `max_cache_len` nothing in the step depends on host-side counters, so a
 compiled step is reused at every length (`is_compileable`).
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
 
-from ..kernels.fp8_index_keys import packed_width, quantize_pooled_keys
+from ..kernels.fp8_index_keys import packed_width
 
 # Positions a growing (non-reserved) cache adds at least, and the fraction of its size it adds at most beyond need.
 GROWTH_CHUNK = 256
@@ -160,6 +165,29 @@ class LinearAttentionLayerCache(_LayerCache):
         ple = _bytes(self.ple_token_context) + _bytes(self.ple_conv_state)
         conv, recurrent = _bytes(self.conv_state), _bytes(self.recurrent_state)
         return {"conv_state": (conv, conv), "recurrent_state": (recurrent, recurrent), "ple_state": (ple, ple)}
+
+
+@dataclass
+class CompletedWindows:
+    """The windows an [`IndexPoolLayerCache.update`] completes: their raw indexer keys, for the indexer to pool, and
+    where their pooled keys belong (given back to [`IndexPoolLayerCache.store_pooled_index_keys`] unchanged).
+
+    Attributes:
+        keys: `[batch, windows, r, index_head_dim]` raw indexer keys, each window's tokens in order.
+        gate_logits: `[batch, windows, r, gate_width]` float32 pooling-gate logits (without the slot bias), or None.
+        first_positions: `[streams, batch, windows]` rotary positions of each window's first token.
+        source: `(rows, windows)` indexing the complete windows in `keys`; None in a decode step, whose one window
+            per row is at index 0 and is stored where `complete` says.
+        target: `(rows, windows)` indexing the pooled-key storage.
+        complete: `[batch]` bool in a decode step (the rows whose window this token completes), else None.
+    """
+
+    keys: torch.Tensor
+    gate_logits: torch.Tensor | None
+    first_positions: torch.Tensor
+    source: tuple[torch.Tensor, torch.Tensor] | None
+    target: tuple[torch.Tensor, torch.Tensor]
+    complete: torch.Tensor | None = None
 
 
 class IndexPoolLayerCache(_LayerCache):
@@ -318,43 +346,56 @@ class IndexPoolLayerCache(_LayerCache):
     def update(
         self,
         key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        raw_index_keys: torch.Tensor,
+        value_states: torch.Tensor | None,
+        raw_index_keys: torch.Tensor | None,
         gate_logits: torch.Tensor | None,
         token_is_real: torch.Tensor,
         rope_positions: torch.Tensor,
-        pool_windows: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store the new tokens' keys/values at their rows' positions, pool every window they complete, and advance
-        the lengths. Call `plan` first (the model does, once per forward).
+    ) -> tuple[torch.Tensor, torch.Tensor | None, CompletedWindows | None]:
+        """Store the new tokens' keys/values and open-window indexer keys at their rows' positions, and advance the
+        lengths. Call `plan` first (the model does, once per forward).
 
         Args:
             key_states, value_states: `[batch, kv_heads, new, head_dim]`; MLA gives its latents `[batch, 1, new,
                 kv_lora_rank]` as keys and no values (None).
             raw_index_keys: `[batch, new, index_head_dim]` indexer keys before norm and RoPE; None in a layer whose
-                indexer is shared (then the gate logits and `pool_windows` are None too).
+                indexer is shared (then the gate logits are None too).
             gate_logits: `[batch, new, index_head_dim]` (`[batch, new, 1]` for one weight per token) float32
                 pooling-gate logits (without the slot bias) or None.
             token_is_real: `[batch, new]` bool; padding is not stored.
-            rope_positions: `[streams, batch, new]` rotary positions of the new tokens; a pooled window is rotated at
-                its first token's.
-            pool_windows: `(window_keys [b, w, r, d], window_gate_logits or None, first_positions [streams, b, w])
-                -> [b, w, d]`, the indexer's pooling with norm and RoPE.
+            rope_positions: `[streams, batch, new]` rotary positions of the new tokens; the cache keeps the open
+                window's first one, at which its pooled key will be rotated.
 
         Returns:
-            Keys and values `[batch, kv_heads, capacity, head_dim]` (values None for MLA) and pooled keys `[batch,
-            capacity // r, index_head_dim]` (None without an indexer): views of the storage; entries beyond each
-            row's length are stale or zero.
+            Keys and values `[batch, kv_heads, capacity, head_dim]` (values None for MLA), views of the storage whose
+            entries beyond each row's length are stale or zero; and the windows these tokens complete, which the
+            indexer pools and `store_pooled_index_keys` stores (None without an indexer, or when a multi-token
+            input completes none; a decode step always returns its one masked window per row).
         """
         if self.key_storage is None or self._planned_capacity > self.capacity:
             self._allocate(key_states, value_states, raw_index_keys, gate_logits, rope_positions.shape[0])
         write = self._write_one if key_states.shape[-2] == 1 else self._write_many
-        write(key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions, pool_windows)
+        completed = write(key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions)
         self.lengths.add_(token_is_real.sum(dim=1))
-        return self.keys, self.values, self.pooled_storage
+        return self.keys, self.values, completed
 
-    def _write_one(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions,
-                   pool_windows):
+    def store_pooled_index_keys(self, windows: CompletedWindows, pooled: torch.Tensor) -> torch.Tensor:
+        """Store the pooled keys `[batch, windows, width]` of `windows` (as `update` returned them) and return the
+        pooled-key storage `[batch, capacity // r, width]`. With `fp8_index_keys` the keys come packed (uint8,
+        `kernels.fp8_index_keys.quantize_pooled_keys`), otherwise in the storage's precision."""
+        if self.fp8_index_keys and pooled.dtype != torch.uint8:
+            raise ValueError(
+                f"This cache stores packed fp8 pooled keys, but got {pooled.dtype} ones; quantise them first "
+                "(HybridIndexPoolIndexer.pool_windows(..., quantize=True))."
+            )
+        pooled = pooled[:, 0] if windows.source is None else pooled[windows.source]
+        pooled = pooled.to(self.pooled_storage.dtype)
+        if windows.complete is not None:  # a masked write: fixed shapes, no host synchronisation
+            pooled = torch.where(windows.complete[:, None], pooled, self.pooled_storage[windows.target])
+        self.pooled_storage[windows.target] = pooled
+        return self.pooled_storage
+
+    def _write_one(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions):
         """Decode: one token per row, fixed shapes, masked writes, no host synchronisation."""
         r = self.pool_size
         rows = torch.arange(key_states.shape[0], device=key_states.device)
@@ -366,7 +407,7 @@ class IndexPoolLayerCache(_LayerCache):
             new = new[:, :, 0].to(storage.dtype)  # [batch, kv_heads, head_dim]
             storage[rows, target] = torch.where(real[:, None, None], new, storage[rows, target])
         if raw_index_keys is None:
-            return
+            return None
 
         num_open, num_pooled = self.lengths % r, self.lengths // r
         # The open window with the new token at its place: [batch, r, d].
@@ -381,23 +422,23 @@ class IndexPoolLayerCache(_LayerCache):
         # The window's first token is the new one when the window opens with it.
         opens = (num_open == 0)[:, None]
         first_position = torch.where(opens, rope_positions[:, :, 0].T, self.open_window_position)  # [batch, streams]
-        pooled = pool_windows(window_keys[:, None], None if window_logits is None else window_logits[:, None],
-                              first_position.T[:, :, None])[:, 0]
+        completed = CompletedWindows(
+            keys=window_keys[:, None], gate_logits=None if window_logits is None else window_logits[:, None],
+            first_positions=first_position.T[:, :, None], source=None,
+            target=(rows, num_pooled.clamp(max=self.pooled_storage.shape[1] - 1)),
+            complete=real & (num_open == r - 1),
+        )
         self.open_window_position.copy_(torch.where(opens & real[:, None], first_position,
                                                     self.open_window_position))
-        completes = real & (num_open == r - 1)
-        window_target = num_pooled.clamp(max=self.pooled_storage.shape[1] - 1)
-        self.pooled_storage[rows, window_target] = torch.where(
-            completes[:, None], self._stored(pooled), self.pooled_storage[rows, window_target])
         # A completed window leaves stale entries behind, which its zero count makes invisible.
         if r > 1:
             self.open_index_keys.copy_(torch.where(real[:, None, None], window_keys[:, : r - 1], self.open_index_keys))
             if window_logits is not None:
                 self.open_gate_logits.copy_(
                     torch.where(real[:, None, None], window_logits[:, : r - 1], self.open_gate_logits))
+        return completed
 
-    def _write_many(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions,
-                    pool_windows):
+    def _write_many(self, key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions):
         """Prefill: any number of tokens per row; may read the device for its shapes."""
         r = self.pool_size
         positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1  # of the real tokens
@@ -408,7 +449,7 @@ class IndexPoolLayerCache(_LayerCache):
             self.value_storage[rows, targets] = value_states.transpose(1, 2)[rows, columns].to(
                 self.value_storage.dtype)
         if raw_index_keys is None:
-            return
+            return None
 
         batch_size, num_new, index_head_dim = raw_index_keys.shape
         device = raw_index_keys.device
@@ -427,18 +468,19 @@ class IndexPoolLayerCache(_LayerCache):
         position_buffer = self._scatter_rows(rope_positions.permute(1, 2, 0), self.open_window_position[:, None],
                                              rows, columns, relative, width)  # [batch, width, streams]
 
+        completed = None
         complete_rows, complete_windows = (
             torch.arange(num_windows, device=device) < num_complete[:, None]).nonzero(as_tuple=True)
         if complete_rows.numel():
             window_ids = num_pooled[:, None] + torch.arange(num_windows, device=device)
-            window_keys = key_buffer.view(batch_size, num_windows, r, index_head_dim)
-            window_logits = None
-            if logit_buffer is not None:
-                window_logits = logit_buffer.view(batch_size, num_windows, r, logit_buffer.shape[-1])
-            first_positions = position_buffer[:, ::r].permute(2, 0, 1)  # [streams, batch, windows]
-            pooled = pool_windows(window_keys, window_logits, first_positions)
-            self.pooled_storage[complete_rows, window_ids[complete_rows, complete_windows]] = self._stored(
-                pooled[complete_rows, complete_windows])
+            completed = CompletedWindows(
+                keys=key_buffer.view(batch_size, num_windows, r, index_head_dim),
+                gate_logits=None if logit_buffer is None else logit_buffer.view(
+                    batch_size, num_windows, r, logit_buffer.shape[-1]),
+                first_positions=position_buffer[:, ::r].permute(2, 0, 1),  # [streams, batch, windows]
+                source=(complete_rows, complete_windows),
+                target=(complete_rows, window_ids[complete_rows, complete_windows]),
+            )
         self.open_window_position.copy_(position_buffer[torch.arange(batch_size, device=device),
                                                         (num_complete * r).clamp(max=width - 1)])
         if r > 1:
@@ -448,10 +490,7 @@ class IndexPoolLayerCache(_LayerCache):
             self.open_index_keys.copy_(key_buffer.gather(1, open_index))
             if logit_buffer is not None:
                 self.open_gate_logits.copy_(logit_buffer.gather(1, open_index[..., :logit_buffer.shape[-1]]))
-
-    def _stored(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Pooled keys `[..., index_head_dim]` as the storage holds them (packed fp8, or its dtype)."""
-        return quantize_pooled_keys(pooled) if self.fp8_index_keys else pooled.to(self.pooled_storage.dtype)
+        return completed
 
     @staticmethod
     def _scatter_rows(new, open_part, rows, columns, relative, width):
@@ -688,4 +727,4 @@ class HybridIndexPoolCache(Cache):
         return footprint
 
 
-__all__ = ["HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache"]
+__all__ = ["CompletedWindows", "HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache"]

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
+from ..kernels.fp8_index_keys import quantize_pooled_keys
 from ..kernels.weighted_pool import weighted_pool
 from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm, HybridIndexPoolRotaryEmbedding, apply_rotary
 
@@ -52,6 +53,9 @@ class HybridIndexPoolIndexer(nn.Module):
         self.head_weights_proj = None
         if config.index_head_weights:
             self.head_weights_proj = HybridIndexPoolLinear(config.hidden_size, self.num_heads, bias=False)
+        # Pooled keys are rotated at their windows' first positions, which may lie in an earlier step than the tokens
+        # the model has rotary tensors for: the indexer has its own RoPE for them (the same frequencies).
+        self.rotary_emb = HybridIndexPoolRotaryEmbedding(config) if self.rope else None
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 query_latent: torch.Tensor | None = None):
@@ -81,22 +85,23 @@ class HybridIndexPoolIndexer(nn.Module):
         self,
         window_keys: torch.Tensor,
         window_gate_logits: torch.Tensor | None,
-        first_positions: torch.Tensor,
-        rotary_emb: HybridIndexPoolRotaryEmbedding,
+        first_positions: torch.Tensor | None,
+        quantize: bool = False,
     ) -> torch.Tensor:
         """Pool `[batch, windows, r, head_dim]` raw keys into normed `[batch, windows, head_dim]` keys rotated (with
         `index_rope`) at the rotary positions of each window's first token, `first_positions [streams, batch,
-        windows]` (for text, `c * r`)."""
+        windows]` (for text, `c * r`; unused without `index_rope`). With `quantize`, the keys come packed in fp8 as
+        a cache with `index_key_cache_dtype="float8_e4m3fn"` stores them (`uint8 [batch, windows, head_dim + 4]`)."""
         if window_gate_logits is not None:
             window_gate_logits = window_gate_logits + self.pool_slot_bias.float()
         if self.norm_before_pooling:
             pooled = weighted_pool(self.k_norm(window_keys), window_gate_logits).to(window_keys.dtype)
         else:
             pooled = self.k_norm(weighted_pool(window_keys, window_gate_logits).to(window_keys.dtype))
-        if not self.rope:
-            return pooled
-        cos, sin = rotary_emb(pooled, first_positions[0] if len(first_positions) == 1 else first_positions)
-        return apply_rotary(pooled, cos, sin)
+        if self.rope:
+            cos, sin = self.rotary_emb(pooled, first_positions[0] if len(first_positions) == 1 else first_positions)
+            pooled = apply_rotary(pooled, cos, sin)
+        return quantize_pooled_keys(pooled) if quantize else pooled
 
 
 def window_kl_divergence(window_mass: torch.Tensor, index_scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,6 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         positions: torch.Tensor,
         rope_positions: torch.Tensor,
         token_is_real: torch.Tensor,
-        rotary_emb: HybridIndexPoolRotaryEmbedding,
         cache: HybridIndexPoolCache | None = None,
         output_attentions: bool = False,
         indexer_loss: str | None = None,
@@ -164,7 +163,7 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.linear_attn(hidden_states, token_is_real, layer_cache)
         else:
             hidden_states, weights, kl, selection = self.self_attn(
-                hidden_states, position_embeddings, positions, rope_positions, token_is_real, rotary_emb, layer_cache,
+                hidden_states, position_embeddings, positions, rope_positions, token_is_real, layer_cache,
                 output_attentions, indexer_loss, shared_selection,
             )
         if self.hyper_connections:
@@ -529,8 +528,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             elif output_hidden_states:
                 all_hidden_states += (hidden_states,)
             hidden_states, weights, kl, router_logits, layer_selection = decoder_layer(
-                hidden_states, position_embeddings, positions, rope_positions, token_is_real, self.rotary_emb,
-                cache=cache,
+                hidden_states, position_embeddings, positions, rope_positions, token_is_real, cache=cache,
                 output_attentions=output_attentions, indexer_loss=indexer_loss, ple_token_ids=ple_token_ids,
                 shared_selection=selection,
             )

@@ -103,7 +103,7 @@ def run_ours(layers, rotary, hidden, mask, chunks=None, share=True):
             if cache is not None:
                 cache.plan(real)
             attended, _, _, layer_selection = layer(states, embeddings, chunk_positions, chunk_positions[None], real,
-                                                    rotary, cache, shared_selection=selection if share else None)
+                                                    cache, shared_selection=selection if share else None)
             if layer.indexer is not None:
                 selection = layer_selection
             states = states + attended
@@ -206,7 +206,7 @@ def test_cache_keeps_one_latent_per_token_and_no_indexer_state_in_shared_layers(
     with torch.no_grad():
         for layer, cache in zip(ours, caches):
             cache.plan(mask)
-            _, _, _, out = layer(hidden, embeddings, positions, positions[None], mask, rotary, cache,
+            _, _, _, out = layer(hidden, embeddings, positions, positions[None], mask, cache,
                                  shared_selection=selection)
             selection = out if layer.indexer is not None else selection
     full, shared = caches

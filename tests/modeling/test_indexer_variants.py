@@ -64,7 +64,7 @@ def test_pooled_keys_and_selected_tokens_match_glms_indexer_with_left_padding(po
         num_windows = (length - first) // pool_size
         window_keys = raw_keys[row, real][: num_windows * pool_size].unflatten(0, (num_windows, pool_size))
         window_logits = gate_logits[row, real][: num_windows * pool_size].unflatten(0, (num_windows, pool_size))
-        pooled = ours.pool_windows(window_keys[None], window_logits[None], None, None)[0]
+        pooled = ours.pool_windows(window_keys[None], window_logits[None], None)[0]
         assert int(glm_pool_valid[row].sum()) == num_windows
         torch.testing.assert_close(pooled, glm_pooled[row, :num_windows], atol=1e-5, rtol=1e-5)
         positions = torch.arange(length - first)

@@ -26,7 +26,7 @@ def run_layer(layer, rotary, hidden, positions=None, token_is_real=None):
     positions = torch.arange(seq).expand(batch, seq) if positions is None else positions
     token_is_real = torch.ones(batch, seq, dtype=torch.bool) if token_is_real is None else token_is_real
     with torch.no_grad():
-        output, *_ = layer(hidden, rotary(hidden, positions), positions, positions[None], token_is_real, rotary)
+        output, *_ = layer(hidden, rotary(hidden, positions), positions, positions[None], token_is_real)
     return output
 
 
