@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import transformers
 from packaging import version
 from torch import nn
@@ -30,13 +29,16 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from .attention_gqa import HybridIndexPoolAttention
+from .attention_indexpool import HybridIndexPoolAttentionBase
 from .attention_mla import HybridIndexPoolMLAAttention
 from .cache_hybrid_indexpool import HybridIndexPoolCache
 from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .indexer import HybridIndexPoolIndexer
+from .inputs import LayerStep, attention_by_column, check_inputs, columns_of_positions, gather_pieces, prepare_inputs
 from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm, HybridIndexPoolRotaryEmbedding
 from .linear_attention_gdn import HybridIndexPoolGatedDeltaNet
 from .linear_attention_kda import (
@@ -53,7 +55,6 @@ from .moe import (
 )
 from .per_layer_embedding import HybridIndexPoolNGramEmbedding, HybridIndexPoolPerLayerEmbedding
 from .residual_streams import HybridIndexPoolHyperConnection, HybridIndexPoolSinkhornHyperConnection
-from .token_layout import TokenLayout
 
 
 @dataclass
@@ -130,27 +131,28 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
         if not self.hyper_connections or config.hc_type == "sinkhorn":  # Qwen4-Exp's hyper-connections norm instead
             self.input_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.post_attention_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # A shared-indexer layer attends to the windows the closest full IndexPool layer before it selected.
+        self.selection_source = None
+        if self.layer_type == "indexpool_attention" and config.is_shared_indexer_layer(layer_idx):
+            full_layers = [index for index in range(layer_idx) if config.layer_types[index] == "indexpool_attention"
+                           and not config.is_shared_indexer_layer(index)]
+            self.selection_source = full_layers[-1] if full_layers else None
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        positions: torch.Tensor,
-        rope_positions: torch.Tensor,
-        token_is_real: torch.Tensor,
+        step: LayerStep,
         cache: HybridIndexPoolCache | None = None,
-        output_attentions: bool = False,
-        indexer_loss: str | None = None,
-        ple_token_ids: torch.Tensor | None = None,
-        shared_selection: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """`hidden_states [batch, seq, hc_count * hidden]` -> the same, the attention weights, the indexer loss
-        (when asked), the router logits `[batch, seq, num_experts]` (MoE layers) and the IndexPool selection
-        `[batch, seq, topk]` (None when dense or in a linear layer). `ple_token_ids` (pads replaced by the
-        end-of-sequence id) feed a PLE layer; `shared_selection` is the selection a shared-indexer layer reuses."""
+    ) -> torch.Tensor:
+        """`hidden_states [batch, seq, hc_count * hidden]` -> the same. An IndexPool layer with its own indexer
+        records its selection in `step` (a shared-indexer layer attends to that of `selection_source`), and its
+        indexer loss when `step.indexer_loss` asks for it; attention weights and router logits are recorded by the
+        model's output capture."""
         layer_cache = None if cache is None else cache.layers[self.layer_idx]
         if self.ple is not None:
-            hidden_states = hidden_states + self.ple(hidden_states, ple_token_ids, token_is_real, layer_cache)
+            hidden_states = hidden_states + self.ple(hidden_states, step.ple_token_ids, step.token_is_real,
+                                                     layer_cache)
         if self.hyper_connections:
             streams = hidden_states
             hidden_states, write_weights = self.attn_hyper_connection(streams)
@@ -158,31 +160,37 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             residual = hidden_states
         if self.input_layernorm is not None:
             hidden_states = self.input_layernorm(hidden_states)
-        weights = kl = selection = None
         if self.layer_type == "linear_attention":
-            hidden_states = self.linear_attn(hidden_states, token_is_real, layer_cache)
+            hidden_states = self.linear_attn(hidden_states, step.token_is_real, layer_cache)
         else:
-            hidden_states, weights, kl, selection = self.self_attn(
-                hidden_states, position_embeddings, positions, rope_positions, token_is_real, layer_cache,
-                output_attentions, indexer_loss, shared_selection,
-            )
+            hidden_states = self._sparse_attention(hidden_states, position_embeddings, step, layer_cache)
         if self.hyper_connections:
             streams = self.attn_hyper_connection.inject(streams, hidden_states, write_weights)
             hidden_states, write_weights = self.mlp_hyper_connection(streams)
             if self.post_attention_layernorm is not None:
                 hidden_states = self.post_attention_layernorm(hidden_states)
-            mlp_output, router_logits = self._feed_forward(hidden_states)
-            streams = self.mlp_hyper_connection.inject(streams, mlp_output, write_weights)
-            return streams, weights, kl, router_logits, selection
+            return self.mlp_hyper_connection.inject(streams, self._feed_forward(hidden_states), write_weights)
         hidden_states = residual + hidden_states
-        mlp_output, router_logits = self._feed_forward(self.post_attention_layernorm(hidden_states))
-        return hidden_states + mlp_output, weights, kl, router_logits, selection
+        return hidden_states + self._feed_forward(self.post_attention_layernorm(hidden_states))
 
-    def _feed_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The MLP's output and, from a MoE block, its router logits (None from a dense MLP)."""
+    def _sparse_attention(self, hidden_states, position_embeddings, step: LayerStep, layer_cache) -> torch.Tensor:
+        """The IndexPool attention's output; its selection and indexer loss go to `step`."""
+        shared = None if self.selection_source is None else step.selections.get(self.selection_source)
+        output, _, kl, selection = self.self_attn(
+            hidden_states, position_embeddings, step.positions, step.rope_positions, step.token_is_real, layer_cache,
+            step.output_attentions, step.indexer_loss, shared,
+        )
+        if self.self_attn.indexer is not None:
+            step.selections[self.layer_idx] = selection
+        if kl is not None:
+            step.indexer_losses[self.layer_idx] = kl
+        return output
+
+    def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The MLP's output (a MoE block's router logits are recorded from the block itself)."""
         if isinstance(self.mlp, HybridIndexPoolSparseMoeBlock):
-            return self.mlp(hidden_states)
-        return self.mlp(hidden_states), None
+            return self.mlp(hidden_states)[0]
+        return self.mlp(hidden_states)
 
 
 # The oldest transformers the model runs on. The package installs next to older ones (vLLM pins transformers < 5.20)
@@ -215,6 +223,12 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _is_stateful = True
+    # Recorded from the layers by transformers' output capture (only when asked): the IndexPool attentions' weights
+    # and the MoE blocks' router logits, each the second output of its module.
+    _can_record_outputs = {
+        "attentions": OutputRecorder(HybridIndexPoolAttentionBase, index=1),
+        "router_logits": OutputRecorder(HybridIndexPoolSparseMoeBlock, index=1),
+    }
 
     def __init__(self, config, *inputs, **kwargs):
         require_transformers_version()
@@ -376,25 +390,20 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         """
         if indexer_loss not in (None, "dense", "sparse"):
             raise ValueError(f"indexer_loss is {indexer_loss!r}; use None, 'dense' or 'sparse'.")
-        output_attentions = bool(output_attentions if output_attentions is not None else self.config.output_attentions)
-        output_hidden_states = bool(
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        output_router_logits = bool(
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
-        use_cache_asked = use_cache
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
-        self._check_inputs(input_ids, inputs_embeds)
-        if self.config.ple_layers:
-            ple_input_ids = input_ids if ple_input_ids is None else ple_input_ids
-            if ple_input_ids is None:
-                raise ValueError(
-                    "This model has per-layer n-gram embeddings (`ple_layers`), which need the token ids: with "
-                    "`inputs_embeds`, also pass `ple_input_ids` [batch, seq]."
-                )
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+        config = self.config
+        output_attentions = bool(config.output_attentions if output_attentions is None else output_attentions)
+        output_hidden_states = bool(config.output_hidden_states if output_hidden_states is None
+                                    else output_hidden_states)
+        output_router_logits = bool(config.output_router_logits if output_router_logits is None
+                                    else output_router_logits)
+        check_inputs(config, input_ids, inputs_embeds)
+        if config.ple_layers and (ple_input_ids := input_ids if ple_input_ids is None else ple_input_ids) is None:
+            raise ValueError(
+                "This model has per-layer n-gram embeddings (`ple_layers`), which need the token ids: with "
+                "`inputs_embeds`, also pass `ple_input_ids` [batch, seq]."
+            )
+        inputs_embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        use_cache_asked, use_cache = use_cache, config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache, cache = False, None  # the recomputation would update a cache twice
         if cache is not None and not isinstance(cache, HybridIndexPoolCache):
@@ -403,120 +412,42 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 "(leave it empty and one is created, or build one with HybridIndexPoolCache(model.config))."
             )
         if cache is not None:
-            cache.check_compatible(self.config, inputs_embeds.shape[0])
-
-        batch_size, seq_len = inputs_embeds.shape[:2]
-        token_is_real = self._token_is_real(attention_mask, cache, batch_size, seq_len, inputs_embeds.device)
-        rope_positions, text_positions = self._rope_positions(position_ids, batch_size, seq_len, inputs_embeds.device)
-        # The layers run on a grid where every sequence's real tokens come first (see TokenLayout): padding and
-        # holes then cost the recurrent layers nothing, and packed sequences never see each other.
-        layout = None
-        if seq_len > 1 and text_positions is not None and self._is_packed(text_positions, token_is_real):
-            if cache is not None or use_cache_asked:
-                raise ValueError(
-                    "`position_ids` restart at 0 inside a row (packed sequences, as DataCollatorWithFlattening "
-                    "makes): that is for training without a cache; pass use_cache=False, or one sequence per row."
-                )
-            use_cache = False
-            layout = TokenLayout.unpack(text_positions, token_is_real)
-        elif seq_len > 1:
-            layout = TokenLayout.compact(token_is_real)
-        # Attention weights are returned over every mask column, past and new (transformers' convention). Only read
-        # when asked: the cache's count lives on the device, and a decode step must not wait for it.
-        kv_length = None
-        if output_attentions:
-            kv_length = seq_len + (0 if cache is None else cache.get_seq_length())
-        if use_cache and cache is None:
-            cache = HybridIndexPoolCache(self.config)
-        ple_token_ids = None
-        if self.config.ple_layers:
-            # Padding never enters an n-gram: it reads as end-of-sequence, after which the n-gram context restarts.
-            ple_token_ids = ple_input_ids.to(inputs_embeds.device).masked_fill(
-                ~token_is_real, self.config.ple_eos_token_id
-            )
-        if layout is not None:
-            inputs_embeds, token_is_real = layout.to_grid(inputs_embeds), layout.token_is_real
-            if rope_positions is not None:  # [streams, batch, seq]: the streams ride along
-                rope_positions = layout.to_grid(rope_positions.permute(1, 2, 0)).permute(2, 0, 1)
-            text_positions = None if text_positions is None else layout.to_grid(text_positions)
-            ple_token_ids = None if ple_token_ids is None else layout.to_grid(ple_token_ids)
-        # Storage positions: each row counts its real tokens (the cache's per-row lengths come first).
-        if cache is not None:
-            positions = cache.begin_update(token_is_real)
-        else:
-            positions = (token_is_real.long().cumsum(dim=1) - 1).clamp(min=0)
-        if text_positions is not None and seq_len > 1:
-            self._check_positions(text_positions, positions, token_is_real)
-        if rope_positions is None:
-            # The rotary positions count the tokens too, shifted per row after a multimodal prompt.
-            rope_positions = positions
-            if cache is not None and cache.rope_deltas is not None:
-                rope_positions = positions + cache.rope_deltas.to(positions.device)
-            rope_positions = rope_positions[None].expand(self.rotary_emb.num_streams, -1, -1)
-        if self.config.has_hyper_connections:
-            inputs_embeds = inputs_embeds.repeat(1, 1, self.config.hc_count)  # every stream starts as the embedding
+            cache.check_compatible(config, inputs_embeds.shape[0])
+        inputs = prepare_inputs(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, use_cache_asked,
+                                output_attentions, indexer_loss, ple_input_ids)
+        hidden_states = inputs.inputs_embeds
+        if config.has_hyper_connections:
+            hidden_states = hidden_states.repeat(1, 1, config.hc_count)  # every stream starts as the embedding
         # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
         # so peak memory follows the cache (linear in the context), not the prompt's activations.
-        grid_length = inputs_embeds.shape[1]
-        chunk = self.config.prefill_chunk_length
-        if cache is None or chunk is None or grid_length <= chunk or output_attentions or indexer_loss:
+        grid_length, chunk = hidden_states.shape[1], config.prefill_chunk_length
+        if inputs.cache is None or chunk is None or grid_length <= chunk or output_attentions or indexer_loss:
             chunk = grid_length
-        starts = range(0, grid_length, chunk)
         # In one piece, the layers record their input hidden states in the input's layout and continue from those,
         # so the returned states are tensors the output was computed from (their gradients can be retained).
-        record_layout = layout if len(starts) == 1 else None
-        pieces = [
-            self._run_layers(inputs_embeds[:, start:start + chunk], positions[:, start:start + chunk],
-                             rope_positions[:, :, start:start + chunk], token_is_real[:, start:start + chunk], cache,
-                             output_attentions, output_hidden_states,
-                             indexer_loss, None if ple_token_ids is None else ple_token_ids[:, start:start + chunk],
-                             record_layout, output_router_logits)
-            for start in range(0, grid_length, chunk)
-        ]
-        hidden_states = torch.cat([piece[0] for piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
-        all_hidden_states = None
-        if output_hidden_states:
-            all_hidden_states = tuple(torch.cat(states, dim=1) if len(states) > 1 else states[0]
-                                      for states in zip(*(piece[1] for piece in pieces)))
-        all_attentions = pieces[0][2] if output_attentions else None
-        layer_losses = pieces[0][3]
-        all_router_logits = tuple(torch.cat(logits, dim=1) if len(logits) > 1 else logits[0]
-                                  for logits in zip(*(piece[4] for piece in pieces))) or None
-        if layout is not None:
-            hidden_states = layout.from_grid(hidden_states)
-            if all_hidden_states is not None and record_layout is None:
-                all_hidden_states = tuple(layout.from_grid(states) for states in all_hidden_states)
-            if all_attentions is not None:  # [rows, heads, queries, positions]: move the queries
-                all_attentions = tuple(layout.from_grid(weights.transpose(1, 2)).transpose(1, 2)
-                                       for weights in all_attentions)
-            if all_router_logits is not None:  # back in the input's order, so that its padding mask lines up
-                all_router_logits = tuple(layout.from_grid(logits) for logits in all_router_logits)
-        if all_router_logits is not None:
-            all_router_logits = tuple(logits.flatten(0, 1) for logits in all_router_logits)
-        if all_attentions is not None:
-            columns = self._columns_of_positions(attention_mask, layout, batch_size, kv_length, inputs_embeds.device)
-            all_attentions = tuple(self._attention_by_column(weights, columns, kv_length) for weights in all_attentions)
-        return HybridIndexPoolModelOutput(
-            last_hidden_state=hidden_states,
-            cache=cache if use_cache else None,
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
-            router_logits=all_router_logits,
-            indexer_loss=torch.stack(layer_losses).mean() if layer_losses else None,
-        )
+        record_layout = inputs.layout if chunk == grid_length else None
+        pieces = [self._run_layers(hidden_states[:, start:start + chunk], inputs.step.chunk(start, start + chunk),
+                                   inputs.cache, record_layout, output_hidden_states=output_hidden_states,
+                                   output_attentions=output_attentions, output_router_logits=output_router_logits)
+                  for start in range(0, grid_length, chunk)]
+        output = gather_pieces(pieces, inputs.layout, record_layout)
+        if output.attentions is not None:
+            columns = columns_of_positions(attention_mask, inputs.layout, inputs_embeds.shape[0], inputs.kv_length,
+                                           inputs_embeds.device)
+            output.attentions = tuple(attention_by_column(weights, columns, inputs.kv_length)
+                                      for weights in output.attentions)
+        output.cache = inputs.cache if inputs.use_cache else None
+        return output
 
-    def _run_layers(self, hidden_states, positions, rope_positions, token_is_real, cache, output_attentions,
-                    output_hidden_states, indexer_loss=None, ple_token_ids=None, record_layout=None,
-                    output_router_logits=False):
-        """One pass of the stack over a piece of the input: final normed states, per-layer states, attentions, the
-        IndexPool layers' indexer losses and the MoE layers' router logits `[rows, seq, num_experts]`. With
-        `record_layout`, the per-layer states are recorded in the input's layout (the final ones stay on the
-        grid)."""
-        position_embeddings = self.rotary_emb(hidden_states, rope_positions[0] if len(rope_positions) == 1
-                                              else rope_positions)
-        all_hidden_states, all_attentions, indexer_losses, all_router_logits = (), (), [], ()
-        # The last full IndexPool layer's selection, which the shared-indexer layers after it reuse.
-        selection = None
+    @capture_outputs
+    def _run_layers(self, hidden_states, step: LayerStep, cache, record_layout, output_hidden_states=False,
+                    **kwargs) -> "HybridIndexPoolModelOutput":
+        """One pass of the stack over a piece of the input: final normed states, per-layer states (recorded in the
+        input's layout with `record_layout`; the final ones stay on the grid) and the indexer loss; attention
+        weights and router logits `[rows, seq, num_experts]` are captured from the layers (`_can_record_outputs`)."""
+        position_embeddings = self.rotary_emb(hidden_states, step.rope_positions[0] if len(step.rope_positions) == 1
+                                              else step.rope_positions)
+        all_hidden_states = ()
         for decoder_layer in self.layers:
             if not isinstance(decoder_layer, HybridIndexPoolDecoderLayer):
                 continue  # another pipeline stage runs this layer (transformers' pipeline parallelism left a stub)
@@ -527,19 +458,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 hidden_states = record_layout.to_grid(recorded)
             elif output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, weights, kl, router_logits, layer_selection = decoder_layer(
-                hidden_states, position_embeddings, positions, rope_positions, token_is_real, cache=cache,
-                output_attentions=output_attentions, indexer_loss=indexer_loss, ple_token_ids=ple_token_ids,
-                shared_selection=selection,
-            )
-            if decoder_layer.layer_type == "indexpool_attention" and decoder_layer.self_attn.indexer is not None:
-                selection = layer_selection
-            if output_attentions and decoder_layer.layer_type == "indexpool_attention":
-                all_attentions += (weights,)
-            if kl is not None:
-                indexer_losses.append(kl)
-            if output_router_logits and router_logits is not None:
-                all_router_logits += (router_logits,)
+            hidden_states = decoder_layer(hidden_states, position_embeddings, step, cache=cache)
         if self.config.hc_type == "sinkhorn":
             hidden_states = self.norm(HybridIndexPoolSinkhornHyperConnection.collapse(hidden_states,
                                                                                       self.config.hc_count))
@@ -549,149 +468,9 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states if record_layout is None else record_layout.from_grid(hidden_states),)
-        return hidden_states, all_hidden_states, all_attentions, indexer_losses, all_router_logits
-
-    @staticmethod
-    def _columns_of_positions(attention_mask, layout, batch_size, kv_length, device) -> torch.Tensor | None:
-        """`[batch, queries or 1, positions]`: the mask column (past and new) of each stored position a query can
-        attend to, or None when position `p` is column `p` (no padding anywhere). Positions count a row's real
-        tokens, so position `p` is its `p`-th real column; in a row of packed sequences, the `p`-th column of the
-        query's own sequence."""
-        if layout is not None and layout.rows.shape[0] != batch_size:  # packed: one grid row per sequence
-            return layout.columns[layout.source_rows]
-        if layout is None and (attention_mask is None or bool(attention_mask.all())):
-            return None
-        # A stable sort puts each row's real columns first, in order; its padding columns follow.
-        padding = attention_mask.to(device=device) == 0
-        return torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices[:, None]
-
-    @staticmethod
-    def _attention_by_column(weights, columns, kv_length) -> torch.Tensor:
-        """Attention weights `[batch, heads, queries, positions]` laid out over the mask columns instead,
-        `[batch, heads, queries, kv_length]`, zero where nothing was attended (padding, unselected windows)."""
-        if columns is None and weights.shape[-1] == kv_length:
-            return weights  # the very weights the output used (their gradient can be retained)
-        if columns is None:  # a decode step's weights cover the cache's reserved positions
-            return F.pad(weights, (0, kv_length - weights.shape[-1]))[..., :kv_length]
-        batch_size, num_heads, num_queries, _ = weights.shape
-        num_positions = min(weights.shape[-1], columns.shape[-1], kv_length)
-        index = columns[..., :num_positions].expand(batch_size, num_queries, num_positions)
-        index = index[:, None].expand(batch_size, num_heads, num_queries, num_positions)
-        # Added, not written: cells past the end of a packed sequence repeat a column with zero weight.
-        return weights.new_zeros(batch_size, num_heads, num_queries, kv_length).scatter_add_(
-            -1, index, weights[..., :num_positions])
-
-    def _check_inputs(self, input_ids, inputs_embeds) -> None:
-        """Refuse malformed inputs with a message that names the argument and the fix."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
-        given = input_ids if input_ids is not None else inputs_embeds
-        name = "input_ids" if input_ids is not None else "inputs_embeds"
-        if given.dim() != (2 if input_ids is not None else 3):
-            shape = "[batch, seq]" if input_ids is not None else "[batch, seq, hidden_size]"
-            raise ValueError(f"`{name}` has shape {tuple(given.shape)}; give {shape} (add a batch dimension with "
-                             f"{name}[None] for a single sequence).")
-        if given.shape[0] == 0 or given.shape[1] == 0:
-            raise ValueError(f"`{name}` has shape {tuple(given.shape)}: give at least one row of at least one token.")
-        if input_ids is not None:
-            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-                raise ValueError(f"`input_ids` are {input_ids.dtype}; token ids must be integers (e.g. torch.long).")
-            # Checked outside decode steps only: reading the values waits for the device.
-            if input_ids.shape[1] > 1 and bool((input_ids < 0).any() | (input_ids >= self.config.vocab_size).any()):
-                raise ValueError(
-                    f"`input_ids` hold ids from {int(input_ids.min())} to {int(input_ids.max())}, outside the "
-                    f"vocabulary [0, {self.config.vocab_size}); check the tokenizer matches this model."
-                )
-        else:
-            if inputs_embeds.shape[-1] != self.config.hidden_size:
-                raise ValueError(f"`inputs_embeds` are {inputs_embeds.shape[-1]} wide; this model's hidden_size is "
-                                 f"{self.config.hidden_size}.")
-            if not inputs_embeds.is_floating_point():
-                raise ValueError(f"`inputs_embeds` are {inputs_embeds.dtype}; give floating-point embeddings (e.g. "
-                                 "model.get_input_embeddings()(input_ids)).")
-
-    @staticmethod
-    def _token_is_real(attention_mask, cache, batch_size, seq_len, device):
-        """`[batch, seq]` bool: which new tokens exist (mask 1); padding and holes are absent for everything."""
-        if attention_mask is None:
-            return torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                f"`attention_mask` has {attention_mask.dim()} dimensions; give the 2-D padding mask "
-                "`[batch, past + new tokens]` (1 = token, 0 = padding): the sparse selection builds its own."
-            )
-        if seq_len > 1 or cache is None or cache.seen_tokens is None:
-            past = 0 if cache is None else cache.get_seq_length()
-        else:  # a decode step reads only the new token's column, and nothing from the device
-            past = max(attention_mask.shape[1] - seq_len, 0)
-        if attention_mask.shape != (batch_size, past + seq_len):
-            raise ValueError(
-                f"`attention_mask` has shape {tuple(attention_mask.shape)} but the cache holds {past} tokens and "
-                f"{seq_len} new ones arrive for {batch_size} rows; it must be ({batch_size}, {past + seq_len})."
-            )
-        return attention_mask[:, attention_mask.shape[1] - seq_len:].to(device=device, dtype=torch.bool)
-
-    def _rope_positions(self, position_ids, batch_size, seq_len, device):
-        """`position_ids` as rotary positions `[streams, batch, seq]` for this model's RoPE and, where they include
-        them, the text positions `[batch, seq]` (which count the real tokens); `(None, None)` when not given.
-
-        Accepted: `[batch, seq]` text positions; `[3, batch, seq]` multimodal streams (time, height, width);
-        `[4, batch, seq]`, the text positions then the three streams (what `generate()` builds for Qwen-VL models).
-        """
-        if position_ids is None:
-            return None, None
-        streams = self.rotary_emb.num_streams
-        text_positions, multimodal = None, None
-        if position_ids.dim() == 2:
-            text_positions = position_ids
-        elif position_ids.dim() == 3 and position_ids.shape[0] in (1, 3, 4):
-            if position_ids.shape[0] in (1, 4):
-                text_positions = position_ids[0]
-            if position_ids.shape[0] != 1:
-                multimodal = position_ids[-3:]
-        else:
-            raise ValueError(
-                f"`position_ids` has shape {tuple(position_ids.shape)}; give [batch, seq] text positions, or "
-                "[3, batch, seq] multimodal (time, height, width) positions, or [4, batch, seq] with the text "
-                "positions first."
-            )
-        if multimodal is not None and streams == 1:
-            if not bool((multimodal == multimodal[:1]).all()):
-                raise ValueError(
-                    "`position_ids` has several different position streams (multimodal RoPE for images or video), "
-                    "but this model's rope_parameters have no 'mrope_section': give [batch, seq] positions, or use "
-                    "a multimodal model."
-                )
-            text_positions = multimodal[0] if text_positions is None else text_positions
-            multimodal = None
-        for name, given in (("text", text_positions), ("multimodal", multimodal)):
-            if given is not None and given.shape[-2:] not in ((batch_size, seq_len), (1, seq_len)):
-                raise ValueError(f"`position_ids` ({name}) has shape {tuple(given.shape)}; its last two dimensions "
-                                 f"must be ({batch_size}, {seq_len}).")
-        if text_positions is not None:
-            text_positions = text_positions.expand(batch_size, seq_len).to(device=device, dtype=torch.long)
-        rope = multimodal if multimodal is not None else text_positions[None]
-        rope = rope.expand(streams, batch_size, seq_len).to(device=device, dtype=torch.long)
-        return rope, text_positions
-
-    @staticmethod
-    def _is_packed(position_ids, token_is_real) -> bool:
-        """Whether some row holds several sequences: more than one real token at position 0 (reads the device)."""
-        return bool((((position_ids == 0) & token_is_real).sum(dim=1) > 1).any())
-
-    @staticmethod
-    def _check_positions(position_ids, positions, token_is_real) -> None:
-        """Refuse `position_ids` that disagree with each row's count of real tokens (reads the device; not done in
-        decode steps): windows, the cache and RoPE all follow that count."""
-        wrong = token_is_real & (position_ids != positions)
-        if bool(wrong.any()):
-            row, column = (int(index) for index in wrong.nonzero()[0])
-            raise ValueError(
-                f"`position_ids` give position {int(position_ids[row, column])} to a token that is real token number "
-                f"{int(positions[row, column])} of its row (row {row}): positions must count each row's real tokens "
-                "from 0 (from the tokens already in the cache), as attention_mask.cumsum(-1) - 1 does. Leave "
-                "`position_ids` out and the model counts them; positions restarting at 0 mean packed sequences."
-            )
+        losses = list(step.indexer_losses.values())
+        return HybridIndexPoolModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states or None,
+                                          indexer_loss=torch.stack(losses).mean() if losses else None)
 
 
 class HybridIndexPoolGenerationMixin(GenerationMixin):

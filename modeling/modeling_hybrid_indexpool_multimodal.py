@@ -20,6 +20,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolMultimodalConfig
 from .cache_hybrid_indexpool import HybridIndexPoolCache
+from .inputs import check_inputs
 from .layers import HybridIndexPoolLinear
 from .modeling_hybrid_indexpool import (
     HybridIndexPoolCausalLMOutput,
@@ -185,7 +186,7 @@ class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
         if has_vision and input_ids is None:
             raise ValueError("Images and videos need `input_ids` (their placeholder tokens mark where they go).")
         if inputs_embeds is None and input_ids is not None:
-            self.language_model._check_inputs(input_ids, None)
+            check_inputs(self.language_model.config, input_ids, None)
             inputs_embeds = self.get_input_embeddings()(input_ids)
         placeholder_types = self.token_types(input_ids) if has_vision else None
         if pixel_values is not None:

@@ -102,7 +102,7 @@ def test_remote_code_is_generated_from_the_package_sources():
             "kernels_kimi_delta_rule.py", "kernels_kimi_delta_rule_reference.py"} <= set(files)
     package_source = Path(hub_export.__file__).with_name("token_layout.py").read_text()
     assert files["token_layout.py"].endswith(package_source)  # no relative import: the source as it is
-    assert "from .kernels_fp8_index_keys import packed_width, quantize_pooled_keys" in \
+    assert "from .kernels_fp8_index_keys import packed_width" in \
         files["cache_hybrid_indexpool.py"]
     assert "from .kernels_pooled_index_topk import pooled_index_scores_torch, pooled_index_topk" in \
         files["attention_indexpool.py"]

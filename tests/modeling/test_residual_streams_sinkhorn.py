@@ -9,7 +9,9 @@ from transformers.models.glm5_next import modeling_glm5_next as glm
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
+from hybrid_indexpool.modeling.inputs import LayerStep
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolDecoderLayer
+from hybrid_indexpool.modeling.moe import HybridIndexPoolSparseMoeBlock
 from hybrid_indexpool.modeling.residual_streams import HybridIndexPoolSinkhornHyperConnection
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -85,10 +87,10 @@ def test_decoder_layer_streams_equal_glm(mlp_type, hc_count):
     ours.load_state_dict(state)
     residual = streams(hc_count, seed=3)
     token_is_real = torch.ones(2, 11, dtype=torch.bool)
-    output = ours(residual.flatten(-2), None, None, None, token_is_real, None)
+    output = ours(residual.flatten(-2), None, LayerStep(None, None, token_is_real))
     expected = theirs(residual)[0]
-    torch.testing.assert_close(output[0], expected.flatten(-2), atol=ATOL, rtol=ATOL)
-    assert (output[3] is None) == (mlp_type == "dense")
+    torch.testing.assert_close(output, expected.flatten(-2), atol=ATOL, rtol=ATOL)
+    assert isinstance(ours.mlp, HybridIndexPoolSparseMoeBlock) == (mlp_type == "sparse")
 
 
 GLM_LIKE = dict(
@@ -110,7 +112,7 @@ def glm_like_model() -> HybridIndexPoolForCausalLM:
 def test_final_read_is_the_norm_of_the_streams_mean():
     model = glm_like_model()
     captured = []
-    model.model.layers[-1].register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    model.model.layers[-1].register_forward_hook(lambda module, args, output: captured.append(output))
     input_ids = torch.randint(1, 97, (2, 9))
     with torch.no_grad():
         last_hidden_state = model.model(input_ids).last_hidden_state
