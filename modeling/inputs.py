@@ -172,6 +172,17 @@ def check_inputs(config, input_ids, inputs_embeds) -> None:
             raise ValueError(f"`inputs_embeds` are {inputs_embeds.dtype}; give floating-point embeddings (e.g. "
                              "model.get_input_embeddings()(input_ids)).")
 
+def check_cache(config, cache, batch_size: int) -> None:
+    """Refuse a cache that is not a `HybridIndexPoolCache`, or one built for another model or batch."""
+    if cache is not None and not isinstance(cache, HybridIndexPoolCache):
+        raise ValueError(
+            f"`cache` is a {type(cache).__name__}; this model needs a HybridIndexPoolCache "
+            "(leave it empty and one is created, or build one with HybridIndexPoolCache(model.config))."
+        )
+    if cache is not None:
+        cache.check_compatible(config, batch_size)
+
+
 def token_is_real_mask(attention_mask, cache, batch_size, seq_len, device):
     """`[batch, seq]` bool: which new tokens exist (mask 1); padding and holes are absent for everything."""
     if attention_mask is None:

@@ -6,26 +6,21 @@ then RoPE at the window's first position), scores the complete windows a query m
 the raw keys/values of its best `index_topk // r` windows plus its own open window (the tail).
 
 This module assembles the decoder layer, the model and its heads; each concept lives in a module of its own:
-`layers` (linear, norms, rotary), `linear_attention_gdn`, `indexer`, `attention_gqa`, `moe`, `residual_streams`
-(hyper-connections), `per_layer_embedding`, and the cache in `cache_hybrid_indexpool`.
+`layers` (linear, norms, rotary), `linear_attention_gdn` / `linear_attention_kda`, `indexer`, `attention_indexpool`
+(the IndexPool forward) with its head shapes `attention_gqa` / `attention_mla`, `moe`, `residual_streams`
+(hyper-connections), `per_layer_embedding`, `inputs` (validation, positions, token layout), `outputs`, `generation`,
+and the cache in `cache_hybrid_indexpool`.
 """
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import transformers
 from packaging import version
 from torch import nn
 from transformers import initialization as init
-from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import (
-    MoeCausalLMOutputWithPast,
-    MoeModelOutputWithPast,
-    SequenceClassifierOutputWithPast,
-)
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
@@ -36,9 +31,18 @@ from .attention_gqa import HybridIndexPoolAttention
 from .attention_indexpool import HybridIndexPoolAttentionBase
 from .attention_mla import HybridIndexPoolMLAAttention
 from .cache_hybrid_indexpool import HybridIndexPoolCache
+from .generation import HybridIndexPoolGenerationMixin
 from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .indexer import HybridIndexPoolIndexer
-from .inputs import LayerStep, attention_by_column, check_inputs, columns_of_positions, gather_pieces, prepare_inputs
+from .inputs import (
+    LayerStep,
+    attention_by_column,
+    check_cache,
+    check_inputs,
+    columns_of_positions,
+    gather_pieces,
+    prepare_inputs,
+)
 from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm, HybridIndexPoolRotaryEmbedding
 from .linear_attention_gdn import HybridIndexPoolGatedDeltaNet
 from .linear_attention_kda import (
@@ -53,34 +57,9 @@ from .moe import (
     HybridIndexPoolSparseMoeBlock,
     load_balancing_loss,
 )
+from .outputs import HybridIndexPoolCausalLMOutput, HybridIndexPoolModelOutput, HybridIndexPoolSequenceClassifierOutput
 from .per_layer_embedding import HybridIndexPoolNGramEmbedding, HybridIndexPoolPerLayerEmbedding
 from .residual_streams import HybridIndexPoolHyperConnection, HybridIndexPoolSinkhornHyperConnection
-
-
-@dataclass
-class HybridIndexPoolModelOutput(MoeModelOutputWithPast):
-    """`MoeModelOutputWithPast` (`router_logits`: one `[batch * seq, num_experts]` per MoE layer, when asked for) plus
-    `indexer_loss`, the IndexPool layers' mean KL loss when it was asked for."""
-
-    indexer_loss: torch.FloatTensor | None = None
-
-
-@dataclass
-class HybridIndexPoolCausalLMOutput(MoeCausalLMOutputWithPast):
-    """`MoeCausalLMOutputWithPast` (`aux_loss`, the load-balancing loss, and `router_logits`, when router logits were
-    asked for) plus `indexer_loss`; both losses are already included, weighted, in `loss`."""
-
-    indexer_loss: torch.FloatTensor | None = None
-
-
-@dataclass
-class HybridIndexPoolSequenceClassifierOutput(SequenceClassifierOutputWithPast):
-    """`SequenceClassifierOutputWithPast` plus the load-balancing `aux_loss` (included, weighted, in `loss`) and the
-    `router_logits`, when router logits were asked for."""
-
-    aux_loss: torch.FloatTensor | None = None
-    router_logits: tuple[torch.Tensor, ...] | None = None
-
 
 LINEAR_ATTENTION_CLASSES = {
     "gated_deltanet": HybridIndexPoolGatedDeltaNet,
@@ -380,9 +359,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             output_attentions: also return the attention weights of the IndexPool layers, dense `[b, h, t, slots]`.
             output_hidden_states: also return the hidden states entering each layer and the final ones.
             indexer_loss: `"dense"` or `"sparse"` to also return the indexer's KL loss (DeepSeek-V3.2 style, mean
-                over the IndexPool layers): against the attention mass of every complete visible window, or of the
-                selected ones only. It trains only the indexer and pooling parameters. `"dense"` (the warm-up) also
-                makes the attention dense at any length.
+                over IndexPool layers) against the attention mass of every complete visible window, or of the
+                selected ones; it trains only the indexer and pooling. `"dense"` also makes the attention dense.
             ple_input_ids: the token ids for the per-layer n-gram embeddings when `inputs_embeds` replace
                 `input_ids` (models with `ple_layers` only).
             output_router_logits: also return each MoE layer's router logits `[batch * seq, num_experts]`, in
@@ -406,13 +384,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         use_cache_asked, use_cache = use_cache, config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache, cache = False, None  # the recomputation would update a cache twice
-        if cache is not None and not isinstance(cache, HybridIndexPoolCache):
-            raise ValueError(
-                f"`cache` is a {type(cache).__name__}; this model needs a HybridIndexPoolCache "
-                "(leave it empty and one is created, or build one with HybridIndexPoolCache(model.config))."
-            )
-        if cache is not None:
-            cache.check_compatible(config, inputs_embeds.shape[0])
+        check_cache(config, cache, inputs_embeds.shape[0])
         inputs = prepare_inputs(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, use_cache_asked,
                                 output_attentions, indexer_loss, ple_input_ids)
         hidden_states = inputs.inputs_embeds
@@ -471,77 +443,6 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         losses = list(step.indexer_losses.values())
         return HybridIndexPoolModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states or None,
                                           indexer_loss=torch.stack(losses).mean() if losses else None)
-
-
-class HybridIndexPoolGenerationMixin(GenerationMixin):
-    """What the language-model heads share: the output of `lm_head` with its losses, and what `generate()` needs to
-    know about this model family: its cache (reserved once for the call), positions counted by the model itself, and
-    the 2-D padding mask passed through to a (possibly compiled) decode step."""
-
-    def language_model_output(self, outputs, labels=None, logits_to_keep: int | torch.Tensor = 0,
-                              attention_mask: torch.Tensor | None = None, **kwargs) -> "HybridIndexPoolCausalLMOutput":
-        """Logits of the last `logits_to_keep` positions (all when 0) and, given `labels`, the loss; a requested
-        indexer loss is added, weighted by `indexer_loss_weight`. With router logits, `aux_loss` is their
-        load-balancing loss over the real tokens of `attention_mask`, added to a labelled loss weighted by
-        `router_aux_loss_coef` (as transformers' MoE models do)."""
-        text_config = self.config.get_text_config()
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(outputs.last_hidden_state[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
-        aux_loss = self.router_aux_loss(outputs.router_logits, attention_mask)
-        if aux_loss is not None and loss is not None:
-            loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
-        if outputs.indexer_loss is not None:
-            weighted = text_config.indexer_loss_weight * outputs.indexer_loss
-            loss = weighted if loss is None else loss + weighted
-        return HybridIndexPoolCausalLMOutput(
-            loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, router_logits=outputs.router_logits, indexer_loss=outputs.indexer_loss,
-        )
-
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-    ):
-        """`generate()` gets a HybridIndexPoolCache (the default DynamicCache cannot hold pooled windows)."""
-        cache = model_kwargs.get("cache")
-        if isinstance(cache, HybridIndexPoolCache) and generation_config.use_cache is not False:
-            cache.reserve(max_cache_length)  # continuing from a cache: room for this call's tokens, once
-        if cache is not None or generation_config.use_cache is False:
-            return super()._prepare_cache_for_generation(
-                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-            )
-        if generation_config.cache_implementation not in (None, "dynamic", "hybrid_indexpool"):
-            raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
-                "HybridIndexPool; leave it unset (a HybridIndexPoolCache is built) or pass `cache=`."
-            )
-        # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
-        model_kwargs["cache"] = HybridIndexPoolCache(self.config.get_text_config(), max_cache_len=max_cache_length)
-
-    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
-        """None: the model counts each row's real tokens itself, from the attention mask and the cache, which
-        `generate()`'s own positions get wrong for right-padded rows once decoding starts."""
-        return None
-
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
-                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
-        model_inputs = super().prepare_inputs_for_generation(
-            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
-        )
-        cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
-        if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
-            # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
-            # every length: say so up front instead of recompiling once the length changes.
-            torch._dynamo.maybe_mark_dynamic(attention_mask, 1)
-        return model_inputs
-
-    @staticmethod
-    def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs):
-        """The layers build their own selections from the 2-D padding mask: `generate()` passes it through."""
-        return attention_mask
 
 
 class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPoolGenerationMixin):

@@ -20,14 +20,11 @@ from transformers.utils.generic import can_return_tuple
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolMultimodalConfig
 from .cache_hybrid_indexpool import HybridIndexPoolCache
+from .generation import HybridIndexPoolGenerationMixin
 from .inputs import check_inputs
 from .layers import HybridIndexPoolLinear
-from .modeling_hybrid_indexpool import (
-    HybridIndexPoolCausalLMOutput,
-    HybridIndexPoolGenerationMixin,
-    HybridIndexPoolModel,
-    HybridIndexPoolPreTrainedModel,
-)
+from .modeling_hybrid_indexpool import HybridIndexPoolModel, HybridIndexPoolPreTrainedModel
+from .outputs import HybridIndexPoolCausalLMOutput
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 

@@ -1,0 +1,78 @@
+"""What the HybridIndexPool language-model heads share for `generate()` and their losses."""
+
+import torch
+from transformers.generation import GenerationMixin
+
+from .cache_hybrid_indexpool import HybridIndexPoolCache
+from .outputs import HybridIndexPoolCausalLMOutput
+
+
+class HybridIndexPoolGenerationMixin(GenerationMixin):
+    """What the language-model heads share: the output of `lm_head` with its losses, and what `generate()` needs to
+    know about this model family: its cache (reserved once for the call), positions counted by the model itself, and
+    the 2-D padding mask passed through to a (possibly compiled) decode step."""
+
+    def language_model_output(self, outputs, labels=None, logits_to_keep: int | torch.Tensor = 0,
+                              attention_mask: torch.Tensor | None = None, **kwargs) -> "HybridIndexPoolCausalLMOutput":
+        """Logits of the last `logits_to_keep` positions (all when 0) and, given `labels`, the loss; a requested
+        indexer loss is added, weighted by `indexer_loss_weight`. With router logits, `aux_loss` is their
+        load-balancing loss over the real tokens of `attention_mask`, added to a labelled loss weighted by
+        `router_aux_loss_coef` (as transformers' MoE models do)."""
+        text_config = self.config.get_text_config()
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(outputs.last_hidden_state[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
+        aux_loss = self.router_aux_loss(outputs.router_logits, attention_mask)
+        if aux_loss is not None and loss is not None:
+            loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
+        if outputs.indexer_loss is not None:
+            weighted = text_config.indexer_loss_weight * outputs.indexer_loss
+            loss = weighted if loss is None else loss + weighted
+        return HybridIndexPoolCausalLMOutput(
+            loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions, router_logits=outputs.router_logits, indexer_loss=outputs.indexer_loss,
+        )
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
+        """`generate()` gets a HybridIndexPoolCache (the default DynamicCache cannot hold pooled windows)."""
+        cache = model_kwargs.get("cache")
+        if isinstance(cache, HybridIndexPoolCache) and generation_config.use_cache is not False:
+            cache.reserve(max_cache_length)  # continuing from a cache: room for this call's tokens, once
+        if cache is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if generation_config.cache_implementation not in (None, "dynamic", "hybrid_indexpool"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
+                "HybridIndexPool; leave it unset (a HybridIndexPoolCache is built) or pass `cache=`."
+            )
+        # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
+        model_kwargs["cache"] = HybridIndexPoolCache(self.config.get_text_config(), max_cache_len=max_cache_length)
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """None: the model counts each row's real tokens itself, from the attention mask and the cache, which
+        `generate()`'s own positions get wrong for right-padded rows once decoding starts."""
+        return None
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
+        )
+        cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
+        if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
+            # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
+            # every length: say so up front instead of recompiling once the length changes.
+            torch._dynamo.maybe_mark_dynamic(attention_mask, 1)
+        return model_inputs
+
+    @staticmethod
+    def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs):
+        """The layers build their own selections from the 2-D padding mask: `generate()` passes it through."""
+        return attention_mask
