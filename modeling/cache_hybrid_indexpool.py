@@ -500,6 +500,16 @@ class IndexPoolLayerCache(_LayerCache):
         buffer[rows, relative] = new[rows, columns].to(buffer.dtype)
         return buffer
 
+    def extend_to(self, length: int) -> None:
+        """Count every row as holding `length` tokens: whatever the storage holds up to there becomes its content
+        (for benchmarks that write synthetic keys into `key_storage` / `value_storage` / `pooled_storage` to time a
+        decode step at a long context without prefilling it). Reads nothing from the device."""
+        if self.lengths is None or length > self.capacity:
+            raise ValueError(f"extend_to({length}): the storage holds {self.capacity} positions per row; reserve "
+                             "them first (HybridIndexPoolCache(config, max_cache_len=N) and one update).")
+        self.lengths.fill_(length)
+        self.length_bound = length
+
     def check_crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove <= 0 or self.lengths is None:
             return
@@ -648,6 +658,13 @@ class HybridIndexPoolCache(Cache):
             layer.max_cache_len = self.max_cache_len
             layer.is_compileable = True
             layer.reserve(max(to_come, 0))
+
+    def extend_to(self, num_tokens: int) -> None:
+        """Count every row of every IndexPool layer as holding `num_tokens` tokens, with no padding (see
+        `IndexPoolLayerCache.extend_to`; the linear-attention states are whatever they hold)."""
+        for layer in self.index_layers:
+            layer.extend_to(num_tokens)
+        self.seen_tokens.fill_(num_tokens)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Attention-mask columns seen so far (padding included), the same for every layer."""

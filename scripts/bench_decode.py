@@ -298,9 +298,7 @@ def fill_cache_synthetically(cache, context: int, seed: int) -> None:
                                                              generator=generator)))
         else:
             pooled.copy_(torch.randn(pooled.shape, generator=generator, dtype=pooled.dtype))
-        layer.lengths.fill_(context)
-        layer.length_bound = context
-    cache.seen_tokens.fill_(context)
+    cache.extend_to(context)
 
 
 def aten_calls(step) -> int:

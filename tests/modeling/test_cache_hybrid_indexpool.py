@@ -284,3 +284,54 @@ def test_a_reserved_cache_grows_past_its_reservation_outside_compiled_code():
     assert index_layer(cache).capacity >= 40
     with pytest.raises(ValueError, match="max_cache_len"):
         HybridIndexPoolCache(model.config, max_cache_len=0)
+
+
+def test_the_cache_only_stores_what_the_indexer_pooled_for_the_windows_it_reported():
+    """`update` hands back the raw keys of exactly the windows a step completes; the pooled keys stored are the
+    ones given to `store_pooled_index_keys`, at those windows, and nothing is pooled inside the cache."""
+    layer = IndexPoolLayerCache(pool_size=4)
+    token_is_real = torch.tensor([[True] * 10, [False] * 3 + [True] * 7])
+    layer.plan(token_is_real)
+    keys = torch.randn(2, 1, 10, 8)
+    raw_index_keys = torch.randn(2, 10, 6)
+    positions = (token_is_real.long().cumsum(1) - 1).clamp(min=0)[None]
+    _, _, completed = layer.update(keys, keys, raw_index_keys, None, token_is_real, positions)
+    rows, windows = completed.source
+    assert rows.tolist() == [0, 0, 1] and windows.tolist() == [0, 1, 0]  # 10 real tokens: 2 windows, 7: one
+    torch.testing.assert_close(completed.keys[0, 1], raw_index_keys[0, 4:8])
+    torch.testing.assert_close(completed.keys[1, 0], raw_index_keys[1, 3:7])
+    assert completed.first_positions[0, 0].tolist()[:2] == [0, 4]
+    marked = torch.arange(completed.keys.shape[1], dtype=torch.float)[None, :, None].expand(2, -1, 6) + 1
+    pooled = layer.store_pooled_index_keys(completed, marked)
+    assert pooled[0, :2, 0].tolist() == [1.0, 2.0] and pooled[1, :1, 0].tolist() == [1.0]
+    assert layer.num_pooled.tolist() == [2, 1] and layer.num_open.tolist() == [2, 3]
+    # A decode step reports one masked window per row: only the row it completes is written.
+    step_real = torch.ones(2, 1, dtype=torch.bool)
+    layer.plan(step_real)
+    _, _, step = layer.update(keys[:, :, :1], keys[:, :, :1], raw_index_keys[:, :1], None, step_real,
+                              torch.tensor([[[10], [7]]]))
+    assert step.source is None and step.complete.tolist() == [False, True]
+    layer.store_pooled_index_keys(step, torch.full((2, 1, 6), 9.0))
+    assert layer.pooled_storage[1, 1, 0] == 9.0 and layer.pooled_storage[0, 2, 0] != 9.0
+
+
+def test_an_fp8_cache_refuses_pooled_keys_that_are_not_packed():
+    layer = IndexPoolLayerCache(pool_size=2, fp8_index_keys=True)
+    token_is_real = torch.ones(1, 4, dtype=torch.bool)
+    layer.plan(token_is_real)
+    _, _, completed = layer.update(torch.randn(1, 1, 4, 8), None, torch.randn(1, 4, 16), None, token_is_real,
+                                   torch.arange(4)[None, None])
+    with pytest.raises(ValueError, match="packed fp8"):
+        layer.store_pooled_index_keys(completed, torch.randn(1, 2, 16))
+
+
+def test_extend_to_counts_synthetic_content_and_refuses_beyond_the_reservation():
+    model = tiny_model()
+    cache = HybridIndexPoolCache(model.config, max_cache_len=64)
+    with torch.no_grad():
+        model(torch.randint(1, 97, (1, 5)), cache=cache, use_cache=True)
+    cache.extend_to(40)
+    assert cache.get_seq_length() == 40
+    assert all(layer.lengths.tolist() == [40] for layer in cache.index_layers)
+    with pytest.raises(ValueError, match="reserve"):
+        cache.extend_to(10_000)
