@@ -1,4 +1,4 @@
-"""Indexer training in two stages (DeepSeek-V3.2, DESIGN §3) with `transformers.Trainer`: the library behind
+"""Indexer training in two stages (DeepSeek-V3.2's recipe) with `transformers.Trainer`: the library behind
 `scripts/train_indexer.py`.
 
 - Stage 1, dense warm-up (`"warmup"`): every parameter is frozen except the indexer's (`indexer.*`: query and key

@@ -1,4 +1,4 @@
-"""Train the indexer of a HybridIndexPool model in two stages (DeepSeek-V3.2 recipe, DESIGN §3) with
+"""Train the indexer of a HybridIndexPool model in two stages (DeepSeek-V3.2's recipe) with
 `transformers.Trainer` on local text or JSON files.
 
 Stage 1, dense warm-up (`--stage warmup`): only the indexer and pooling parameters train, on the KL divergence between

@@ -2,10 +2,10 @@
 
 A decode step multiplies one token (or a few) by every weight matrix of the model: the step reads all the weights
 and does two flops per weight, so it runs at the memory bandwidth at best. The BLAS behind `F.linear` runs this
-batch-1 product well on one thread but barely faster on two (measured on a 2-core AVX2 EPYC: 11-15 GB/s with one or
-two threads, where a sum over the same weights reads 17-21 GB/s with two). Here each thread takes a contiguous run of
+batch-1 product well on one thread but gains little from a second one. Here each thread takes a contiguous run of
 output rows and reads 4 weight rows side by side against the input held in L1, in float32 or bfloat16 weights
-(widened in registers), so two threads read 15-24 GB/s (`linear_rows.c`). It is built on first use by
+(widened in registers), so the threads together stream the weights near the machine's read bandwidth
+(`linear_rows.c`; `docs/kernels.md` has the measured figures). It is built on first use by
 `cpu_build.CpuKernel` and registered as a custom op, so compiled decode steps keep one graph.
 
 The sum over the input dimension runs in another order than the BLAS's (vector lanes), so results can differ from
@@ -90,8 +90,8 @@ def _(input, weight, bias):
 
 def decode_linear_cpu(hidden_states, weight, bias=None):
     """`decode_linear_torch` by the compiled streaming product; same arguments and result (dtype of the input)."""
-    # Eager code calls the kernel directly: the custom op's dispatch costs tens of microseconds a call, which is
-    # ~2 ms of a decode step's 34 products at Qwen3.8-Flash-Next's widths; compiled code needs the op.
+    # Eager code calls the kernel directly, skipping the custom op's per-call dispatch cost (a decode step makes
+    # dozens of these products; docs/kernels.md has the figures); compiled code needs the op.
     product = KERNEL.dispatch(run_linear_rows, linear_rows)
     out = product(hidden_states.reshape(-1, weight.shape[1]), weight, bias)
     return out.to(hidden_states.dtype).reshape(*hidden_states.shape[:-1], weight.shape[0])

@@ -112,7 +112,7 @@ class HybridIndexPoolModelTest(ModelTesterMixin, GenerationTesterMixin, unittest
 
     all_model_classes = (HybridIndexPoolModel, HybridIndexPoolForCausalLM, HybridIndexPoolForSequenceClassification)
     model_tester_overrides = {}
-    # The indexer's parameters get no gradient from the language-model loss by design (DESIGN §3: its input is
+    # The indexer's parameters get no gradient from the language-model loss by design (its input is
     # detached, the top-k passes none; only the indexer loss trains it): test_parameters_get_gradients checks the rest.
     test_all_params_have_gradient = False
     # The test dates a model by a copyright line our files do not carry; the model is new, so run it.
