@@ -252,14 +252,14 @@ def test_a_killed_converter_process_leaves_nothing_behind(tmp_path):
     # whatever the machine's speed): the shard writer announces it on stdout and sleeps.
     held_converter = (
         "import sys, time\n"
-        "import hybrid_indexpool.conversion as conversion\n"
+        "import hybrid_indexpool.conversion.checkpoint_io as checkpoint_io\n"
         "from hybrid_indexpool.scripts import convert_qwen3_next\n"
-        "write = conversion.save_file\n"
+        "write = checkpoint_io.save_file\n"
         "def write_then_hold(*args, **kwargs):\n"
         "    write(*args, **kwargs)\n"
         "    print('shard written', flush=True)\n"
         "    time.sleep(120)\n"
-        "conversion.save_file = write_then_hold\n"
+        "checkpoint_io.save_file = write_then_hold\n"
         "convert_qwen3_next.main(sys.argv[1:])\n"
     )
     command = [sys.executable, "-c", held_converter, "--source", str(source), "--output", str(tmp_path / "ours"),

@@ -1,0 +1,57 @@
+"""Streaming conversion of pretrained checkpoints into HybridIndexPool checkpoints.
+
+`engine` holds the declarative plans and the streaming `convert_checkpoint`, `checkpoint_io` the safetensors source
+and the shard writer, `cli` the command line the converter scripts share, `qwen` what the Qwen hybrids map alike.
+"""
+
+from .checkpoint_io import CONVERTER_SCRIPTS, SourceCheckpoint
+from .cli import conversion_argument_parser, run_conversion_command
+from .engine import (
+    ConcatenatedWeight,
+    ConversionPlan,
+    ConversionReport,
+    IgnoreRule,
+    Terminated,
+    WeightGroup,
+    convert_checkpoint,
+    expected_weights,
+    fresh_weights,
+    fuse_experts,
+    rename,
+    to_multimodal_name,
+)
+from .errors import ConversionError
+from .qwen import (
+    qwen_attention_parts,
+    qwen_hybrid_settings,
+    qwen_moe_plan,
+    qwen_outer_plan,
+    qwen_source_configs,
+    qwen_text_prefix,
+)
+
+__all__ = [
+    "CONVERTER_SCRIPTS",
+    "ConcatenatedWeight",
+    "ConversionError",
+    "ConversionPlan",
+    "ConversionReport",
+    "IgnoreRule",
+    "SourceCheckpoint",
+    "Terminated",
+    "WeightGroup",
+    "conversion_argument_parser",
+    "convert_checkpoint",
+    "expected_weights",
+    "fresh_weights",
+    "fuse_experts",
+    "qwen_attention_parts",
+    "qwen_hybrid_settings",
+    "qwen_moe_plan",
+    "qwen_outer_plan",
+    "qwen_source_configs",
+    "qwen_text_prefix",
+    "rename",
+    "run_conversion_command",
+    "to_multimodal_name",
+]
