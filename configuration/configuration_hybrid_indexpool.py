@@ -1,6 +1,5 @@
 """Configuration of the HybridIndexPool model: Gated DeltaNet layers interleaved with IndexPool sparse attention."""
 
-import math
 from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
@@ -15,15 +14,68 @@ except ImportError:  # transformers < 5.20 (vLLM's pin), where only the text con
 
 LAYER_TYPES = ("linear_attention", "indexpool_attention")
 POOL_WEIGHTINGS = ("learned", "learned_scalar", "mean", "prenorm_mean")
-INDEX_KEY_CACHE_DTYPES = ("auto", "float8_e4m3fn")
-LINEAR_ATTENTION_TYPES = ("gated_deltanet", "kimi_delta")
-HC_TYPES = ("qwen4_exp", "sinkhorn")
-MOE_ROUTER_TYPES = ("softmax", "sigmoid_grouped")
-MLP_LAYER_TYPES = ("dense", "sparse")
-ATTENTION_TYPES = ("gqa", "mla")
-INDEX_QUERY_SOURCES = ("hidden", "q_lora")
-INDEX_KEY_NORMS = ("rms_after_pool", "layer_norm_before_pool")
-INDEXER_TYPES = ("full", "shared")
+
+# The settings `check_settings` validates, as data. Each choice field and the values it takes.
+CHOICES = {
+    "attention_type": ("gqa", "mla"),
+    "index_pool_weighting": POOL_WEIGHTINGS,
+    "index_key_cache_dtype": ("auto", "float8_e4m3fn"),
+    "index_query_source": ("hidden", "q_lora"),
+    "index_key_norm": ("rms_after_pool", "layer_norm_before_pool"),
+    "linear_attention_type": ("gated_deltanet", "kimi_delta"),
+    "linear_output_gate_act": ("silu", "sigmoid"),
+    "moe_router_type": ("softmax", "sigmoid_grouped"),
+    "hc_type": ("qwen4_exp", "sinkhorn"),
+}
+# Per-layer lists (None: their default), one entry per layer, and the values of an entry.
+LAYER_CHOICES = {
+    "layer_types": LAYER_TYPES,
+    "mlp_layer_types": ("dense", "sparse"),
+    "indexer_types": ("full", "shared"),
+}
+# Numeric fields and the interval they lie in; those in NULLABLE may also be None (off).
+NULLABLE = ("prefill_chunk_length", "swiglu_limit", "linear_gate_lower_bound")
+POSITIVE = "[1, inf)"
+RANGES = {
+    **dict.fromkeys(
+        ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+         "index_n_heads", "index_head_dim", "index_pool_size", "index_topk", "linear_num_key_heads",
+         "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+         "max_position_embeddings", "prefill_chunk_length", "hc_count", "hc_lowrank", "ple_conv_kernel_size",
+         "ple_ngram_vocab_size_base", "ple_vocab_size_multiple", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+         "v_head_dim", "hc_sinkhorn_iters", "n_group", "topk_group"), POSITIVE),
+    **dict.fromkeys(("index_sink_windows", "index_local_windows", "num_experts", "router_aux_loss_coef", "hc_eps"),
+                    "[0, inf)"),
+    "partial_rotary_factor": "(0, 1]",
+    "attention_dropout": "[0, 1)",
+    "swiglu_limit": "(0, inf)",
+    "routed_scaling_factor": "(0, inf)",
+    "linear_gate_lower_bound": "(-inf, 0)",
+    "qk_rope_head_dim": "[0, 0]",
+}
+# Fields only one variant reads: they are checked (and may not be None) only when it is chosen.
+READ_WHEN = {
+    **dict.fromkeys(("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "qk_rope_head_dim"),
+                    ("attention_type", "mla")),
+    **dict.fromkeys(("hc_sinkhorn_iters", "hc_eps"), ("hc_type", "sinkhorn")),
+    **dict.fromkeys(("n_group", "topk_group", "routed_scaling_factor"), ("moe_router_type", "sigmoid_grouped")),
+    "linear_gate_lower_bound": ("linear_attention_type", "kimi_delta"),
+}
+# Of those, the ones that must keep a neutral value when their variant is not chosen, with what the variant is.
+VARIANT_ONLY = {
+    ("moe_router_type", "sigmoid_grouped"): ("the 'sigmoid_grouped' router",
+                                             {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}),
+    ("linear_attention_type", "kimi_delta"): ("Kimi Delta Attention's forget gate", {"linear_gate_lower_bound": None}),
+}
+# Fields that must be a multiple of another.
+MULTIPLES = {"num_attention_heads": "num_key_value_heads", "linear_num_value_heads": "linear_num_key_heads",
+             "index_topk": "index_pool_size"}
+
+
+def _in_interval(value, interval: str) -> bool:
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = low <= value if interval[0] == "[" else low < value
+    return above and (value <= high if interval[-1] == "]" else value < high)
 
 
 def register_layer_type() -> None:
@@ -352,232 +404,102 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         """Raise a `ValueError` naming the field and the fix for every invalid combination of settings.
 
         Runs at construction and again when a model is built, so settings changed after construction are checked.
-        (It is not a strict-dataclass `validate_*` hook because those wrap the error in a non-`ValueError`.)
+        (Not a strict-dataclass `validate_*` hook: those wrap the error in a non-`ValueError`.) Single fields follow
+        the tables above; the rest relates several fields.
         """
 
         def fail(message: str):
             raise ValueError(f"HybridIndexPoolConfig: {message}")
 
-        if len(self.layer_types) != self.num_hidden_layers:
-            fail(
-                f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
-                f"{self.num_hidden_layers}; give one entry per layer."
-            )
-        for index, layer_type in enumerate(self.layer_types):
-            if layer_type not in LAYER_TYPES:
-                fail(f"`layer_types[{index}]` is {layer_type!r}; each entry must be one of {list(LAYER_TYPES)}.")
-        for name in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "index_n_heads", "index_head_dim", "index_pool_size", "index_topk",
-                     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim"):
-            if getattr(self, name) < 1:
-                fail(f"`{name}` is {getattr(self, name)}; it must be a positive integer.")
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            fail(
-                f"`num_attention_heads` ({self.num_attention_heads}) is not a multiple of `num_key_value_heads` "
-                f"({self.num_key_value_heads}); choose head counts where the key/value heads divide the query heads."
-            )
-        if self.linear_num_value_heads % self.linear_num_key_heads != 0:
-            fail(
-                f"`linear_num_value_heads` ({self.linear_num_value_heads}) is not a multiple of "
-                f"`linear_num_key_heads` ({self.linear_num_key_heads}); choose counts where the key heads divide "
-                "the value heads."
-            )
-        if self.index_topk % self.index_pool_size != 0:
-            fail(
-                f"`index_topk` ({self.index_topk}) is not a multiple of `index_pool_size` ({self.index_pool_size}); "
-                f"the budget is spent in whole windows, so use e.g. "
-                f"{max(self.index_pool_size, self.index_topk // self.index_pool_size * self.index_pool_size)}."
-            )
-        for name in ("index_sink_windows", "index_local_windows"):
-            if getattr(self, name) < 0:
-                fail(f"`{name}` is {getattr(self, name)}; it must be >= 0 (0 turns it off).")
-        if self.index_sink_windows + self.index_local_windows > self.index_topk // self.index_pool_size:
-            fail(
-                f"`index_sink_windows` ({self.index_sink_windows}) + `index_local_windows` "
-                f"({self.index_local_windows}) exceed the budget of {self.index_topk // self.index_pool_size} windows "
-                f"(`index_topk // index_pool_size`); they are counted inside it, so lower them or raise `index_topk`."
-            )
-        if self.index_pool_weighting not in POOL_WEIGHTINGS:
-            fail(
-                f"`index_pool_weighting` is {self.index_pool_weighting!r}; it must be one of {list(POOL_WEIGHTINGS)}."
-            )
-        if self.index_key_cache_dtype not in INDEX_KEY_CACHE_DTYPES:
-            fail(f"`index_key_cache_dtype` is {self.index_key_cache_dtype!r}; it must be one of "
-                 f"{list(INDEX_KEY_CACHE_DTYPES)}.")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                fail(f"`{name}` is {getattr(self, name)!r}; it must be one of {list(allowed)}.")
+        for name, allowed in LAYER_CHOICES.items():
+            entries = getattr(self, name)
+            if entries is not None and len(entries) != self.num_hidden_layers:
+                fail(f"`{name}` has {len(entries)} entries but `num_hidden_layers` is {self.num_hidden_layers}; "
+                     "give one entry per layer" + ("." if name == "layer_types" else " (or None for the default)."))
+            for index, entry in enumerate(entries or []):
+                if entry not in allowed:
+                    fail(f"`{name}[{index}]` is {entry!r}; each entry must be one of {list(allowed)}.")
+        for name, interval in RANGES.items():
+            field, variant = READ_WHEN.get(name, (None, None))
+            if field is not None and getattr(self, field) != variant:
+                continue
+            value = getattr(self, name)
+            if value is None and name not in NULLABLE:
+                fail(f"`{name}` is None; {field} {variant!r} needs it in {interval}.")
+            if value is not None and not _in_interval(value, interval):
+                fail(f"`{name}` is {value}; it must lie in {interval}.")
+        for (field, variant), (description, neutral) in VARIANT_ONLY.items():
+            changed = [f"{name} = {getattr(self, name)}" for name, value in neutral.items()
+                       if getattr(self, name) != value and getattr(self, field) != variant]
+            if changed:
+                fail(f"{', '.join(changed)} apply to {description} only; set {field}={variant!r} or leave them at "
+                     f"{', '.join(f'{name} = {value}' for name, value in neutral.items())}.")
+        for name, divisor in MULTIPLES.items():
+            if getattr(self, name) % getattr(self, divisor) != 0:
+                fail(f"`{name}` ({getattr(self, name)}) is not a multiple of `{divisor}` ({getattr(self, divisor)}); "
+                     "choose values where the second divides the first.")
+        self._check_combinations(fail)
+
+    def _check_combinations(self, fail):
+        budget = self.index_topk // self.index_pool_size
+        if self.index_sink_windows + self.index_local_windows > budget:
+            fail(f"`index_sink_windows` ({self.index_sink_windows}) + `index_local_windows` "
+                 f"({self.index_local_windows}) exceed the budget of {budget} windows (`index_topk // "
+                 "index_pool_size`); they are counted inside it, so lower them or raise `index_topk`.")
         if self.index_key_cache_dtype == "float8_e4m3fn" and self.index_head_dim & (self.index_head_dim - 1):
             fail(f"`index_key_cache_dtype` 'float8_e4m3fn' rotates each key by a Walsh-Hadamard transform, which needs "
                  f"a power-of-two `index_head_dim` (got {self.index_head_dim}); use e.g. "
                  f"{1 << (self.index_head_dim.bit_length() - 1)} or keep 'auto'.")
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
-            fail(
-                f"`rope_parameters['rope_type']` is {rope_type!r}; use 'default' or one of transformers' RoPE types "
-                f"{sorted(ROPE_INIT_FUNCTIONS)}."
-            )
-        if "rope_theta" not in self.rope_parameters:
-            fail("`rope_parameters` has no 'rope_theta'; give the RoPE base, e.g. {'rope_type': 'default', "
-                 "'rope_theta': 10000000.0}.")
-        if self.max_position_embeddings < 1:
-            fail(f"`max_position_embeddings` is {self.max_position_embeddings}; it must be a positive integer.")
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            fail(f"`partial_rotary_factor` is {self.partial_rotary_factor}; it must lie in (0, 1].")
-        rotary_dim = int(self.head_dim * self.partial_rotary_factor)
-        if rotary_dim % 2 != 0:
-            fail(
-                f"`head_dim * partial_rotary_factor` is {rotary_dim}, an odd number of rotated channels; "
-                "choose values whose product is even."
-            )
-        if self.index_head_dim < rotary_dim:
-            fail(
-                f"`index_head_dim` ({self.index_head_dim}) is smaller than the rotated width "
-                f"`head_dim * partial_rotary_factor` ({rotary_dim}) that the indexer shares with the attention; "
-                "raise `index_head_dim` or lower `partial_rotary_factor`."
-            )
-        if self.num_experts < 0:
-            fail(f"`num_experts` is {self.num_experts}; use 0 for a dense MLP or a positive number of experts.")
-        if self.num_experts > 0 and not 1 <= self.num_experts_per_tok <= self.num_experts:
-            fail(
-                f"`num_experts_per_tok` ({self.num_experts_per_tok}) must lie between 1 and `num_experts` "
-                f"({self.num_experts})."
-            )
-        if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
-            fail(
-                f"`router_aux_loss_coef` is {self.router_aux_loss_coef}; it must be a finite number >= 0 (0 leaves the "
-                "load-balancing loss out of `loss`; Qwen's MoE models use 0.001)."
-            )
-        if self.prefill_chunk_length is not None and self.prefill_chunk_length < 1:
-            fail(f"`prefill_chunk_length` is {self.prefill_chunk_length}; use None (no chunking) or a positive size.")
-        if not 0.0 <= float(self.attention_dropout) < 1.0:
-            fail(f"`attention_dropout` is {self.attention_dropout}; it must lie in [0, 1).")
-        if self.linear_output_gate_act not in ("silu", "sigmoid"):
-            fail(f"`linear_output_gate_act` is {self.linear_output_gate_act!r}; use 'silu' or 'sigmoid'.")
-        self._check_linear_attention_type(fail)
-        if self.hc_count < 1 or (self.hc_type == "qwen4_exp" and self.hc_count > 1 and self.hc_lowrank < 1):
-            fail(
-                f"`hc_count` is {self.hc_count} and `hc_lowrank` {self.hc_lowrank}; use hc_count = 1 (plain residual) "
-                "or hc_count > 1 with a positive hc_lowrank."
-            )
-        self._check_residual_streams(fail)
-        self._check_feed_forward(fail)
-        self._check_ple(fail)
-        self._check_mla(fail)
-        self._check_indexer_variants(fail)
-
-    def _check_mla(self, fail):
-        if self.attention_type not in ATTENTION_TYPES:
-            fail(f"`attention_type` is {self.attention_type!r}; it must be one of {list(ATTENTION_TYPES)}.")
-        if self.attention_type != "mla":
-            return
-        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            if getattr(self, name) is None or getattr(self, name) < 1:
-                fail(f"`{name}` is {getattr(self, name)}; attention_type 'mla' needs it as a positive integer "
-                     "(GLM-5.3-Flash: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 256, v_head_dim 256).")
-        if self.qk_rope_head_dim != 0:
-            fail(f"`qk_rope_head_dim` is {self.qk_rope_head_dim}; the MLA attention here is NoPE (as GLM-5.3-Flash), "
-                 "so only qk_rope_head_dim = 0 is supported.")
-
-    def _check_indexer_variants(self, fail):
-        for name, allowed in (("index_query_source", INDEX_QUERY_SOURCES), ("index_key_norm", INDEX_KEY_NORMS)):
-            if getattr(self, name) not in allowed:
-                fail(f"`{name}` is {getattr(self, name)!r}; it must be one of {list(allowed)}.")
+            fail(f"`rope_parameters['rope_type']` is {rope_type!r}; use 'default' or one of transformers' RoPE types "
+                 f"{sorted(ROPE_INIT_FUNCTIONS)}.")
+        if self.rotary_dim % 2 != 0:
+            fail(f"`head_dim * partial_rotary_factor` is {self.rotary_dim}, an odd number of rotated channels; "
+                 "choose values whose product is even.")
+        if self.index_head_dim < self.rotary_dim:
+            fail(f"`index_head_dim` ({self.index_head_dim}) is smaller than the rotated width `head_dim * "
+                 f"partial_rotary_factor` ({self.rotary_dim}) that the indexer shares with the attention; raise "
+                 "`index_head_dim` or lower `partial_rotary_factor`.")
         if self.index_query_source == "q_lora" and self.attention_type != "mla":
             fail("`index_query_source` 'q_lora' reads the MLA query latent, but `attention_type` is "
                  f"{self.attention_type!r}; use attention_type='mla' or index_query_source='hidden'.")
         if self.index_key_norm == "layer_norm_before_pool" and self.index_pool_weighting == "prenorm_mean":
             fail("`index_key_norm` 'layer_norm_before_pool' and `index_pool_weighting` 'prenorm_mean' both norm the "
-                 "keys before pooling; use index_pool_weighting 'learned' (GLM), 'learned_scalar' or 'mean'.")
-        if self.indexer_types is None:
-            return
-        if len(self.indexer_types) != self.num_hidden_layers:
-            fail(f"`indexer_types` has {len(self.indexer_types)} entries but `num_hidden_layers` is "
-                 f"{self.num_hidden_layers}; give one entry per layer (or None: every IndexPool layer is full).")
-        for index, indexer_type in enumerate(self.indexer_types):
-            if indexer_type not in INDEXER_TYPES:
-                fail(f"`indexer_types[{index}]` is {indexer_type!r}; each entry must be one of {list(INDEXER_TYPES)}.")
-        first = next((index for index, layer_type in enumerate(self.layer_types)
-                      if layer_type == "indexpool_attention"), None)
-        if first is not None and self.indexer_types[first] != "full":
+                 "keys before pooling; use index_pool_weighting 'learned', 'learned_scalar' or 'mean'.")
+        first = next((index for index, kind in enumerate(self.layer_types) if kind == "indexpool_attention"), None)
+        if self.indexer_types is not None and first is not None and self.indexer_types[first] != "full":
             fail(f"`indexer_types[{first}]` is 'shared', but layer {first} is the first IndexPool layer: a shared "
                  "layer reuses the selection of an earlier full layer, so the first IndexPool layer must be 'full'.")
+        same = (("linear_num_value_heads", "linear_num_key_heads", "as many value heads as key heads"),
+                ("linear_value_head_dim", "linear_key_head_dim", "value heads as wide as key heads"))
+        for value_field, key_field, need in same if self.linear_attention_type == "kimi_delta" else ():
+            if getattr(self, value_field) != getattr(self, key_field):
+                fail(f"`linear_attention_type` 'kimi_delta' needs {need}, but `{value_field}` is "
+                     f"{getattr(self, value_field)} and `{key_field}` {getattr(self, key_field)}; set both the same.")
+        self._check_experts(fail)
+        self._check_ple(fail)
 
-    def is_shared_indexer_layer(self, layer_idx: int) -> bool:
-        """Whether IndexPool layer `layer_idx` reuses the previous full layer's selection (it has no indexer)."""
-        return self.indexer_types is not None and self.indexer_types[layer_idx] == "shared"
-
-    def _check_linear_attention_type(self, fail):
-        if self.linear_attention_type not in LINEAR_ATTENTION_TYPES:
-            fail(f"`linear_attention_type` is {self.linear_attention_type!r}; it must be one of "
-                 f"{list(LINEAR_ATTENTION_TYPES)}.")
-        bound = self.linear_gate_lower_bound
-        if self.linear_attention_type != "kimi_delta":
-            if bound is not None:
-                fail(f"`linear_gate_lower_bound` ({bound}) bounds Kimi Delta Attention's forget gate; Gated DeltaNet "
-                     "has none. Set linear_attention_type='kimi_delta' or leave linear_gate_lower_bound None.")
+    def _check_experts(self, fail):
+        if "sparse" in self.mlp_types and self.num_experts == 0:
+            fail("`mlp_layer_types` has 'sparse' layers but `num_experts` is 0; give the MoE layers experts "
+                 "(num_experts > 0) or make every layer 'dense'.")
+        if self.num_experts > 0 and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            fail(f"`num_experts_per_tok` ({self.num_experts_per_tok}) must lie between 1 and `num_experts` "
+                 f"({self.num_experts}).")
+        if self.moe_router_type != "sigmoid_grouped":
             return
-        if self.linear_num_value_heads != self.linear_num_key_heads:
-            fail(f"`linear_attention_type` 'kimi_delta' needs as many value heads as key heads, but "
-                 f"`linear_num_value_heads` is {self.linear_num_value_heads} and `linear_num_key_heads` "
-                 f"{self.linear_num_key_heads}; set both to the same count (GLM-5.3-Flash: 64).")
-        if self.linear_value_head_dim != self.linear_key_head_dim:
-            fail(f"`linear_attention_type` 'kimi_delta' needs value heads as wide as key heads, but "
-                 f"`linear_value_head_dim` is {self.linear_value_head_dim} and `linear_key_head_dim` "
-                 f"{self.linear_key_head_dim}; set both to the same width (GLM-5.3-Flash: 128).")
-        if bound is not None and not (math.isfinite(bound) and bound < 0):
-            fail(f"`linear_gate_lower_bound` is {bound}; it must be a negative number (a log decay per step, "
-                 "GLM-5.3-Flash: -5.0) or None for the unbounded gate.")
-
-    def _check_residual_streams(self, fail):
-        if self.hc_type not in HC_TYPES:
-            fail(f"`hc_type` is {self.hc_type!r}; it must be one of {list(HC_TYPES)}.")
-        if self.hc_type != "sinkhorn":
-            return
-        if self.hc_sinkhorn_iters < 1:
-            fail(f"`hc_sinkhorn_iters` is {self.hc_sinkhorn_iters}; the Sinkhorn mixing needs at least 1 iteration "
-                 "(GLM-5.3-Flash uses 20).")
-        if not math.isfinite(self.hc_eps) or self.hc_eps < 0:
-            fail(f"`hc_eps` is {self.hc_eps}; it must be a finite number >= 0 (GLM-5.3-Flash uses 1e-6).")
-
-    def _check_feed_forward(self, fail):
-        if self.mlp_layer_types is not None:
-            if len(self.mlp_layer_types) != self.num_hidden_layers:
-                fail(f"`mlp_layer_types` has {len(self.mlp_layer_types)} entries but `num_hidden_layers` is "
-                     f"{self.num_hidden_layers}; give one entry per layer (or None).")
-            for index, mlp_type in enumerate(self.mlp_layer_types):
-                if mlp_type not in MLP_LAYER_TYPES:
-                    fail(f"`mlp_layer_types[{index}]` is {mlp_type!r}; each entry must be one of "
-                         f"{list(MLP_LAYER_TYPES)}.")
-            if "sparse" in self.mlp_layer_types and self.num_experts == 0:
-                fail("`mlp_layer_types` has 'sparse' layers but `num_experts` is 0; give the MoE layers experts "
-                     "(num_experts > 0) or make every layer 'dense'.")
-        if self.swiglu_limit is not None and not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
-            fail(f"`swiglu_limit` is {self.swiglu_limit}; use None (no clamp) or a positive number (GLM-5.3-Flash: "
-                 "10.0).")
-        if self.moe_router_type not in MOE_ROUTER_TYPES:
-            fail(f"`moe_router_type` is {self.moe_router_type!r}; it must be one of {list(MOE_ROUTER_TYPES)}.")
-        if self.moe_router_type == "softmax":
-            grouped = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}
-            changed = [f"{name} = {getattr(self, name)}" for name, default in grouped.items()
-                       if getattr(self, name) != default]
-            if changed:
-                fail(f"{', '.join(changed)} apply to the 'sigmoid_grouped' router only; set "
-                     "moe_router_type='sigmoid_grouped' or leave them at n_group = 1, topk_group = 1, "
-                     "routed_scaling_factor = 1.0.")
-            return
-        if not math.isfinite(self.routed_scaling_factor) or self.routed_scaling_factor <= 0:
-            fail(f"`routed_scaling_factor` is {self.routed_scaling_factor}; it must be a positive number "
-                 "(GLM-5.3-Flash: 2.5).")
-        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
-            fail(f"`n_group` is {self.n_group} and `topk_group` {self.topk_group}; use n_group >= 1 and "
-                 "1 <= topk_group <= n_group.")
-        if self.num_experts == 0:
-            return
-        if self.num_experts % self.n_group != 0 or self.num_experts // self.n_group < 2:
+        if self.topk_group > self.n_group:
+            fail(f"`n_group` is {self.n_group} and `topk_group` {self.topk_group}; use 1 <= topk_group <= n_group.")
+        if self.num_experts and (self.num_experts % self.n_group or self.num_experts // self.n_group < 2):
             fail(f"`num_experts` ({self.num_experts}) must split into `n_group` ({self.n_group}) equal groups of at "
                  "least 2 experts (a group is scored by its two best experts); choose an n_group that divides "
                  "num_experts at most half as large.")
         reachable = self.topk_group * (self.num_experts // self.n_group)
-        if self.num_experts_per_tok > reachable:
+        if self.num_experts and self.num_experts_per_tok > reachable:
             fail(f"`num_experts_per_tok` ({self.num_experts_per_tok}) exceeds the {reachable} experts of the "
                  f"`topk_group` ({self.topk_group}) groups a token may choose from; raise topk_group or lower "
                  "num_experts_per_tok.")
@@ -585,24 +507,21 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     def _check_ple(self, fail):
         if not self.ple_layers:
             return
-        wrong = [index for index in self.ple_layers if not 0 <= index < self.num_hidden_layers]
+        wrong = [index for index in self.ple_layers
+                 if not (0 <= index < self.num_hidden_layers and self.layer_types[index] == "linear_attention")]
         if wrong:
-            fail(f"`ple_layers` {wrong} are not layer indices; they are zero-based, below {self.num_hidden_layers}.")
-        not_linear = [index for index in self.ple_layers if self.layer_types[index] != "linear_attention"]
-        if not_linear:
-            fail(f"`ple_layers` {not_linear} are not Gated DeltaNet layers; "
-                 "PLE sits on 'linear_attention' layers only.")
+            fail(f"`ple_layers` {wrong} are not Gated DeltaNet layers: give zero-based indices (below "
+                 f"{self.num_hidden_layers}) of 'linear_attention' layers, where PLE sits.")
         heads = (self.ple_ngram_size - 1) * self.ple_heads_per_ngram
         if self.ple_ngram_size < 2 or self.ple_heads_per_ngram < 1 or self.ple_embed_dim % heads != 0:
-            fail(
-                f"`ple_embed_dim` ({self.ple_embed_dim}) must be a multiple of the n-gram heads "
-                f"(ple_ngram_size - 1) * ple_heads_per_ngram = {heads}, with ple_ngram_size >= 2."
-            )
-        for name in ("ple_conv_kernel_size", "ple_ngram_vocab_size_base", "ple_vocab_size_multiple"):
-            if getattr(self, name) < 1:
-                fail(f"`{name}` is {getattr(self, name)}; it must be a positive integer.")
+            fail(f"`ple_embed_dim` ({self.ple_embed_dim}) must be a multiple of the n-gram heads "
+                 f"(ple_ngram_size - 1) * ple_heads_per_ngram = {heads}, with ple_ngram_size >= 2.")
         if self.eos_token_id is None or self.eos_token_id == []:
             fail("`ple_layers` need `eos_token_id`: the n-gram context restarts after it. Set eos_token_id.")
+
+    def is_shared_indexer_layer(self, layer_idx: int) -> bool:
+        """Whether IndexPool layer `layer_idx` reuses the previous full layer's selection (it has no indexer)."""
+        return self.indexer_types is not None and self.indexer_types[layer_idx] == "shared"
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:
         """Raise a `ValueError` naming every head count (or width) that `tp_size` ranks cannot split evenly.

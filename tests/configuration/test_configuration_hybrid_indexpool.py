@@ -73,8 +73,9 @@ def test_save_and_load_round_trip(tmp_path):
         (dict(linear_attention_type="kimi_delta", linear_num_value_heads=8, linear_value_head_dim=32),
          "'kimi_delta' needs value heads as wide as key heads, but `linear_value_head_dim` is 32"),
         (dict(linear_attention_type="kimi_delta", linear_num_value_heads=8, linear_gate_lower_bound=0.5),
-         "`linear_gate_lower_bound` is 0.5; it must be a negative number"),
-        (dict(linear_gate_lower_bound=-5.0), "`linear_gate_lower_bound` (-5.0) bounds Kimi Delta Attention's"),
+         "`linear_gate_lower_bound` is 0.5; it must lie in (-inf, 0)"),
+        (dict(linear_gate_lower_bound=-5.0),
+         "linear_gate_lower_bound = -5.0 apply to Kimi Delta Attention's forget gate only"),
     ],
 )
 def test_invalid_settings_raise_value_error_naming_field(settings, message):
@@ -147,7 +148,7 @@ def test_glm_variant_round_trips_and_plans_tensor_parallelism_for_mla_modules(tm
     (dict(attention_type="mha"), "`attention_type` is 'mha'"),
     (dict(attention_type="mla"), "`q_lora_rank` is None; attention_type 'mla' needs it"),
     (dict(GLM_MLA, v_head_dim=0), "`v_head_dim` is 0"),
-    (dict(GLM_MLA, qk_rope_head_dim=64), "`qk_rope_head_dim` is 64; the MLA attention here is NoPE"),
+    (dict(GLM_MLA, qk_rope_head_dim=64), "`qk_rope_head_dim` is 64; it must lie in [0, 0]"),
     (dict(index_query_source="q_lora"), "`index_query_source` 'q_lora' reads the MLA query latent"),
     (dict(index_query_source="latent"), "`index_query_source` is 'latent'"),
     (dict(index_key_norm="layer_norm"), "`index_key_norm` is 'layer_norm'"),
@@ -164,3 +165,36 @@ def test_invalid_mla_and_indexer_variants_raise_value_error_naming_field(setting
 def test_shared_entries_on_linear_layers_before_the_first_indexpool_layer_are_ignored():
     config = HybridIndexPoolConfig(indexer_types=["shared"] * 3 + ["full"] + ["shared"] * 4)
     assert config.is_shared_indexer_layer(7)
+
+
+def test_every_field_the_check_tables_name_exists_and_its_default_passes():
+    from dataclasses import fields
+
+    from hybrid_indexpool.configuration import configuration_hybrid_indexpool as tables
+
+    names = {field.name for field in fields(HybridIndexPoolConfig)}
+    variant_fields = {field for field, _ in tables.VARIANT_ONLY} | {
+        name for _, neutral in tables.VARIANT_ONLY.values() for name in neutral}
+    named = (set(tables.CHOICES) | set(tables.LAYER_CHOICES) | set(tables.RANGES) | set(tables.NULLABLE)
+             | set(tables.READ_WHEN) | {field for field, _ in tables.READ_WHEN.values()} | variant_fields
+             | set(tables.MULTIPLES) | set(tables.MULTIPLES.values()))
+    assert named <= names, named - names
+    default = HybridIndexPoolConfig()
+    assert all(getattr(default, name) in allowed for name, allowed in tables.CHOICES.items())
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(router_aux_loss_coef=float("nan")), "`router_aux_loss_coef` is nan; it must lie in [0, inf)"),
+    (dict(GLM_MLA, kv_lora_rank=None), "`kv_lora_rank` is None; attention_type 'mla' needs it in [1, inf)"),
+    (dict(prefill_chunk_length=0), "`prefill_chunk_length` is 0; it must lie in [1, inf)"),
+    (dict(hc_type="sinkhorn", hc_eps=float("inf")), "`hc_eps` is inf"),
+])
+def test_ranges_refuse_nan_infinity_and_missing_variant_fields(settings, message):
+    with pytest.raises(ValueError) as error:
+        HybridIndexPoolConfig(**settings)
+    assert message in str(error.value)
+
+
+def test_a_field_only_another_variant_reads_is_not_checked():
+    config = HybridIndexPoolConfig(hc_sinkhorn_iters=0, q_lora_rank=None, linear_gate_lower_bound=None)
+    assert config.hc_type == "qwen4_exp" and config.hc_sinkhorn_iters == 0
