@@ -67,9 +67,12 @@ VARIANT_ONLY = {
                                              {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}),
     ("linear_attention_type", "kimi_delta"): ("Kimi Delta Attention's forget gate", {"linear_gate_lower_bound": None}),
 }
-# Fields that must be a multiple of another.
-MULTIPLES = {"num_attention_heads": "num_key_value_heads", "linear_num_value_heads": "linear_num_key_heads",
-             "index_topk": "index_pool_size"}
+# Fields that must be a multiple of another, and why.
+MULTIPLES = {
+    "num_attention_heads": ("num_key_value_heads", "each key/value head serves a whole group of query heads"),
+    "linear_num_value_heads": ("linear_num_key_heads", "each key head serves a whole group of value heads"),
+    "index_topk": ("index_pool_size", "the budget is spent in whole windows"),
+}
 
 
 def _in_interval(value, interval: str) -> bool:
@@ -401,11 +404,9 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         self.check_settings()
 
     def check_settings(self):
-        """Raise a `ValueError` naming the field and the fix for every invalid combination of settings.
-
-        Runs at construction and again when a model is built, so settings changed after construction are checked.
-        (Not a strict-dataclass `validate_*` hook: those wrap the error in a non-`ValueError`.) Single fields follow
-        the tables above; the rest relates several fields.
+        """Raise a `ValueError` naming the field and the fix for every invalid combination of settings: single fields
+        by the tables above, then what relates several. Runs at construction and again when a model is built (settings
+        changed after construction are checked); not a strict-dataclass `validate_*` hook, which would wrap the error.
         """
 
         def fail(message: str):
@@ -437,10 +438,11 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             if changed:
                 fail(f"{', '.join(changed)} apply to {description} only; set {field}={variant!r} or leave them at "
                      f"{', '.join(f'{name} = {value}' for name, value in neutral.items())}.")
-        for name, divisor in MULTIPLES.items():
-            if getattr(self, name) % getattr(self, divisor) != 0:
-                fail(f"`{name}` ({getattr(self, name)}) is not a multiple of `{divisor}` ({getattr(self, divisor)}); "
-                     "choose values where the second divides the first.")
+        for name, (divisor, why) in MULTIPLES.items():
+            value, step = getattr(self, name), getattr(self, divisor)
+            if value % step != 0:
+                fail(f"`{name}` ({value}) is not a multiple of `{divisor}` ({step}): {why}; use e.g. "
+                     f"{name} = {max(step, value // step * step)}.")
         self._check_combinations(fail)
 
     def _check_combinations(self, fail):

@@ -25,6 +25,7 @@ from .kernels.pooled_index_topk import pooled_index_topk
 from .modeling.attention_gqa import HybridIndexPoolAttention
 from .training import (
     ModelDataArguments,
+    TrainingInputError,
     check_output_dir,
     language_model_collator,
     load_datasets,
@@ -76,8 +77,10 @@ def freeze_all_but_indexer(model: torch.nn.Module) -> list[str]:
         if parameter.requires_grad:
             trainable.append(name)
     if not trainable:
-        raise ValueError("The model has no indexer parameters (no `indexpool_attention` layer in its layer_types): "
-                         "there is nothing to warm up.")
+        raise TrainingInputError(
+            "The model has no indexer parameters (no `indexpool_attention` layer in its layer_types): "
+            "there is nothing to warm up."
+        )
     return trainable
 
 
@@ -163,17 +166,21 @@ def stage_training_arguments(args: IndexerTrainingArguments, training_args: Trai
 def check_indexer_arguments(args: IndexerTrainingArguments, training_args: TrainingArguments) -> list[str]:
     """Validate the options; returns the stages to run, in order."""
     if args.stage not in STAGE_CHOICES:
-        raise ValueError(f"--stage is {args.stage!r}; use one of {list(STAGE_CHOICES)}.")
+        raise TrainingInputError(f"--stage is {args.stage!r}; use one of {list(STAGE_CHOICES)}.")
     stages = list(STAGES) if args.stage == "both" else [args.stage]
     for stage, steps, flag in (("warmup", args.dense_warmup_steps, "--dense_warmup_steps"),
                                ("sparse", args.sparse_steps, "--sparse_steps")):
         if stage in stages and steps <= 0:
-            raise ValueError(f"{flag} is {steps}; give a positive number of steps for the {stage} stage.")
+            raise TrainingInputError(f"{flag} is {steps}; give a positive number of steps for the {stage} stage.")
     if training_args.max_steps > 0:
-        raise ValueError("Set the length of each stage with --dense_warmup_steps and --sparse_steps, not --max_steps.")
+        raise TrainingInputError(
+            "Set the length of each stage with --dense_warmup_steps and --sparse_steps, not --max_steps."
+        )
     if training_args.resume_from_checkpoint:
-        raise ValueError("train_indexer does not resume inside a stage; start the remaining stage from a saved model "
-                         "(--model_name_or_path <output_dir of the warm-up> --stage sparse).")
+        raise TrainingInputError(
+            "train_indexer does not resume inside a stage; start the remaining stage from a saved model "
+            "(--model_name_or_path <output_dir of the warm-up> --stage sparse)."
+        )
     return stages
 
 

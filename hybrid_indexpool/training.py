@@ -38,6 +38,21 @@ LORA_TARGET_MODULES = [
 ]
 
 
+class TrainingInputError(ValueError):
+    """Bad input to a training command (its arguments, data files or model); the message says what is wrong and how
+    to fix it."""
+
+
+def run_training_command(run, args, training_args):
+    """Run a training command's `run(args, training_args)`; bad input ends it the way argparse ends a bad command line:
+    `error: ...` on standard error and exit status 2, no traceback."""
+    try:
+        return run(args, training_args)
+    except TrainingInputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 @dataclass
 class ModelDataArguments:
     """Which model to start from and which local data to train on (shared by fine-tuning and indexer training; the
@@ -138,26 +153,30 @@ def load_tokenizer(args: ModelDataArguments) -> PreTrainedTokenizerBase:
         try:
             return AutoTokenizer.from_pretrained(args.model_name_or_path)
         except (OSError, ValueError) as error:
-            raise ValueError(f"{args.model_name_or_path} has no tokenizer; pass --tokenizer_name_or_path.") from error
+            raise TrainingInputError(
+                f"{args.model_name_or_path} has no tokenizer; pass --tokenizer_name_or_path."
+            ) from error
     return byte_level_tokenizer()
 
 
 def check_data_files(files: list[str]) -> None:
     """Refuse data files that are missing, empty or not UTF-8 text, naming each one."""
     if not files:
-        raise ValueError("No data files given: pass --train_files with local .txt, .json or .jsonl files.")
+        raise TrainingInputError("No data files given: pass --train_files with local .txt, .json or .jsonl files.")
     missing = [name for name in files if not Path(name).is_file()]
     if missing:
-        raise ValueError(f"Data files not found: {missing}.")
+        raise TrainingInputError(f"Data files not found: {missing}.")
     for name in files:
         raw = Path(name).read_bytes()
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as error:
-            raise ValueError(f"Data file {name} is not UTF-8 text (byte {error.start} cannot be decoded); convert "
-                             "it, e.g. with iconv -t utf-8.") from error
+            raise TrainingInputError(
+                f"Data file {name} is not UTF-8 text (byte {error.start} cannot be decoded); convert "
+                "it, e.g. with iconv -t utf-8."
+            ) from error
         if not text.strip():
-            raise ValueError(f"Data file {name} is empty; remove it from the file list or give it text.")
+            raise TrainingInputError(f"Data file {name} is empty; remove it from the file list or give it text.")
 
 
 def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool, text_field: str = "text"):
@@ -178,10 +197,10 @@ def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool
     elif suffixes <= {".json", ".jsonl"}:
         dataset = load_dataset("json", data_files=files, split="train")
         if text_field not in dataset.column_names:
-            raise ValueError(f"The JSON files have no field {text_field!r} (fields: {dataset.column_names}); "
-                             "choose it with --text_field.")
+            raise TrainingInputError(f"The JSON files have no field {text_field!r} (fields: {dataset.column_names}); "
+                                     "choose it with --text_field.")
     else:
-        raise ValueError(f"Unsupported data file types {sorted(suffixes)}: use .txt or .json/.jsonl files.")
+        raise TrainingInputError(f"Unsupported data file types {sorted(suffixes)}: use .txt or .json/.jsonl files.")
     dataset = dataset.filter(lambda example: bool(example[text_field] and example[text_field].strip()))
 
     if not packing:
@@ -215,8 +234,8 @@ def build_lm_dataset(files: list[str], tokenizer, block_size: int, packing: bool
 
     packed = dataset.map(pack, batched=True, batch_size=1000, remove_columns=dataset.column_names)
     if len(packed) == 0:
-        raise ValueError(f"The data holds fewer than --block_size ({block_size}) tokens; give more text or a "
-                         "smaller block size.")
+        raise TrainingInputError(f"The data holds fewer than --block_size ({block_size}) tokens; give more text or a "
+                                 "smaller block size.")
     return packed
 
 
@@ -243,28 +262,36 @@ def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) -> 
     fresh model is built on every process from the same seed and then sharded the same way.
     """
     if (args.model_name_or_path is None) == (args.init_config is None):
-        raise ValueError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) or --init_config "
-                         "(train a new model).")
+        raise TrainingInputError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) or --init_config "
+                                 "(train a new model).")
     if args.model_name_or_path is not None:
         # Sharded, the weights stay float32 (`--bf16` then autocasts): FSDP2 needs one dtype per group, and the Gated
         # DeltaNet's `A_log`/`dt_bias` are float32 next to half-precision projections in a half-precision model.
         dtype = {} if distributed_config is None else {"dtype": torch.float32}
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, distributed_config=distributed_config,
-                                                     **dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path,
+                                                         distributed_config=distributed_config, **dtype)
+        except (OSError, ValueError) as error:  # no such folder, no weights, an architecture not ours
+            raise TrainingInputError(f"--model_name_or_path {args.model_name_or_path}: {error}") from error
     else:
-        text = args.init_config
-        if not text.lstrip().startswith("{"):
-            text = Path(text).read_text()
         settings = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-        settings.update(json.loads(text))
-        model = HybridIndexPoolForCausalLM(HybridIndexPoolConfig(**settings))
+        try:
+            text = args.init_config
+            settings.update(json.loads(text if text.lstrip().startswith("{") else Path(text).read_text()))
+            config = HybridIndexPoolConfig(**settings)
+        except (OSError, ValueError, TypeError) as error:  # no such file, not JSON, a field unknown or invalid
+            raise TrainingInputError(f"--init_config (a JSON object of config fields, or a file of one): {error}") \
+                from error
+        model = HybridIndexPoolForCausalLM(config)
         if distributed_config is not None:
             distributed_config, _, mesh_manager = model.prepare_distribute_model(distributed_config)
             model = model.maybe_distribute_model(model, distributed_config, mesh_manager)
     if model.config.vocab_size < len(tokenizer):
-        raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size} "
-                         "embeddings; use the checkpoint's tokenizer.")
+        raise TrainingInputError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size} "
+            "embeddings; use the checkpoint's tokenizer."
+        )
     if args.block_size > model.config.max_position_embeddings:
         warnings.warn(
             f"--block_size {args.block_size} is beyond the model's max_position_embeddings "
@@ -283,14 +310,16 @@ def build_model(args: FinetuneArguments, tokenizer):
 
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         if args.fsdp_size < 2 or world_size != args.fsdp_size:
-            raise ValueError(
+            raise TrainingInputError(
                 f"--fsdp_size {args.fsdp_size} needs that many processes (this run has {world_size}); start them "
                 f"with `accelerate launch --num_processes {max(args.fsdp_size, 2)}` or `torchrun --nproc_per_node "
                 f"{max(args.fsdp_size, 2)}`, or leave --fsdp_size out."
             )
         if args.lora:
-            raise ValueError("--lora with --fsdp_size is not supported: train LoRA adapters with DDP, or on GPUs "
-                             "with accelerate's FSDP (`accelerate launch --use_fsdp ...`).")
+            raise TrainingInputError(
+                "--lora with --fsdp_size is not supported: train LoRA adapters with DDP, or on GPUs "
+                "with accelerate's FSDP (`accelerate launch --use_fsdp ...`)."
+            )
         distributed_config = DistributedConfig(fsdp_size=args.fsdp_size)
     model = load_model(args, tokenizer, distributed_config)
     if args.lora:
@@ -313,8 +342,8 @@ def last_complete_checkpoint(output_dir: str) -> str:
         if (match := pattern.match(path.name)) and (path / "trainer_state.json").is_file()
     ]
     if not complete:
-        raise ValueError(f"--resume_from_checkpoint last: {output_dir} holds no complete checkpoint (a folder "
-                         "checkpoint-N with trainer_state.json); start without --resume_from_checkpoint.")
+        raise TrainingInputError(f"--resume_from_checkpoint last: {output_dir} holds no complete checkpoint (a folder "
+                                 "checkpoint-N with trainer_state.json); start without --resume_from_checkpoint.")
     return str(max(complete)[1])
 
 
@@ -323,7 +352,7 @@ def check_output_dir(args: ModelDataArguments, training_args: TrainingArguments)
     output_dir = Path(training_args.output_dir)
     if output_dir.is_dir() and any(output_dir.iterdir()) and not training_args.resume_from_checkpoint \
             and not args.overwrite_output_dir:
-        raise ValueError(
+        raise TrainingInputError(
             f"Output folder {output_dir} exists and is not empty. Choose a new --output_dir, resume with "
             "--resume_from_checkpoint last (or a checkpoint path), or pass --overwrite_output_dir."
         )

@@ -68,6 +68,44 @@ def picture_patches(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor
     return patches.reshape(grid_h * grid_w, -1), torch.tensor([[1, grid_h, grid_w]])
 
 
+# What each component of the cache table holds.
+CACHE_COMPONENTS = {
+    "key_value": "keys and values of the IndexPool layers, one entry per token",
+    "pooled_index_keys": "the indexer's keys, pooled: one key per window of r tokens",
+    "open_window": "raw indexer keys of each row's unfinished window, pooled once it fills",
+    "conv_state": "the last inputs of each Gated DeltaNet convolution (fixed size)",
+    "recurrent_state": "each Gated DeltaNet layer's state matrices (fixed size)",
+    "bookkeeping": "lengths and positions of each row",
+}
+# The demo's flags for the config fields they set, to name in an error.
+FLAG_OF_FIELD = {"index_pool_size": "--pool-size", "index_topk": "--topk"}
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad flags with `error: ...` and exit status 2, naming the flags (not the config fields they set)."""
+    for flag in ("prompt_length", "new_tokens", "pool_size", "topk"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} is {getattr(args, flag)}; give a positive number.")
+    if args.prompt_length <= args.topk:
+        parser.error(f"--prompt-length ({args.prompt_length}) must exceed --topk ({args.topk}) to show sparsity")
+    if args.image and args.prompt_length < 40:
+        parser.error(f"--prompt-length ({args.prompt_length}) leaves no room around the picture's 18 tokens; give "
+                     "at least 40 with --image.")
+    try:
+        demo_text_config(args.pool_size, args.topk)
+    except ValueError as error:
+        message = str(error).removeprefix("HybridIndexPoolConfig: ")
+        for field, flag in FLAG_OF_FIELD.items():
+            message = message.replace(f"`{field}`", flag).replace(field, flag)
+        parser.error(message)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a device PyTorch knows; use e.g. cpu or cuda.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} needs a CUDA GPU, and this machine has none; use --device cpu.")
+
+
 def format_bytes(size: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
@@ -118,8 +156,7 @@ def main(argv=None):
     parser.add_argument("--image", action="store_true",
                         help="the multimodal model, with a generated picture in the middle of the prompt")
     args = parser.parse_args(argv)
-    if args.prompt_length <= args.topk:
-        parser.error(f"--prompt-length ({args.prompt_length}) must exceed --topk ({args.topk}) to show sparsity")
+    check_arguments(parser, args)
 
     result = run_demo(args.prompt_length, args.new_tokens, args.pool_size, args.topk, args.seed, args.device,
                       args.image)
@@ -131,10 +168,11 @@ def main(argv=None):
           f"{result['seconds']:.2f} s ({result['tokens_per_second']:.1f} tokens/s, prefill included)")
     print(f"first generated ids: {result['generated'][:10]}")
     print(f"\ncache at {result['context']} tokens of context (reserved once by generate() for prompt + new tokens):")
-    print(f"  {'component':<22}{'in use':>14}{'reserved':>14}")
-    for name in ("key_value", "pooled_index_keys", "open_window", "conv_state", "recurrent_state", "bookkeeping"):
-        print(f"  {name:<22}{format_bytes(footprint[name]):>14}{format_bytes(footprint[name + '_reserved']):>14}")
-    print(f"  {'total':<22}{format_bytes(footprint['total']):>14}{format_bytes(footprint['reserved']):>14}")
+    print(f"  {'component':<20}{'in use':>12}{'reserved':>12}  what it holds")
+    for name, meaning in CACHE_COMPONENTS.items():
+        print(f"  {name:<20}{format_bytes(footprint[name]):>12}{format_bytes(footprint[name + '_reserved']):>12}  "
+              f"{meaning}")
+    print(f"  {'total':<20}{format_bytes(footprint['total']):>12}{format_bytes(footprint['reserved']):>12}")
     unpooled = footprint["unpooled_index_keys"]
     print(f"\nindexer keys: pooled {format_bytes(footprint['pooled_index_keys'])} vs unpooled (r = 1) "
           f"{format_bytes(unpooled)}: {footprint['pooled_index_keys'] / max(unpooled, 1):.1%} of the unpooled size")

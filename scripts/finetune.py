@@ -11,7 +11,7 @@ Every `TrainingArguments` option is accepted (`--learning_rate`, `--max_steps`, 
 
 from transformers import TrainingArguments
 
-from hybrid_indexpool.training import FinetuneArguments, parse_training_command_line, run_finetune
+from hybrid_indexpool.training import FinetuneArguments, parse_training_command_line, run_finetune, run_training_command
 
 
 def parse_arguments(argv=None) -> tuple[FinetuneArguments, TrainingArguments]:
@@ -21,7 +21,7 @@ def parse_arguments(argv=None) -> tuple[FinetuneArguments, TrainingArguments]:
 
 def main(argv=None) -> dict:
     args, training_args = parse_arguments(argv)
-    return run_finetune(args, training_args)
+    return run_training_command(run_finetune, args, training_args)
 
 
 if __name__ == "__main__":

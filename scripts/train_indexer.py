@@ -17,7 +17,7 @@ accepted except `--max_steps` (each stage has its own step count). Example:
 from transformers import TrainingArguments
 
 from hybrid_indexpool.indexer_training import IndexerTrainingArguments, run_indexer_training
-from hybrid_indexpool.training import parse_training_command_line
+from hybrid_indexpool.training import parse_training_command_line, run_training_command
 
 
 def parse_arguments(argv=None) -> tuple[IndexerTrainingArguments, TrainingArguments]:
@@ -30,7 +30,7 @@ def parse_arguments(argv=None) -> tuple[IndexerTrainingArguments, TrainingArgume
 
 def main(argv=None) -> dict:
     args, training_args = parse_arguments(argv)
-    return run_indexer_training(args, training_args)
+    return run_training_command(run_indexer_training, args, training_args)
 
 
 if __name__ == "__main__":

@@ -177,7 +177,7 @@ def test_every_field_the_check_tables_name_exists_and_its_default_passes():
         name for _, neutral in tables.VARIANT_ONLY.values() for name in neutral}
     named = (set(tables.CHOICES) | set(tables.LAYER_CHOICES) | set(tables.RANGES) | set(tables.NULLABLE)
              | set(tables.READ_WHEN) | {field for field, _ in tables.READ_WHEN.values()} | variant_fields
-             | set(tables.MULTIPLES) | set(tables.MULTIPLES.values()))
+             | set(tables.MULTIPLES) | {divisor for divisor, _ in tables.MULTIPLES.values()})
     assert named <= names, named - names
     default = HybridIndexPoolConfig()
     assert all(getattr(default, name) in allowed for name, allowed in tables.CHOICES.items())

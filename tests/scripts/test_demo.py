@@ -26,3 +26,23 @@ def test_demo_with_a_picture_runs_the_multimodal_model(capsys):
 def test_demo_refuses_a_prompt_within_the_budget():
     with pytest.raises(SystemExit):
         demo.main(["--prompt-length", "16", "--topk", "32"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pool-size", "3"], "error: --topk (128) is not a multiple of --pool-size (3)"),
+    (["--topk", "0"], "error: --topk is 0; give a positive number."),
+    (["--new-tokens", "-1"], "error: --new-tokens is -1"),
+    (["--device", "nowhere"], "error: --device 'nowhere' is not a device PyTorch knows"),
+])
+def test_bad_flags_end_with_an_error_naming_the_flag_and_status_2(capsys, flags, message):
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--prompt-length", "256", *flags])
+    printed = capsys.readouterr().err
+    assert stop.value.code == 2 and message in printed and "index_" not in printed
+
+
+def test_the_cache_table_says_what_each_component_holds(capsys):
+    demo.main(["--prompt-length", "72", "--new-tokens", "1", "--topk", "16", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    for component, meaning in demo.CACHE_COMPONENTS.items():
+        assert any(component in line and meaning in line for line in printed.splitlines())

@@ -49,3 +49,19 @@ def test_accelerate_launch_with_two_cpu_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert f"process {rank} of 2 finished after 4 steps (trainer world size 2" in result.stdout
+
+
+@pytest.mark.parametrize("change, message", [
+    (("--init_config", '{"index_topk": 10}'), "--init_config (a JSON object of config fields, or a file of one): "
+                                             "HybridIndexPoolConfig: `index_topk` (10) is not a multiple"),
+    (("--init_config", "no_such_config.json"), "--init_config (a JSON object of config fields, or a file of one)"),
+    (("--train_files", "no_such_file.txt"), "Data files not found: ['no_such_file.txt']"),
+])
+def test_bad_input_ends_with_an_error_line_and_status_2(tmp_path, capsys, change, message):
+    argv = command_line(tmp_path)
+    argv[argv.index(change[0]) + 1] = change[1]
+    with pytest.raises(SystemExit) as stop:
+        finetune.main(argv)
+    printed = capsys.readouterr().err
+    assert stop.value.code == 2 and "\nerror: " in "\n" + printed and message in printed
+    assert "Traceback" not in printed and not (tmp_path / "out").exists()

@@ -95,10 +95,13 @@ def test_both_stages_from_scratch(tmp_path, checkpoint_and_data):
     (["--stage", "sparse", "--sparse_steps", "0"], "--sparse_steps is 0"),
     (["--resume_from_checkpoint", "last"], "does not resume inside a stage"),
 ])
-def test_bad_options_are_refused(tmp_path, checkpoint_and_data, extra, message):
+def test_bad_options_are_refused(tmp_path, capsys, checkpoint_and_data, extra, message):
     base, data = checkpoint_and_data
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SystemExit) as stop:
         train_indexer.main(command_line(base, data, tmp_path / "out", *extra))
+    assert stop.value.code == 2
+    printed = capsys.readouterr().err
+    assert "\nerror: " in "\n" + printed and message in printed and "Traceback" not in printed
 
 
 def test_a_non_empty_output_folder_is_refused_unless_overwriting(tmp_path, checkpoint_and_data):
@@ -106,7 +109,8 @@ def test_a_non_empty_output_folder_is_refused_unless_overwriting(tmp_path, check
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     argv = command_line(base, data, tmp_path / "out", "--stage", "warmup", "--dense_warmup_steps", "1")
-    with pytest.raises(ValueError, match="is not empty"):
+    with pytest.raises(SystemExit) as stop:
         train_indexer.main(argv)
+    assert stop.value.code == 2
     train_indexer.main(argv + ["--overwrite_output_dir"])
     assert (tmp_path / "out" / "model.safetensors").exists()
