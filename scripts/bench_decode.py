@@ -38,10 +38,10 @@ keys (`index_key_cache_dtype`: the model's dtype, or packed fp8 values and a sca
     python -m hybrid_indexpool.scripts.bench_decode --quick
     python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,131072 --settings pooled_r4,unpooled_r1,dense \\
         --compile --threads 1
-    python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,16384,32768,65536 --json docs/bench.json \\
-        --plot docs/bench_decode.png
+    python -m hybrid_indexpool.scripts.bench_decode --contexts 8192,16384,32768,65536 \\
+        --json docs/results/bench_decode.json --plot docs/results/bench_decode.png
     python -m hybrid_indexpool.scripts.bench_decode --preset glm-flash --layers 1 --dtype bfloat16 --contexts 8192 \\
-        --json docs/bench_decode_glm_flash_8k.json
+        --json docs/results/bench_decode_glm_flash_8k.json
 """
 
 import argparse

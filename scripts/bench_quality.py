@@ -36,7 +36,8 @@ is 0 mod 10. Steps, all on CPU with the byte-level tokenizer:
    cache (`use_cache=True`) for full precision and fp8, the cache formats.
 
     python -m hybrid_indexpool.scripts.bench_quality --quick
-    python -m hybrid_indexpool.scripts.bench_quality --json docs/bench_quality.json --plot docs/bench_quality.png
+    python -m hybrid_indexpool.scripts.bench_quality --json docs/results/bench_quality.json \\
+        --plot docs/results/bench_quality.png
 """
 
 import argparse

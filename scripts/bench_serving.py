@@ -14,7 +14,8 @@ vLLM reports how many tokens its KV cache holds in `VLLM_CPU_KVCACHE_SPACE` GiB;
 engine on the same model with r = 1 (mean pooling in both, so the pooling weights take no room) to read that number
 too, and asks the plugin's specs for the bytes per token of each cache component.
 
-    python -m hybrid_indexpool.scripts.bench_serving --vllm-python .venv-vllm/bin/python --json docs/bench_serving.json
+    python -m hybrid_indexpool.scripts.bench_serving --vllm-python .venv-vllm/bin/python \\
+        --json docs/results/bench_serving.json
 """
 
 import argparse

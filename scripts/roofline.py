@@ -22,7 +22,7 @@ uniformly (`E (1 - (1 - k/E)^B)`), an assumption: real routing is skewed, which 
 
     python -m hybrid_indexpool.scripts.roofline
     python -m hybrid_indexpool.scripts.roofline --contexts 131072,1048576 --batches 1,64 --json roofline.json
-    python -m hybrid_indexpool.scripts.roofline --preset glm-flash --json docs/roofline_glm_flash.json
+    python -m hybrid_indexpool.scripts.roofline --preset glm-flash --json docs/results/roofline_glm_flash.json
 """
 
 import argparse
