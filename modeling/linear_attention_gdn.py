@@ -3,12 +3,12 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.gated_delta_rule import gated_delta_rule
 from .cache_hybrid_indexpool import LinearAttentionLayerCache
-from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNormGated, last_real_entries, tensor_parallel_rank
+from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNormGated, tensor_parallel_rank
+from .short_convolution import HybridIndexPoolShortConvolution
 
 
 class HybridIndexPoolGatedDeltaNet(nn.Module):
@@ -31,16 +31,12 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         self.value_dim = self.num_value_heads * self.value_head_dim
         self.conv_kernel_size = config.linear_conv_kernel_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.act_fn = ACT2FN[config.hidden_act]
 
         self.in_proj_qkv = HybridIndexPoolLinear(config.hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = HybridIndexPoolLinear(config.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = HybridIndexPoolLinear(config.hidden_size, self.num_value_heads, bias=False)
         self.in_proj_a = HybridIndexPoolLinear(config.hidden_size, self.num_value_heads, bias=False)
-        self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False,
-            padding=self.conv_kernel_size - 1,
-        )
+        self.conv1d = HybridIndexPoolShortConvolution(self.conv_dim, self.conv_kernel_size, config.hidden_act)
         # float32 whatever the default dtype: `_keep_in_fp32_modules_strict` keeps them so when loading, and a model
         # built directly (e.g. under a half-precision default dtype) must agree.
         self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads, dtype=torch.float32))
@@ -60,22 +56,13 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         batch_size, seq_len, _ = hidden_states.shape
         real = token_is_real[..., None].to(hidden_states.dtype)
         hidden_states = torch.where(token_is_real[..., None], hidden_states, 0.0)  # whatever a pad holds, even NaN
-        channels, key_dim, conv_weight, A_log, dt_bias = self._rank_share()
+        channels, key_dim, A_log, dt_bias = self._rank_share()
 
-        # Causal depthwise convolution, continuing from the cached last `kernel - 1` inputs.
         mixed = self.in_proj_qkv(hidden_states)
         if channels is not None:
             mixed = mixed.index_select(-1, channels)  # this rank's heads
-        mixed = mixed.transpose(1, 2)  # [batch, conv_dim, seq]
         conv_state = None if layer_cache is None else layer_cache.conv_state
-        if conv_state is None:
-            conv_state = mixed.new_zeros(batch_size, mixed.shape[1], self.conv_kernel_size - 1)
-        conv_input = torch.cat([conv_state.to(mixed.dtype), mixed], dim=-1)
-        if seq_len == 1:  # decode: one dot product per channel, cheaper than setting up a convolution
-            mixed = (conv_input * conv_weight).sum(dim=-1, keepdim=True)
-        else:
-            mixed = F.conv1d(conv_input, conv_weight[:, None], groups=conv_weight.shape[0])
-        mixed = self.act_fn(mixed).transpose(1, 2)
+        mixed, conv_input = self.conv1d(mixed, conv_state, channels)  # [batch, seq, conv_dim (this rank's)]
 
         query, key, value = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
         query = query.reshape(batch_size, seq_len, -1, self.key_head_dim)
@@ -89,8 +76,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         mode = "recurrent" if initial_state is not None and seq_len == 1 else "chunk"
         core, final_state = gated_delta_rule(query, key, value, log_decay, beta, initial_state, mode=mode)
         if layer_cache is not None:
-            num_real = token_is_real.sum(dim=1)
-            layer_cache.update(last_real_entries(conv_input, num_real, self.conv_kernel_size - 1), final_state)
+            layer_cache.update(self.conv1d.next_state(conv_input, token_is_real), final_state)
 
         gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.value_head_dim)
         core = self.norm(core, gate).reshape(batch_size, seq_len, -1)
@@ -99,21 +85,20 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
     def _rank_share(self):
         """This rank's share of the layer under transformers' tensor parallelism (all of it otherwise): the index of
         its heads' channels in the fused q/k/v projection (None: every channel), its query/key width, and the
-        convolution weights `[channels, kernel]`, `A_log` and `dt_bias` of those channels and heads.
+        `A_log` and `dt_bias` of its heads.
 
         The rank follows `in_proj_z`, which the plan splits by value heads; each rank then owns the key heads those
         value heads read (`linear_num_key_heads` divide evenly, see `check_tensor_parallel_size`).
         """
         rank, ranks = tensor_parallel_rank(self.in_proj_z.weight)
-        conv_weight = self.conv1d.weight[:, 0]
         if ranks == 1:
-            return None, self.key_dim, conv_weight, self.A_log, self.dt_bias
+            return None, self.key_dim, self.A_log, self.dt_bias
         key_dim, value_dim = self.key_dim // ranks, self.value_dim // ranks
         if self._rank_channels is None:
             self._rank_channels = torch.cat([
                 torch.arange(rank * key_dim, (rank + 1) * key_dim),  # query
                 torch.arange(self.key_dim + rank * key_dim, self.key_dim + (rank + 1) * key_dim),  # key
                 torch.arange(2 * self.key_dim + rank * value_dim, 2 * self.key_dim + (rank + 1) * value_dim),  # value
-            ]).to(conv_weight.device)
+            ]).to(self.conv1d.weight.device)
         heads = slice(rank * self.num_value_heads // ranks, (rank + 1) * self.num_value_heads // ranks)
-        return self._rank_channels, key_dim, conv_weight[self._rank_channels], self.A_log[heads], self.dt_bias[heads]
+        return self._rank_channels, key_dim, self.A_log[heads], self.dt_bias[heads]

@@ -8,7 +8,8 @@ from transformers.activations import ACT2FN
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.kimi_delta_rule import kimi_delta_rule
 from .cache_hybrid_indexpool import LinearAttentionLayerCache
-from .layers import HybridIndexPoolLinear, last_real_entries, tensor_parallel_rank
+from .layers import HybridIndexPoolLinear, tensor_parallel_rank
+from .short_convolution import HybridIndexPoolShortConvolution
 
 
 class HybridIndexPoolKimiForgetGate(nn.Module):
@@ -86,15 +87,11 @@ class HybridIndexPoolKimiDeltaAttention(nn.Module):
         self.qkv_dim = self.num_heads * self.head_dim
         self.conv_kernel_size = config.linear_conv_kernel_dim
         self.gate_lower_bound = config.linear_gate_lower_bound
-        self.act_fn = ACT2FN[config.hidden_act]
 
         self.q_proj = HybridIndexPoolLinear(config.hidden_size, self.qkv_dim, bias=False)
         self.k_proj = HybridIndexPoolLinear(config.hidden_size, self.qkv_dim, bias=False)
         self.v_proj = HybridIndexPoolLinear(config.hidden_size, self.qkv_dim, bias=False)
-        self.conv1d = nn.Conv1d(
-            3 * self.qkv_dim, 3 * self.qkv_dim, self.conv_kernel_size, groups=3 * self.qkv_dim, bias=False,
-            padding=self.conv_kernel_size - 1,
-        )
+        self.conv1d = HybridIndexPoolShortConvolution(3 * self.qkv_dim, self.conv_kernel_size, config.hidden_act)
         self.forget_gate = HybridIndexPoolKimiForgetGate(config)
         self.b_proj = HybridIndexPoolLinear(config.hidden_size, self.num_heads, bias=False)
         self.g_a_proj = HybridIndexPoolLinear(config.hidden_size, self.head_dim, bias=False)
@@ -115,20 +112,10 @@ class HybridIndexPoolKimiDeltaAttention(nn.Module):
         real = token_is_real[..., None].float()
         hidden_states = torch.where(token_is_real[..., None], hidden_states, 0.0)  # whatever a pad holds, even NaN
 
-        # Causal depthwise convolution over [q | k | v] in float32 (as GLM keeps it), continuing from the cached last
-        # `kernel - 1` inputs.
+        # Causal depthwise convolution over [q | k | v] in float32, as GLM keeps it.
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
-        mixed = mixed.transpose(1, 2).float()  # [batch, 3 * qkv_dim (this rank's), seq]
-        conv_weight = self._rank_conv_weight().float()  # [channels, kernel]
         conv_state = None if layer_cache is None else layer_cache.conv_state
-        if conv_state is None:
-            conv_state = mixed.new_zeros(batch_size, mixed.shape[1], self.conv_kernel_size - 1)
-        conv_input = torch.cat([conv_state.float(), mixed], dim=-1)
-        if seq_len == 1:  # decode: one dot product per channel, cheaper than setting up a convolution
-            mixed = (conv_input * conv_weight).sum(dim=-1, keepdim=True)
-        else:
-            mixed = F.conv1d(conv_input, conv_weight[:, None], groups=conv_weight.shape[0])
-        mixed = self.act_fn(mixed).to(hidden_states.dtype).transpose(1, 2)  # [batch, seq, 3 * qkv_dim]
+        mixed, conv_input = self.conv1d(mixed, conv_state, self._rank_channels_of_conv(), torch.float32)
 
         # [batch, seq, heads, head_dim] each
         query, key, value = (x.unflatten(-1, (-1, self.head_dim)) for x in mixed.chunk(3, dim=-1))
@@ -141,24 +128,22 @@ class HybridIndexPoolKimiDeltaAttention(nn.Module):
             query, key, value, log_decay, beta, initial_state, mode=mode, gate_lower_bound=self.gate_lower_bound
         )
         if layer_cache is not None:
-            num_real = token_is_real.sum(dim=1)
-            layer_cache.update(last_real_entries(conv_input, num_real, self.conv_kernel_size - 1), final_state)
+            layer_cache.update(self.conv1d.next_state(conv_input, token_is_real), final_state)
 
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).unflatten(-1, (-1, self.head_dim))
         core = self.o_norm(core, gate).reshape(batch_size, seq_len, -1)
         return self.o_proj(core)
 
-    def _rank_conv_weight(self) -> torch.Tensor:
-        """The convolution weights `[channels, kernel]` of this rank's heads under transformers' tensor parallelism
-        (all of them otherwise): `q_proj`, `k_proj` and `v_proj` are split by heads, the convolution is replicated."""
+    def _rank_channels_of_conv(self) -> torch.Tensor | None:
+        """This rank's channels of the q|k|v convolution under transformers' tensor parallelism (None: all of them):
+        `q_proj`, `k_proj` and `v_proj` are split by heads, the convolution is replicated."""
         rank, ranks = tensor_parallel_rank(self.q_proj.weight)
-        conv_weight = self.conv1d.weight[:, 0]
         if ranks == 1:
-            return conv_weight
+            return None
         if self._rank_channels is None:
             width = self.qkv_dim // ranks
             self._rank_channels = torch.cat([
                 torch.arange(part * self.qkv_dim + rank * width, part * self.qkv_dim + (rank + 1) * width)
                 for part in range(3)  # query, key, value
-            ]).to(conv_weight.device)
-        return conv_weight[self._rank_channels]
+            ]).to(self.conv1d.weight.device)
+        return self._rank_channels

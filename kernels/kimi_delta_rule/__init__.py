@@ -1,36 +1,38 @@
 """Kimi delta rule (KDA): chunked (prefill, training) and recurrent (decode) forms behind one entry point.
 
-On CUDA tensors it runs flash-linear-attention's KDA kernels when the package is installed (the optional extra
-`[fla]`); otherwise the PyTorch reference. Both take queries/keys before L2 normalisation and precomputed per-channel
-log decays, and give the same results.
+On CUDA tensors it runs flash-linear-attention's KDA kernels, found by transformers' hub-kernel helper as transformers'
+own GLM-5.3-Flash finds them: a kernel from the Hub when kernels are requested, else the `fla` package (the optional
+extra `[fla]`), else the PyTorch reference (with transformers' warning that it is slower). On other devices it runs
+the reference directly. All take queries/keys before L2 normalisation and precomputed per-channel log decays, and give
+the same results.
 """
+
+from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
 from ..dispatch import use_fast_path
 from .reference import chunk_kimi_delta_rule_torch, recurrent_kimi_delta_rule_torch
 
-try:
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
-    from fla.ops.kda import fused_recurrent_kda as fla_recurrent_kda
-except ImportError:  # flash-linear-attention is optional
-    fla_chunk_kda = fla_recurrent_kda = None
-
+MODES = ("chunk", "recurrent")
 # fla's chunk kernel has a faster intra-chunk path for decays bounded below by at most this much per step.
 FLA_SAFE_GATE_BOUND = -5.0
 
 
-def _fla_kimi_delta_rule(query, key, value, log_decay, beta, initial_state, use_qk_l2norm, gate_lower_bound, mode):
-    common = dict(
-        initial_state=None if initial_state is None else initial_state.float(), output_final_state=True,
-        use_qk_l2norm_in_kernel=use_qk_l2norm,
-    )
-    if mode == "chunk":
-        safe_gate = gate_lower_bound is not None and FLA_SAFE_GATE_BOUND <= gate_lower_bound < 0
-        output, state = fla_chunk_kda(
-            query, key, value, log_decay, beta.to(value.dtype), safe_gate=safe_gate, **common
-        )
-    else:
-        output, state = fla_recurrent_kda(query, key, value, log_decay, beta.to(value.dtype), **common)
-    return output, state.float()
+# The fallbacks have fla's signature (`g` the log decay; the state returned only when asked) so that the helper can
+# put fla's kernels in their place.
+@use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")
+def chunk_kda_kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                     safe_gate=False):
+    """fla's `chunk_kda` where it is found, otherwise the PyTorch reference (`safe_gate` only speeds fla up)."""
+    output, state = chunk_kimi_delta_rule_torch(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return output, state if output_final_state else None
+
+
+@use_kernel_func_from_hub_with_fallback("fused_recurrent_kda", "fla")
+def fused_recurrent_kda_kernel(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False):
+    """fla's `fused_recurrent_kda` where it is found, otherwise the PyTorch reference."""
+    output, state = recurrent_kimi_delta_rule_torch(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return output, state if output_final_state else None
 
 
 def kimi_delta_rule(
@@ -42,14 +44,21 @@ def kimi_delta_rule(
     (the forget gate's lower bound, if any: every log decay is at least this) lets fla's chunk kernel take its
     bounded-gate path. Returns the output and the final float32 state.
     """
-    if mode not in ("chunk", "recurrent"):
-        raise ValueError(f"kimi_delta_rule: mode is {mode!r}; use 'chunk' or 'recurrent'.")
-    if fla_chunk_kda is not None and use_fast_path(query, key, value):
-        return _fla_kimi_delta_rule(
-            query, key, value, log_decay, beta, initial_state, use_qk_l2norm, gate_lower_bound, mode
-        )
-    implementation = chunk_kimi_delta_rule_torch if mode == "chunk" else recurrent_kimi_delta_rule_torch
-    return implementation(query, key, value, log_decay, beta, initial_state, use_qk_l2norm)
+    if mode not in MODES:
+        raise ValueError(f"kimi_delta_rule: mode is {mode!r}; use one of {list(MODES)}.")
+    if not use_fast_path(query, key, value):
+        implementation = chunk_kimi_delta_rule_torch if mode == "chunk" else recurrent_kimi_delta_rule_torch
+        return implementation(query, key, value, log_decay, beta, initial_state, use_qk_l2norm)
+    common = dict(
+        g=log_decay, beta=beta.to(value.dtype), initial_state=None if initial_state is None else initial_state.float(),
+        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+    )
+    if mode == "chunk":
+        safe_gate = gate_lower_bound is not None and FLA_SAFE_GATE_BOUND <= gate_lower_bound < 0
+        output, state = chunk_kda_kernel(query, key, value, safe_gate=safe_gate, **common)
+    else:
+        output, state = fused_recurrent_kda_kernel(query, key, value, **common)
+    return output, state.float()
 
 
 __all__ = ["kimi_delta_rule", "chunk_kimi_delta_rule_torch", "recurrent_kimi_delta_rule_torch"]

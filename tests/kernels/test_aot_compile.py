@@ -21,7 +21,7 @@ KERNELS = {"pooled_index_scores", "sparse_attention_forward", "combine_splits", 
 
 def spill_allowance(row) -> int:
     """Spilled 4-byte words a configuration may have: none, but for what the whole matrix measured (ptxas of Triton
-    3.9, 2026-11-30; docs/kernels.md): the float32 key-major backward at head dim 256 (three tf32 products of rows
+    3.9; docs/kernels.md): the float32 key-major backward at head dim 256 (three tf32 products of rows
     256 wide; 40-54 words) and at head dim 64 with a group of 16 (2), the dq pass in some 16-bit and float32
     configurations (2-10), and the float32 forward with a group of 16 at head dim 256 (2, on sm_90). Every decode and
     forward kernel in 16-bit spills nothing. An allowance is a bound, so a regression still fails."""

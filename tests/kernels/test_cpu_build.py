@@ -117,5 +117,5 @@ def check_the_ops_fall_back_when_the_build_fails(missing_compiler: str) -> None:
 
 def test_the_op_falls_back_to_the_reference_when_the_build_fails(tmp_path):
     # What a compiled graph that chose the op runs if the build then fails. In a fresh process (as a cold compiled
-    # step is): in a long session the op once crashed after other tests had loaded and swapped kernel libraries.
+    # step is), so that no kernel library another test loaded is there.
     run_in_fresh_process(__file__, "check_the_ops_fall_back_when_the_build_fails", str(tmp_path / "no-such-compiler"))
