@@ -159,7 +159,7 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             hidden_states, position_embeddings, step.positions, step.rope_positions, step.token_is_real, layer_cache,
             step.output_attentions, step.indexer_loss, shared,
         )
-        if self.self_attn.indexer is not None:
+        if self.selection_source is None:  # a full layer: the shared layers after it may attend to its selection
             step.selections[self.layer_idx] = selection
         if kl is not None:
             step.indexer_losses[self.layer_idx] = kl
