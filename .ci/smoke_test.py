@@ -52,7 +52,7 @@ def check_installed_modules() -> None:
         try:
             importlib.import_module(name)
         except ImportError:
-            if without_triton and name.endswith(".triton_impl"):  # the Triton kernels need the triton extra
+            if without_triton and name.rpartition(".")[2].startswith("triton_"):  # the Triton kernels need the extra
                 continue
             if without_vllm and name.startswith("hybrid_indexpool.serving."):  # the vLLM plugin's model needs vLLM
                 continue

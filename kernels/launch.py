@@ -1,7 +1,7 @@
 """What the Triton kernels share on the host: a planned launch, the GPU's size and the arithmetic of the products.
 
-Each `triton_impl` plans its kernels as `Launch`es (kernel, grid, arguments, options) and runs them; `aot` compiles
-the same plans, made on meta tensors, without a GPU. Nothing here imports Triton.
+Each operation's Triton modules plan its kernels as `Launch`es (kernel, grid, arguments, options) and run them;
+`aot` compiles the same plans, made on meta tensors, without a GPU. Nothing here imports Triton.
 """
 
 import functools
