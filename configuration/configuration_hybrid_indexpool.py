@@ -225,6 +225,9 @@ class HybridIndexPoolConfig(PreTrainedConfig):
         ple_vocab_size_multiple (`int`): The concatenated n-gram table is padded to a multiple of this.
         ple_hash_seed (`int`): Seed of the per-layer hash multipliers.
         rms_norm_eps (`float`): Epsilon of the RMS norms.
+        rms_norm_unit_offset (`bool`): RMSNorm weights are zero-centred, the scale being `1 + weight` (Qwen, the
+            default); `False` scales by the weight itself (GLM-5.3-Flash), so that converted weights are stored as the
+            source stores them.
         max_position_embeddings (`int`): Longest context the RoPE settings are meant for.
         initializer_range (`float`): Standard deviation of the normal weight initialisation.
         tie_word_embeddings (`bool`): Share the input embedding and the language-model head.
@@ -377,6 +380,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     ple_hash_seed: int = 1234
     # the usual
     rms_norm_eps: float = 1e-6
+    rms_norm_unit_offset: bool = True
     max_position_embeddings: int = 262144
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False

@@ -27,8 +27,8 @@ class HybridIndexPoolAttention(HybridIndexPoolAttentionBase):
         self.v_proj = HybridIndexPoolLinear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.o_proj = HybridIndexPoolLinear(self.num_heads * self.head_dim, config.hidden_size,
                                             bias=config.attention_bias)
-        self.q_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = HybridIndexPoolRMSNorm.from_config(config, self.head_dim)
+        self.k_norm = HybridIndexPoolRMSNorm.from_config(config, self.head_dim)
         self.add_indexer(config, layer_idx)
 
     def project(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> ProjectedTokens:

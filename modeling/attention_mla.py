@@ -31,11 +31,11 @@ class HybridIndexPoolMLAAttention(HybridIndexPoolAttentionBase):
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.v_head_dim = config.v_head_dim
         self.q_a_proj = HybridIndexPoolLinear(config.hidden_size, config.q_lora_rank, bias=config.attention_bias)
-        self.q_a_layernorm = HybridIndexPoolRMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+        self.q_a_layernorm = HybridIndexPoolRMSNorm.from_config(config, config.q_lora_rank)
         self.q_b_proj = HybridIndexPoolLinear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = HybridIndexPoolLinear(config.hidden_size, self.kv_lora_rank,
                                                         bias=config.attention_bias)
-        self.kv_a_layernorm = HybridIndexPoolRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_a_layernorm = HybridIndexPoolRMSNorm.from_config(config, self.kv_lora_rank)
         self.kv_b_proj = HybridIndexPoolLinear(
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = HybridIndexPoolLinear(self.num_heads * self.v_head_dim, config.hidden_size,

@@ -38,11 +38,11 @@ class HybridIndexPoolIndexer(nn.Module):
         self.q_proj = HybridIndexPoolLinear(query_input, self.num_heads * self.head_dim, bias=False)
         self.k_proj = HybridIndexPoolLinear(config.hidden_size, self.head_dim, bias=False)
         # The MLA query latent is RMS-normed already (`q_a_layernorm`): its queries get no second norm.
-        self.q_norm = None if query_from_latent else HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = None if query_from_latent else HybridIndexPoolRMSNorm.from_config(config, self.head_dim)
         if config.index_key_norm == "layer_norm_before_pool":
             self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         else:
-            self.k_norm = HybridIndexPoolRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = HybridIndexPoolRMSNorm.from_config(config, self.head_dim)
         self.learned_pooling = config.index_pool_weighting in ("learned", "learned_scalar")
         self.norm_before_pooling = (config.index_pool_weighting == "prenorm_mean"
                                     or config.index_key_norm == "layer_norm_before_pool")

@@ -20,16 +20,24 @@ class HybridIndexPoolLinear(nn.Linear):
 
 
 class HybridIndexPoolRMSNorm(nn.Module):
-    """Zero-centred RMSNorm: `x / rms(x) * (1 + weight)`, computed in float32 (the Qwen3-Next convention).
+    """RMSNorm computed in float32: `x / rms(x) * (1 + weight)`, zero-centred (the Qwen3-Next convention), or with
+    `unit_offset=False` `x / rms(x) * weight` (GLM-5.3-Flash, DeepSeek), so that either family's weights are used as
+    they are stored.
 
     With `group_size`, each consecutive group of that many channels (one residual stream) is normalised on its own.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None):
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, unit_offset: bool = True):
         super().__init__()
         self.eps = eps
         self.group_size = group_size
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    @classmethod
+    def from_config(cls, config, dim: int, group_size: int | None = None) -> "HybridIndexPoolRMSNorm":
+        """The model's RMSNorm of width `dim`: its epsilon and weight convention (`rms_norm_unit_offset`)."""
+        return cls(dim, eps=config.rms_norm_eps, group_size=group_size, unit_offset=config.rms_norm_unit_offset)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         normed = hidden_states.float()
@@ -38,7 +46,8 @@ class HybridIndexPoolRMSNorm(nn.Module):
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.group_size is not None:
             normed = normed.flatten(-2)
-        return (normed * (1.0 + self.weight.float())).type_as(hidden_states)
+        scale = 1.0 + self.weight.float() if self.unit_offset else self.weight.float()
+        return (normed * scale).type_as(hidden_states)
 
 
 class HybridIndexPoolRMSNormGated(nn.Module):

@@ -108,8 +108,8 @@ class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
             self.mlp_hyper_connection = hyper_connection_class(config)
         self.input_layernorm = self.post_attention_layernorm = None
         if not self.hyper_connections or config.hc_type == "sinkhorn":  # Qwen4-Exp's hyper-connections norm instead
-            self.input_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.post_attention_layernorm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.input_layernorm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
+            self.post_attention_layernorm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
         # A shared-indexer layer attends to the windows the closest full IndexPool layer before it selected.
         self.selection_source = None
         if self.layer_type == "indexpool_attention" and config.is_shared_indexer_layer(layer_idx):
@@ -263,7 +263,8 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         std = self.config.get_text_config().initializer_range
         if isinstance(module, HybridIndexPoolRMSNorm):
-            init.zeros_(module.weight)  # zero-centred: the scale is 1 + weight
+            # The scale starts at 1: a zero weight when zero-centred (scale 1 + weight), else a unit weight.
+            (init.zeros_ if module.unit_offset else init.ones_)(module.weight)
         elif isinstance(module, HybridIndexPoolGatedDeltaNet):
             init.ones_(module.dt_bias)
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log_())
@@ -316,7 +317,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         if config.hc_type == "qwen4_exp" and config.hc_count > 1:
             self.hyper_connection_mixer = HybridIndexPoolHyperConnection(config, inject=False)
         else:
-            self.norm = HybridIndexPoolRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
         # GLM-5.3-Flash's grouped router (weights and bias) and the Sinkhorn streams' affine mixing parameters stay
         # float32 when loaded in half precision, as there; only those the model has are named (transformers checks).
         float32_parameters = []

@@ -76,9 +76,9 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
         self.ple_embedding = HybridIndexPoolNGramEmbedding(config, ple_index)
         self.key_proj = HybridIndexPoolLinear(config.ple_embed_dim, streams_width, bias=False)
         self.value_proj = HybridIndexPoolLinear(config.ple_embed_dim, self.hidden_size, bias=False)
-        self.norm_key = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
-        self.norm_query = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
-        self.norm_conv = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
+        self.norm_key = HybridIndexPoolRMSNorm.from_config(config, streams_width, group_size=self.hidden_size)
+        self.norm_query = HybridIndexPoolRMSNorm.from_config(config, streams_width, group_size=self.hidden_size)
+        self.norm_conv = HybridIndexPoolRMSNorm.from_config(config, streams_width, group_size=self.hidden_size)
         self.conv_dilation = config.ple_ngram_size
         self.conv_state_length = (config.ple_conv_kernel_size - 1) * self.conv_dilation
         self.conv1d = nn.Conv1d(

@@ -21,7 +21,7 @@ class HybridIndexPoolHyperConnection(nn.Module):
         self.hc_count = config.hc_count
         self.hidden_size = config.hidden_size
         streams_width = self.hc_count * self.hidden_size
-        self.hc_norm = HybridIndexPoolRMSNorm(streams_width, eps=config.rms_norm_eps, group_size=self.hidden_size)
+        self.hc_norm = HybridIndexPoolRMSNorm.from_config(config, streams_width, group_size=self.hidden_size)
         self.input_mix_weight_down = HybridIndexPoolLinear(streams_width, config.hc_lowrank, bias=False)
         self.input_mix_weight_up = HybridIndexPoolLinear(config.hc_lowrank, streams_width, bias=False)
         self.block_inject_weight = HybridIndexPoolLinear(streams_width, self.hc_count, bias=False) if inject else None
