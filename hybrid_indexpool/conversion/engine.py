@@ -82,12 +82,14 @@ class WeightGroup:
 
     `build` receives `{source name: tensor}` for every name in `sources` and returns `{target name: tensor}` for
     exactly the names in `targets`. A rename is a one-to-one group, a split a one-to-many group, a fusion of
-    per-expert weights a many-to-one group.
+    per-expert weights a many-to-one group. `inverse`, where given, undoes `build` exactly (`{target name: tensor}`
+    -> `{source name: tensor}`): the export back to the source's format runs it ([`ConversionPlan.inverted`]).
     """
 
     sources: tuple[str, ...]
     targets: tuple[str, ...]
     build: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    inverse: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,17 @@ class IgnoreRule:
 
 def rename(source: str, target: str) -> WeightGroup:
     """The one-to-one group: the tensor `source` becomes `target` unchanged."""
-    return WeightGroup((source,), (target,), lambda tensors: {target: tensors[source]})
+    return WeightGroup((source,), (target,), lambda tensors: {target: tensors[source]},
+                       lambda tensors: {source: tensors[target]})
+
+
+def concatenated(sources: tuple[str, ...], target: str) -> WeightGroup:
+    """Source tensors of equal first dimension concatenated along dim 0 into one of ours (e.g. per-part
+    convolutions); the inverse splits it back into equal parts."""
+    return WeightGroup(
+        sources, (target,), lambda tensors: {target: torch.cat([tensors[name] for name in sources])},
+        lambda tensors: dict(zip(sources, (part.clone() for part in tensors[target].chunk(len(sources))))),
+    )
 
 
 def fuse_experts(source_prefix: str, target_prefix: str, num_experts: int) -> list[WeightGroup]:
@@ -114,12 +126,20 @@ def fuse_experts(source_prefix: str, target_prefix: str, num_experts: int) -> li
     ups = [f"{source_prefix}.{j}.up_proj.weight" for j in range(num_experts)]
     downs = [f"{source_prefix}.{j}.down_proj.weight" for j in range(num_experts)]
     gate_up, down = f"{target_prefix}.gate_up_proj", f"{target_prefix}.down_proj"
+
+    def split_gate_up(tensors):
+        halves = [expert.chunk(2) for expert in tensors[gate_up]]
+        return {**{g: half[0].clone() for g, half in zip(gates, halves)},
+                **{u: half[1].clone() for u, half in zip(ups, halves)}}
+
     return [
         WeightGroup(
             tuple(gates + ups), (gate_up,),
             lambda t: {gate_up: torch.stack([torch.cat([t[g], t[u]], dim=0) for g, u in zip(gates, ups)])},
+            split_gate_up,
         ),
-        WeightGroup(tuple(downs), (down,), lambda t: {down: torch.stack([t[d] for d in downs])}),
+        WeightGroup(tuple(downs), (down,), lambda t: {down: torch.stack([t[d] for d in downs])},
+                    lambda t: {d: expert.clone() for d, expert in zip(downs, t[down])}),
     ]
 
 
@@ -153,14 +173,37 @@ class ConversionPlan:
         """The same plan writing each target under `rename_target(name)` (e.g. our text model's weights moved under
         the multimodal model's `model.language_model.`)."""
         def renamed(group: WeightGroup) -> WeightGroup:
-            build = group.build
-            return WeightGroup(group.sources, tuple(map(rename_target, group.targets)),
-                               lambda tensors: {rename_target(name): tensor for name, tensor in build(tensors).items()})
+            build, inverse = group.build, group.inverse
+            return WeightGroup(
+                group.sources, tuple(map(rename_target, group.targets)),
+                lambda tensors: {rename_target(name): tensor for name, tensor in build(tensors).items()},
+                None if inverse is None else lambda tensors: inverse(
+                    {name: tensors[rename_target(name)] for name in group.targets}),
+            )
 
         return ConversionPlan(
             [renamed(group) for group in self.groups], list(self.ignore),
             [ConcatenatedWeight(c.sources, rename_target(c.target)) for c in self.concatenations],
         )
+
+    def inverted(self, source_shapes: Mapping[str, torch.Size], ignore: Iterable[IgnoreRule] = ()) -> "ConversionPlan":
+        """The plan back: each group's `inverse` building its sources from its targets, each concatenation split
+        into its parts (of `source_shapes`), our weights matched by `ignore` left out. ConversionError names a group
+        that cannot be undone."""
+        groups = []
+        for group in self.groups:
+            if group.inverse is None:
+                raise ConversionError(f"The part of the conversion that builds {names_preview(group.targets, 2)} "
+                                      "cannot be undone; the export does not support it.")
+            groups.append(WeightGroup(group.targets, group.sources, group.inverse, group.build))
+        for concatenation in self.concatenations:
+            sizes = [source_shapes[name][0] for name in concatenation.sources]
+            groups.append(WeightGroup(
+                concatenation.targets, concatenation.sources,
+                lambda tensors, c=concatenation, sizes=sizes: dict(zip(
+                    c.sources, (part.clone() for part in tensors[c.target].split(sizes)))),
+            ))
+        return ConversionPlan(groups, list(ignore))
 
     def check(self, weight_names: Iterable[str]) -> dict[str, list[str]]:
         """Check the plan against the source's weight names; returns `{reason: names}` of what it leaves out.
@@ -292,6 +335,16 @@ def expected_weights(config) -> tuple[dict[str, torch.Size], HybridIndexPoolPreT
     return {name: t.shape for name, t in model.state_dict().items() if name not in tied}, model
 
 
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """What a conversion writes: the weights the target model stores (`{name: shape}`) and everything but the
+    weights (`write_metadata(folder)`: config, code, tokenizer, ...). By default our model; the export to a source
+    format gives that format's."""
+
+    expected: Mapping[str, torch.Size]
+    write_metadata: Callable[[Path], None]
+
+
 class _PeakRss:
     """The process's resident-memory peak over a stretch of code.
 
@@ -342,6 +395,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     max_shard_size: int | str = "5GB",
     extra_tensors: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None = None,
+    target: CheckpointTarget | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> ConversionReport:
@@ -358,7 +412,8 @@ def convert_checkpoint(
     (KeyboardInterrupt included, and SIGTERM or SIGHUP, which raise `Terminated`) the temporary folder is removed and
     an existing `output_dir` is left untouched.
     The folder gets `config.json` (with `auto_map`), the sharded safetensors, the flat remote code, a model card,
-    and the source's tokenizer files and `generation_config.json`, like `save_pretrained` writes them.
+    and the source's tokenizer files and `generation_config.json`, like `save_pretrained` writes them; with a
+    `target`, its weights and its `write_metadata` instead.
     """
     output_dir = Path(output_dir)
     if output_dir.exists():
@@ -376,7 +431,10 @@ def convert_checkpoint(
     ignored = plan.check(source.weight_names)
     for reason, names in ignored.items():
         log(f"leaving out {len(names)} source weights ({reason}): {names_preview(names, 3)}")
-    expected, meta_model = expected_weights(config)
+    if target is None:
+        expected, meta_model = expected_weights(config)
+        target = CheckpointTarget(expected, lambda folder: _write_metadata(source, config, meta_model, folder))
+    expected = dict(target.expected)
     extra = dict(extra_tensors() if callable(extra_tensors) else (extra_tensors or {}))
     both = set(plan.targets) & set(extra)
     if both:
@@ -386,10 +444,10 @@ def convert_checkpoint(
     missing, unexpected = set(expected) - set(planned), set(planned) - set(expected)
     if missing or unexpected:
         raise ConversionError(
-            "The conversion does not produce exactly the weights our model expects for this config: "
+            "The conversion does not produce exactly the weights the target model expects for this config: "
             + (f"missing {names_preview(missing)}" if missing else "")
             + ("; " if missing and unexpected else "")
-            + (f"not in our model {names_preview(unexpected)}" if unexpected else "")
+            + (f"not in the target model {names_preview(unexpected)}" if unexpected else "")
             + ". The source config and the plan disagree: check the config mapping of the converter."
         )
 
@@ -401,7 +459,7 @@ def convert_checkpoint(
     with _terminate_as_exception():
         try:
             work_dir.mkdir()
-            return _convert_into(source, plan, config, output_dir, work_dir, streams, expected, meta_model, extra,
+            return _convert_into(source, plan, output_dir, work_dir, streams, expected, target.write_metadata, extra,
                                  max_shard_size, ignored, progress, rss)
         except BaseException:
             for stream in streams:
@@ -410,7 +468,7 @@ def convert_checkpoint(
             raise
 
 
-def _convert_into(source, plan, config, output_dir, work_dir, streams, expected, meta_model, extra, max_shard_size,
+def _convert_into(source, plan, output_dir, work_dir, streams, expected, write_metadata, extra, max_shard_size,
                   ignored, progress, rss) -> "ConversionReport":
     """The streaming conversion of `convert_checkpoint` into `work_dir`, renamed to `output_dir` at the end."""
     writer = ShardWriter(work_dir, max_shard_size)
@@ -422,7 +480,7 @@ def _convert_into(source, plan, config, output_dir, work_dir, streams, expected,
     def emit(name: str, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != tuple(expected[name]):
             raise ConversionError(
-                f"Built {name} with shape {tuple(tensor.shape)}, but our model expects {tuple(expected[name])} "
+                f"Built {name} with shape {tuple(tensor.shape)}, but the target model expects {tuple(expected[name])} "
                 "for this config; the source's config.json does not match its weights."
             )
         writer.add(name, _own_tensor(tensor))
@@ -438,8 +496,8 @@ def _convert_into(source, plan, config, output_dir, work_dir, streams, expected,
         stream = writer.add_concatenation(concatenation, headers)
         if tuple(stream.shape) != tuple(expected[concatenation.target]):
             raise ConversionError(
-                f"The parts of {concatenation.target} add up to shape {tuple(stream.shape)}, but our model expects "
-                f"{tuple(expected[concatenation.target])}; the source's config.json does not match its weights."
+                f"The parts of {concatenation.target} add up to shape {tuple(stream.shape)}, but the target model "
+                f"expects {tuple(expected[concatenation.target])}; the source's config.json does not match its weights."
             )
         streams.append(stream)
         part_of.update({name: (stream, index) for index, name in enumerate(concatenation.sources)})
@@ -496,11 +554,12 @@ def _convert_into(source, plan, config, output_dir, work_dir, streams, expected,
     if written != expected:
         wrong = sorted(name for name in set(written) & set(expected) if written[name] != expected[name])
         raise ConversionError(
-            "The written checkpoint does not match our model: "
+            "The written checkpoint does not match the target model: "
             f"missing {names_preview(set(expected) - set(written))}; "
-            f"not in our model {names_preview(set(written) - set(expected))}; wrong shapes {names_preview(wrong)}."
+            f"not in the target model {names_preview(set(written) - set(expected))}; wrong shapes "
+            f"{names_preview(wrong)}."
         )
-    _write_metadata(source, config, meta_model, work_dir)
+    write_metadata(work_dir)
     peak_rss = rss.peak()
     _replace(work_dir, output_dir)
     return ConversionReport(
