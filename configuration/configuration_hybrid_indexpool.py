@@ -237,6 +237,9 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             `generate()` too. (Not named `prefill_chunk_size`: `generate()` would copy that into its own setting,
             which refuses `use_cache=False`.)
         pad_token_id, bos_token_id, eos_token_id (`int`, *optional*): Special token ids.
+        source_config (`dict`, *optional*): The config (`to_dict()`) of the checkpoint this model was converted from,
+            written by the converters. The export back to that format starts from it, so that settings ours does not
+            carry (the source's own defaults, fields of variants ours leaves out) come back unchanged.
     """
 
     model_type = "hybrid_indexpool"
@@ -389,6 +392,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    source_config: dict | None = None
 
     def __post_init__(self, **kwargs):
         if self.layer_types is None:
