@@ -2,9 +2,9 @@
 
 `engine` holds the declarative plans and the streaming `convert_checkpoint`, `checkpoint_io` the safetensors source
 and the shard writer, `cli` the command line the converter scripts share, `qwen` what the Qwen hybrids map alike.
-One module per source family holds its mapping (config, plan) and the function that converts a folder: `qwen3_next`
-(`convert_qwen3_next` for Qwen3-Next and Qwen3.5, its new indexer set by `IndexerSettings`);
-`scripts/convert_<family>.py` is each one's command line.
+One module per source family holds its mapping (config, plan) and the function that converts a folder: `qwen4_exp`
+(`convert_qwen4_exp`) and `qwen3_next` (`convert_qwen3_next` for Qwen3-Next and Qwen3.5, its new indexer set by
+`IndexerSettings`); `scripts/convert_<family>.py` is each one's command line.
 """
 
 from .checkpoint_io import CONVERTER_SCRIPTS, SourceCheckpoint
@@ -33,6 +33,7 @@ from .qwen import (
     qwen_text_prefix,
 )
 from .qwen3_next import IndexerSettings, convert_qwen3_next
+from .qwen4_exp import convert_qwen4_exp
 
 __all__ = [
     "CONVERTER_SCRIPTS",
@@ -48,6 +49,7 @@ __all__ = [
     "conversion_argument_parser",
     "convert_checkpoint",
     "convert_qwen3_next",
+    "convert_qwen4_exp",
     "expected_weights",
     "fresh_weights",
     "fuse_experts",
