@@ -3,8 +3,8 @@
 `engine` holds the declarative plans and the streaming `convert_checkpoint`, `checkpoint_io` the safetensors source
 and the shard writer, `cli` the command line the converter scripts share, `qwen` what the Qwen hybrids map alike.
 One module per source family holds its mapping (config, plan) and the function that converts a folder: `qwen4_exp`
-(`convert_qwen4_exp`) and `qwen3_next` (`convert_qwen3_next` for Qwen3-Next and Qwen3.5, its new indexer set by
-`IndexerSettings`); `scripts/convert_<family>.py` is each one's command line.
+(`convert_qwen4_exp`), `qwen3_next` (`convert_qwen3_next` for Qwen3-Next and Qwen3.5, its new indexer set by
+`IndexerSettings`) and `glm5_next` (`convert_glm5_next`); `scripts/convert_<family>.py` is each one's command line.
 """
 
 from .checkpoint_io import CONVERTER_SCRIPTS, SourceCheckpoint
@@ -24,6 +24,7 @@ from .engine import (
     to_multimodal_name,
 )
 from .errors import ConversionError
+from .glm5_next import convert_glm5_next
 from .qwen import (
     qwen_attention_parts,
     qwen_hybrid_settings,
@@ -48,6 +49,7 @@ __all__ = [
     "WeightGroup",
     "conversion_argument_parser",
     "convert_checkpoint",
+    "convert_glm5_next",
     "convert_qwen3_next",
     "convert_qwen4_exp",
     "expected_weights",
