@@ -13,7 +13,7 @@ from transformers.models.qwen3_5 import (
 )
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-from hybrid_indexpool.scripts.convert_qwen3_next import IndexerSettings
+from hybrid_indexpool.conversion import IndexerSettings
 from hybrid_indexpool.tokenization import byte_level_tokenizer
 
 # Within this budget (16 tokens, r = 4: any sequence of at most 19 tokens) the converted model is exact.

@@ -2,6 +2,9 @@
 
 `engine` holds the declarative plans and the streaming `convert_checkpoint`, `checkpoint_io` the safetensors source
 and the shard writer, `cli` the command line the converter scripts share, `qwen` what the Qwen hybrids map alike.
+One module per source family holds its mapping (config, plan) and the function that converts a folder: `qwen4_exp`
+(`convert_qwen4_exp`), `qwen3_next` (`convert_qwen3_next` for Qwen3-Next and Qwen3.5, its new indexer set by
+`IndexerSettings`) and `glm5_next` (`convert_glm5_next`); `scripts/convert_<family>.py` is each one's command line.
 """
 
 from .checkpoint_io import CONVERTER_SCRIPTS, SourceCheckpoint
@@ -21,6 +24,7 @@ from .engine import (
     to_multimodal_name,
 )
 from .errors import ConversionError
+from .glm5_next import convert_glm5_next
 from .qwen import (
     qwen_attention_parts,
     qwen_hybrid_settings,
@@ -29,6 +33,8 @@ from .qwen import (
     qwen_source_configs,
     qwen_text_prefix,
 )
+from .qwen3_next import IndexerSettings, convert_qwen3_next
+from .qwen4_exp import convert_qwen4_exp
 
 __all__ = [
     "CONVERTER_SCRIPTS",
@@ -37,11 +43,15 @@ __all__ = [
     "ConversionPlan",
     "ConversionReport",
     "IgnoreRule",
+    "IndexerSettings",
     "SourceCheckpoint",
     "Terminated",
     "WeightGroup",
     "conversion_argument_parser",
     "convert_checkpoint",
+    "convert_glm5_next",
+    "convert_qwen3_next",
+    "convert_qwen4_exp",
     "expected_weights",
     "fresh_weights",
     "fuse_experts",

@@ -20,7 +20,7 @@ from hybrid_indexpool.conversion import (
     convert_checkpoint,
     rename,
 )
-from hybrid_indexpool.scripts.convert_qwen3_next import build_config, build_plan, convert, indexer_weights
+from hybrid_indexpool.conversion.qwen3_next import build_config, build_plan, convert_qwen3_next, indexer_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 quiet = dict(progress=False, log=lambda message: None)
@@ -71,7 +71,7 @@ def test_existing_output_is_refused_and_replaced_only_after_success(source_folde
     output.mkdir()
     (output / "mine.txt").write_text("keep me")
     with pytest.raises(ConversionError, match=r"ours already exists; .*overwrite=True \(--overwrite\)"):
-        convert(source_folder, output, INDEXER, **quiet)
+        convert_qwen3_next(source_folder, output, INDEXER, **quiet)
 
     def broken(plan):
         group = plan.groups[5]
@@ -83,11 +83,11 @@ def test_existing_output_is_refused_and_replaced_only_after_success(source_folde
     assert os.listdir(output) == ["mine.txt"] and (output / "mine.txt").read_text() == "keep me"
     assert leftovers(tmp_path) == []
 
-    convert(source_folder, output, INDEXER, overwrite=True, **quiet)
+    convert_qwen3_next(source_folder, output, INDEXER, overwrite=True, **quiet)
     assert not (output / "mine.txt").exists() and (output / "config.json").exists()
     assert leftovers(tmp_path) == []
     with pytest.raises(ConversionError, match="is the source folder"):
-        convert(source_folder, source_folder, INDEXER, overwrite=True, **quiet)
+        convert_qwen3_next(source_folder, source_folder, INDEXER, overwrite=True, **quiet)
 
 
 def test_interrupted_conversion_leaves_no_partial_output(source_folder, tmp_path):
@@ -114,7 +114,7 @@ def test_source_of_another_architecture_is_refused_with_the_right_script(tmp_pat
     llama.save_pretrained(tmp_path / "llama")
     with pytest.raises(ConversionError, match=r"model_type 'llama' \(architectures \['LlamaForCausalLM'\]\).*"
                                               r"convert_qwen3_next.py converts only model types .*'qwen3_next'"):
-        convert(tmp_path / "llama", tmp_path / "ours", INDEXER, **quiet)
+        convert_qwen3_next(tmp_path / "llama", tmp_path / "ours", INDEXER, **quiet)
 
     folder = tmp_path / "qwen4"
     folder.mkdir()
@@ -122,7 +122,7 @@ def test_source_of_another_architecture_is_refused_with_the_right_script(tmp_pat
                                                     "architectures": ["Qwen4ExpForCausalLM"]}))
     save_file({"model.norm.weight": torch.zeros(4)}, folder / "model.safetensors")
     with pytest.raises(ConversionError, match=r"'qwen4_exp'.*use scripts/convert_qwen4_exp.py for it"):
-        convert(folder, tmp_path / "ours", INDEXER, **quiet)
+        convert_qwen3_next(folder, tmp_path / "ours", INDEXER, **quiet)
     assert sorted(os.listdir(tmp_path)) == ["llama", "qwen4"]
 
 
@@ -140,7 +140,7 @@ def test_missing_folder_config_weights_or_shard_are_named(source_folder, tmp_pat
     shard = SourceCheckpoint.open(folder).shards()[2]
     (folder / shard).unlink()
     with pytest.raises(ConversionError, match=f"lacks the shard file\\(s\\) {shard} .*fetch the missing files"):
-        convert(folder, tmp_path / "ours", INDEXER, **quiet)
+        convert_qwen3_next(folder, tmp_path / "ours", INDEXER, **quiet)
     assert not (tmp_path / "ours").exists()
 
 
@@ -152,7 +152,7 @@ def test_unknown_and_missing_weight_names_are_named_before_any_tensor_is_read(so
               metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=r"Unknown weight name\(s\) in the source: "
                                               r"model\.layers\.0\.linear_attn\.extra_proj\.weight;"):
-        convert(folder, tmp_path / "ours", INDEXER, **quiet)
+        convert_qwen3_next(folder, tmp_path / "ours", INDEXER, **quiet)
 
     missing = "model.layers.1.self_attn.k_norm.weight"
     index_path = folder / "model.safetensors.index.json"
@@ -163,7 +163,7 @@ def test_unknown_and_missing_weight_names_are_named_before_any_tensor_is_read(so
     del tensors[missing]
     save_file(tensors, folder / shard, metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=f"lacks weight\\(s\\) the conversion needs: {missing} "):
-        convert(folder, tmp_path / "ours", INDEXER, **quiet)
+        convert_qwen3_next(folder, tmp_path / "ours", INDEXER, **quiet)
     assert not (tmp_path / "ours").exists() and leftovers(tmp_path) == []
 
 
@@ -210,7 +210,7 @@ def test_single_file_source_and_tied_embeddings(tmp_path):
     source = tiny_source_model("qwen3_5_text", tie_word_embeddings=True)
     source.save_pretrained(tmp_path / "source")  # one model.safetensors, no lm_head
     assert (tmp_path / "source" / "model.safetensors").exists()
-    report = convert(tmp_path / "source", tmp_path / "ours", INDEXER, **quiet)
+    report = convert_qwen3_next(tmp_path / "source", tmp_path / "ours", INDEXER, **quiet)
     assert report.num_output_shards == 1 and (tmp_path / "ours" / "model.safetensors").exists()
     assert not (tmp_path / "ours" / "model.safetensors.index.json").exists()
     ours = HybridIndexPoolForCausalLM.from_pretrained(tmp_path / "ours").eval()

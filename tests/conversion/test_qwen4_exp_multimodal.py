@@ -11,7 +11,7 @@ from qwen_sources import VISION_TOKENS, save_source, tiny_qwen4_source
 from transformers import AutoModelForImageTextToText
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM, HybridIndexPoolForConditionalGeneration
-from hybrid_indexpool.scripts.convert_qwen4_exp import convert
+from hybrid_indexpool.conversion import convert_qwen4_exp
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 QUIET = dict(progress=False, log=lambda message: None)
@@ -23,8 +23,8 @@ def converted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen4_multimodal")
     source = tiny_qwen4_source(multimodal=True)
     save_source(source, folder / "source", max_shard_size="60KB")
-    convert(folder / "source", folder / "ours", max_shard_size="60KB", **QUIET)
-    convert(folder / "source", folder / "text", text_only=True, **QUIET)
+    convert_qwen4_exp(folder / "source", folder / "ours", max_shard_size="60KB", **QUIET)
+    convert_qwen4_exp(folder / "source", folder / "text", text_only=True, **QUIET)
     return source, folder
 
 
@@ -152,6 +152,6 @@ def test_the_processor_files_are_copied(converted, tmp_path):
                  "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}
     (folder / "preprocessor_config.json").write_text(json.dumps(processor))
     (folder / "chat_template.jinja").write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
-    convert(folder, tmp_path / "ours", **QUIET)
+    convert_qwen4_exp(folder, tmp_path / "ours", **QUIET)
     for name in ("preprocessor_config.json", "chat_template.jinja"):
         assert (tmp_path / "ours" / name).read_text() == (folder / name).read_text()

@@ -1,0 +1,242 @@
+"""GLM-5.3-Flash checkpoints (`Glm5NextForConditionalGeneration`) to ours, computing the same: every part maps to
+the GLM variants of ours (KDA, MLA without RoPE, the pooled indexer, Sinkhorn streams, group-routed MoE), RMSNorm
+weights shifted by one; the vision tower is kept unless `text_only`. The command line is
+`scripts/convert_glm5_next.py`."""
+
+import re
+
+import torch
+from transformers import AutoConfig
+
+from ..configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
+from .checkpoint_io import SourceCheckpoint
+from .engine import (
+    ConversionPlan,
+    ConversionReport,
+    IgnoreRule,
+    WeightGroup,
+    convert_checkpoint,
+    fuse_experts,
+    rename,
+    to_multimodal_name,
+)
+from .errors import ConversionError
+
+# The command that converts these sources, named when a source of another model type is refused.
+SCRIPT = "scripts/convert_glm5_next.py"
+MODEL_TYPE = "glm5_next"
+TEXT_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
+LAYER_TYPES = {"linear_attention": "linear_attention", "indexed_attention": "indexpool_attention"}
+
+# Source -> our names inside a layer. RMSNorms (GLM: `w * x / rms`) are listed apart: they are shifted by one.
+KDA_WEIGHTS = {
+    **{f"self_attn.{name}": f"linear_attn.{name}" for name in (
+        "q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "g_a_proj.weight", "g_b_proj.weight",
+        "o_norm.weight", "o_proj.weight")},
+    **{f"self_attn.{name}": f"linear_attn.forget_gate.{name}"
+       for name in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")},
+}
+KDA_CONVOLUTIONS = tuple(f"self_attn.{part}_conv1d.weight" for part in "qkv")  # one convolution of ours, q|k|v
+MLA_WEIGHTS = {
+    f"self_attn.{name}": f"self_attn.{name}" for name in (
+        "q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "o_proj.weight")
+}
+MLA_NORMS = {f"self_attn.{name}.weight": f"self_attn.{name}.weight" for name in ("q_a_layernorm", "kv_a_layernorm")}
+INDEXER_WEIGHTS = {
+    "self_attn.indexer.wq_b.weight": "self_attn.indexer.q_proj.weight",
+    "self_attn.indexer.wk.weight": "self_attn.indexer.k_proj.weight",
+    "self_attn.indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "self_attn.indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight": "self_attn.indexer.head_weights_proj.weight",
+    "self_attn.indexer.index_kpool_compress_gate": "self_attn.indexer.pool_gate_proj.weight",
+    "self_attn.indexer.index_kpool_compress_ape": "self_attn.indexer.pool_slot_bias",
+}
+STREAM_WEIGHTS = {
+    f"hc_{source}_{part}": f"{ours}_hyper_connection.{part}"
+    for source, ours in (("attn", "attn"), ("ffn", "mlp")) for part in ("fn", "base", "scale")
+}
+LAYER_NORMS = {name: name for name in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+DENSE_MLP_WEIGHTS = {f"mlp.{name}.weight": f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")}
+MOE_WEIGHTS = {
+    "mlp.gate.weight": "mlp.gate.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+    **{f"mlp.shared_experts.{name}.weight": f"mlp.shared_expert.{name}.weight"
+       for name in ("gate_proj", "up_proj", "down_proj")},
+}
+
+
+def glm_text_config_to_ours(text, tie_word_embeddings: bool, dtype) -> HybridIndexPoolConfig:
+    """Our text config for GLM-5.3-Flash's text config (`Glm5NextTextConfig`): every field mapped to the GLM variants
+    of ours. ConversionError for a setting ours cannot reproduce."""
+    unknown = sorted(set(text.layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ConversionError(f"The source has layer types {unknown}; only {list(LAYER_TYPES)} convert.")
+    if not text.index_kpool_always_select_tail:
+        raise ConversionError("The source's index_kpool_always_select_tail is False; IndexPool always attends the "
+                              "open window's tokens, so only checkpoints that select the tail convert.")
+    mlp_layer_types = list(text.mlp_layer_types)
+    moe = "sparse" in mlp_layer_types
+    try:
+        return HybridIndexPoolConfig(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_hidden_layers=text.num_hidden_layers,
+            layer_types=[LAYER_TYPES[kind] for kind in text.layer_types],
+            # MLA without RoPE
+            attention_type="mla",
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=text.num_key_value_heads,
+            q_lora_rank=text.q_lora_rank,
+            kv_lora_rank=text.kv_lora_rank,
+            qk_nope_head_dim=text.qk_nope_head_dim,
+            qk_rope_head_dim=text.qk_rope_head_dim,
+            v_head_dim=text.v_head_dim,
+            head_dim=text.index_head_dim,  # with MLA only the RoPE width of a RoPE indexer: unused here
+            attention_bias=text.attention_bias,
+            attention_dropout=text.attention_dropout,
+            # the pooled indexer, shared by the "shared" layers
+            index_n_heads=text.index_n_heads,
+            index_head_dim=text.index_head_dim,
+            index_topk=text.index_topk,
+            index_pool_size=text.index_kpool,
+            index_pool_weighting="learned",
+            index_head_weights=True,
+            index_query_source="q_lora",
+            index_key_norm="layer_norm_before_pool",
+            index_rope=False,
+            indexer_types=list(text.indexer_types),
+            # Kimi Delta Attention
+            linear_attention_type="kimi_delta",
+            linear_num_key_heads=text.linear_num_heads,
+            linear_num_value_heads=text.linear_num_heads,
+            linear_key_head_dim=text.linear_head_dim,
+            linear_value_head_dim=text.linear_head_dim,
+            linear_conv_kernel_dim=text.linear_conv_kernel_dim,
+            linear_gate_lower_bound=text.linear_lower_bound,
+            linear_output_gate_act="sigmoid",
+            # Sinkhorn residual streams
+            hc_type="sinkhorn",
+            hc_count=text.hc_mult,
+            hc_sinkhorn_iters=text.hc_sinkhorn_iters,
+            hc_eps=text.hc_eps,
+            # MLP and group-routed MoE
+            mlp_layer_types=mlp_layer_types,
+            num_experts=text.n_routed_experts if moe else 0,
+            num_experts_per_tok=text.num_experts_per_tok,
+            moe_intermediate_size=text.moe_intermediate_size,
+            shared_expert_intermediate_size=text.moe_intermediate_size * text.n_shared_experts,
+            shared_expert_gate=False,
+            norm_topk_prob=text.norm_topk_prob,
+            moe_router_type="sigmoid_grouped",
+            n_group=text.n_group,
+            topk_group=text.topk_group,
+            routed_scaling_factor=text.routed_scaling_factor,
+            swiglu_limit=text.swiglu_limit,
+            router_aux_loss_coef=text.router_aux_loss_coef,
+            hidden_act=text.hidden_act,
+            rms_norm_eps=text.rms_norm_eps,
+            max_position_embeddings=text.max_position_embeddings,
+            initializer_range=text.initializer_range,
+            tie_word_embeddings=tie_word_embeddings,
+            pad_token_id=text.pad_token_id,
+            bos_token_id=text.bos_token_id,
+            eos_token_id=text.eos_token_id,
+            dtype=dtype,
+        )
+    except ValueError as error:
+        raise ConversionError(f"The source config does not map to ours: {error}") from error
+
+
+def build_config(source: SourceCheckpoint, text_only: bool = False):
+    """Our config for the source: a `HybridIndexPoolMultimodalConfig` with GLM's vision tower as it is, or the text
+    config alone with `text_only`."""
+    full = AutoConfig.from_pretrained(source.folder)
+    text_config = glm_text_config_to_ours(full.text_config, bool(full.tie_word_embeddings),
+                                          full.dtype or full.text_config.dtype)
+    if text_only:
+        return text_config
+    try:
+        return HybridIndexPoolMultimodalConfig(
+            text_config=text_config, vision_config=full.vision_config.to_dict(), image_token_id=full.image_token_id,
+            video_token_id=full.video_token_id, vision_start_token_id=full.image_start_token_id,
+            vision_end_token_id=full.image_end_token_id, video_start_token_id=full.video_start_token_id,
+            video_end_token_id=full.video_end_token_id, tie_word_embeddings=bool(full.tie_word_embeddings),
+            dtype=text_config.dtype,
+        )
+    except ValueError as error:
+        raise ConversionError(f"The source config does not map to ours: {error}") from error
+
+
+def zero_centred_norm(source: str, target: str) -> WeightGroup:
+    """A GLM RMSNorm weight `w` (scaling by `w`) as ours, which scales by `1 + w`: `w - 1`."""
+    return WeightGroup((source,), (target,), lambda tensors: {target: tensors[source] - 1})
+
+
+def concatenated(sources: tuple[str, ...], target: str) -> WeightGroup:
+    """Source tensors concatenated along dim 0 into one of ours (GLM's per-part KDA convolutions)."""
+    return WeightGroup(sources, (target,), lambda tensors: {target: torch.cat([tensors[name] for name in sources])})
+
+
+def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
+    """Which source weights become which of ours, and which are left out. For a multimodal target the text model's
+    weights go under `model.language_model.` and the vision tower's keep their names."""
+    keep_vision = isinstance(config, HybridIndexPoolMultimodalConfig)
+    text = config.get_text_config()
+    groups = [rename(f"{TEXT_PREFIX}embed_tokens.weight", "model.embed_tokens.weight"),
+              zero_centred_norm(f"{TEXT_PREFIX}norm.weight", "model.norm.weight")]
+    layers = re.compile(rf"{re.escape(TEXT_PREFIX)}layers\.(\d+)\.")
+    extra_layers = sorted({int(found.group(1)) for name in source.weight_names if (found := layers.match(name))
+                           and int(found.group(1)) >= text.num_hidden_layers})
+    ignore = [IgnoreRule(rf"{re.escape(TEXT_PREFIX)}layers\.{index}\.",
+                         "multi-token-prediction layer (after the last decoder layer): our model has none")
+              for index in extra_layers]
+    if text.tie_word_embeddings:
+        ignore.append(IgnoreRule(r"lm_head\.weight$", "tied to the input embeddings"))
+    else:
+        groups.append(rename("lm_head.weight", "lm_head.weight"))
+    if not keep_vision:
+        ignore.append(IgnoreRule(re.escape(VISION_PREFIX), "vision tower: the converted model reads text only"))
+
+    for index, (kind, mlp_kind) in enumerate(zip(text.layer_types, text.mlp_types)):
+        src, dst = f"{TEXT_PREFIX}layers.{index}.", f"model.layers.{index}."
+        renamed = dict(STREAM_WEIGHTS)
+        norms = dict(LAYER_NORMS)
+        if kind == "linear_attention":
+            renamed.update(KDA_WEIGHTS)
+            convolutions = tuple(src + name for name in KDA_CONVOLUTIONS)
+            groups.append(concatenated(convolutions, f"{dst}linear_attn.conv1d.weight"))
+        else:
+            renamed.update(MLA_WEIGHTS)
+            norms.update(MLA_NORMS)
+            if text.indexer_types[index] == "full":
+                renamed.update(INDEXER_WEIGHTS)
+        if mlp_kind == "sparse":
+            renamed.update(MOE_WEIGHTS)
+            groups += fuse_experts(f"{src}mlp.experts", f"{dst}mlp.experts", text.num_experts)
+        else:
+            renamed.update(DENSE_MLP_WEIGHTS)
+        groups += [rename(src + name, dst + ours) for name, ours in renamed.items()]
+        groups += [zero_centred_norm(src + name, dst + ours) for name, ours in norms.items()]
+    plan = ConversionPlan(groups, ignore)
+    if not keep_vision:
+        return plan
+    plan = plan.with_renamed_targets(to_multimodal_name)
+    plan.groups += [rename(name, name) for name in source.weight_names if name.startswith(VISION_PREFIX)]
+    return plan
+
+
+def convert_glm5_next(
+    source_dir, output_dir, *, text_only: bool = False, overwrite: bool = False, max_shard_size: int | str = "5GB",
+    progress: bool = True, log=print,
+) -> ConversionReport:
+    """Convert the GLM-5.3-Flash checkpoint in `source_dir` into ours in `output_dir` (with its vision tower, unless
+    `text_only`)."""
+    source = SourceCheckpoint.open(source_dir)
+    source.require_model_type((MODEL_TYPE,), SCRIPT)
+    log("converting the language model; the vision tower is left out" if text_only else
+        "converting the language model and keeping the vision tower")
+    config = build_config(source, text_only)
+    return convert_checkpoint(source, build_plan(source, config), config, output_dir, overwrite=overwrite,
+                              max_shard_size=max_shard_size, progress=progress, log=log)

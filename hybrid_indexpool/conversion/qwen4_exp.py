@@ -1,0 +1,227 @@
+"""Qwen4-Exp checkpoints (text `qwen4_exp_text` and multimodal `qwen4_exp`) to ours, computing the same: QSA becomes
+IndexPool with learned pooling starting at the mean, everything else maps one to one. The command line is
+`scripts/convert_qwen4_exp.py`."""
+
+import re
+
+import torch
+
+from ..configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
+from ..modeling.per_layer_embedding import HybridIndexPoolNGramEmbedding
+from .checkpoint_io import SourceCheckpoint
+from .engine import (
+    ConcatenatedWeight,
+    ConversionPlan,
+    ConversionReport,
+    WeightGroup,
+    convert_checkpoint,
+    rename,
+    to_multimodal_name,
+)
+from .errors import ConversionError
+from .qwen import (
+    qwen_attention_parts,
+    qwen_hybrid_settings,
+    qwen_moe_plan,
+    qwen_outer_plan,
+    qwen_source_configs,
+    qwen_text_prefix,
+)
+
+# The command that converts these sources, named when a source of another model type is refused.
+SCRIPT = "scripts/convert_qwen4_exp.py"
+TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE = "qwen4_exp_text", "qwen4_exp"
+VISION_PREFIX = "model.visual."
+QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+
+
+def build_config(source: SourceCheckpoint, pool_weighting: str = "learned", text_only: bool = False):
+    """Our config for the source: every field mapped; QSA becomes IndexPool with the same budget and pool size. A
+    multimodal source gives a `HybridIndexPoolMultimodalConfig` (the vision tower's config as it is) unless
+    `text_only`."""
+    multimodal = source.model_type == MULTIMODAL_MODEL_TYPE
+    keep_vision = multimodal and not text_only
+    full, text = qwen_source_configs(source, multimodal=multimodal)
+    missing = [name for name in QSA_FIELDS if getattr(text, name, None) is None]
+    if missing:
+        raise ConversionError(
+            f"The source config lacks the QSA indexer settings {missing}; this converter reads Qwen4-Exp checkpoints "
+            "with an indexer (for full-attention checkpoints without one, use scripts/convert_qwen3_next.py)."
+        )
+    layer_types = ["indexpool_attention" if kind == "indexed_attention" else kind for kind in text.layer_types]
+    try:
+        text_config = HybridIndexPoolConfig(
+            **qwen_hybrid_settings(full, text, multimodal_rope=keep_vision),
+            layer_types=layer_types,
+            index_n_heads=text.indexer_n_heads,
+            index_head_dim=text.indexer_head_dim,
+            index_topk=text.indexer_budget,
+            index_pool_size=text.indexer_compress_ratio,
+            index_pool_weighting=pool_weighting,
+            index_head_weights=False,
+            linear_output_gate_act=text.output_gate_type or text.hidden_act,
+            num_experts=text.num_experts,
+            num_experts_per_tok=text.num_experts_per_tok,
+            moe_intermediate_size=text.moe_intermediate_size,
+            shared_expert_intermediate_size=text.shared_expert_intermediate_size,
+            norm_topk_prob=text.norm_topk_prob,
+            hc_count=text.hc_count,
+            hc_lowrank=text.hc_lowrank,
+            ple_layers=[layer_id - 1 for layer_id in text.ple_layer_ids],  # Qwen4-Exp counts layers from 1
+            ple_embed_dim=text.ple_embed_dim,
+            ple_conv_kernel_size=text.ple_conv_kernel_size,
+            ple_ngram_size=text.ngram_size,
+            ple_heads_per_ngram=text.heads_per_ngram,
+            ple_ngram_vocab_size_base=text.ngram_vocab_size_base,
+            ple_vocab_size_multiple=text.make_ngram_vocab_size_divisible_by,
+            ple_hash_seed=text.seed,
+        )
+        if not keep_vision:
+            return text_config
+        return HybridIndexPoolMultimodalConfig(
+            text_config=text_config, vision_config=full.vision_config.to_dict(), image_token_id=full.image_token_id,
+            video_token_id=full.video_token_id, vision_start_token_id=full.vision_start_token_id,
+            vision_end_token_id=full.vision_end_token_id, tie_word_embeddings=bool(full.tie_word_embeddings),
+            dtype=text_config.dtype,
+        )
+    except ValueError as error:
+        raise ConversionError(f"The source config does not map to ours: {error}") from error
+
+
+def split_index_projection(source: str, target_prefix: str, config: HybridIndexPoolConfig) -> WeightGroup:
+    """Qwen4-Exp's fused `index_qk_proj` (the query heads' rows, then the one key head's) -> our indexer's
+    `q_proj` and `k_proj`."""
+    query_rows = config.index_n_heads * config.index_head_dim
+    targets = (f"{target_prefix}.q_proj.weight", f"{target_prefix}.k_proj.weight")
+
+    def build(tensors):
+        weight = tensors[source]
+        if weight.shape[0] != query_rows + config.index_head_dim:
+            raise ConversionError(
+                f"{source} has {weight.shape[0]} rows; indexer_n_heads + 1 key head of indexer_head_dim imply "
+                f"{query_rows + config.index_head_dim}. Only one indexer key head converts."
+            )
+        return {targets[0]: weight[:query_rows], targets[1]: weight[query_rows:]}
+
+    return WeightGroup((source,), targets, build)
+
+
+def check_hash_tables(sources: tuple[str, ...], embedding: HybridIndexPoolNGramEmbedding) -> WeightGroup:
+    """A group that writes nothing: it checks that the source's stored n-gram hash multipliers, table sizes and
+    offsets are the ones our model computes from the config (else the converted embeddings would be looked up in the
+    wrong rows)."""
+    ours = (embedding.multiplier_values, embedding.table_sizes, embedding.table_offsets)
+
+    def build(tensors):
+        for name, expected in zip(sources, ours):
+            if tensors[name].tolist() != expected:
+                raise ConversionError(
+                    f"{name} is {tensors[name].tolist()}, but the config's hashing gives {expected}; the checkpoint's "
+                    "n-gram tables do not follow its config.json (seed, vocabulary or n-gram settings)."
+                )
+        return {}
+
+    return WeightGroup(sources, (), build)
+
+
+def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
+    """Which source weights become which of ours, and which are left out. For a multimodal target the text model's
+    weights go under `model.language_model.` and the vision tower's keep their names."""
+    keep_vision = isinstance(config, HybridIndexPoolMultimodalConfig)
+    text_plan = build_text_plan(source, config.get_text_config(), keep_vision)
+    if not keep_vision:
+        return text_plan
+    plan = text_plan.with_renamed_targets(to_multimodal_name)
+    plan.groups += [rename(name, name) for name in source.weight_names if name.startswith(VISION_PREFIX)]
+    return plan
+
+
+
+def build_text_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig, keep_vision: bool) -> ConversionPlan:
+    """The plan of our causal LM's weights (the vision tower left out unless `keep_vision`, which another part of
+    the plan then covers)."""
+    multimodal = source.model_type == MULTIMODAL_MODEL_TYPE
+    prefix = qwen_text_prefix(multimodal)
+    names = source.weight_names
+    outer = qwen_outer_plan(config, multimodal, keep_vision)
+    groups, ignore, concatenations = list(outer.groups), outer.ignore, []
+    groups += [
+        rename(f"{prefix}hyper_connection_mixer.{part}", f"model.hyper_connection_mixer.{part}")
+        for part in ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight")
+    ]
+
+    hyper_connection = ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight",
+                        "block_inject_weight.weight")
+    for index, kind in enumerate(config.layer_types):
+        src, dst = f"{prefix}layers.{index}.", f"model.layers.{index}."
+        parts = [f"{block}_hyper_connection.{part}" for block in ("attn", "mlp") for part in hyper_connection]
+        if kind == "linear_attention":
+            parts += [f"linear_attn.{name}" for name in (
+                "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+                "dt_bias", "A_log", "norm.weight", "out_proj.weight")]
+        else:
+            parts += qwen_attention_parts(config)
+            groups.append(split_index_projection(f"{src}self_attn.indexer.index_qk_proj.weight",
+                                                 f"{dst}self_attn.indexer", config))
+            groups.append(rename(f"{src}self_attn.indexer.q_layernorm.weight", f"{dst}self_attn.indexer.q_norm.weight"))
+            groups.append(rename(f"{src}self_attn.indexer.k_layernorm.weight", f"{dst}self_attn.indexer.k_norm.weight"))
+        moe_parts, moe_groups = qwen_moe_plan(src, dst, config, names)
+        parts, groups = parts + moe_parts, groups + moe_groups
+        if index in config.ple_layers:
+            parts += [f"ple.{name}.weight" for name in (
+                "conv1d", "key_proj", "value_proj", "norm_key", "norm_query", "norm_conv")]
+            table = f"{src}ple.ple_embedding.ngram_embedding"
+            part_pattern = re.compile(re.escape(table) + r"\.shard_(\d+)\.weight$")
+            table_parts = sorted((name for name in names if part_pattern.match(name)),
+                                 key=lambda name: int(part_pattern.match(name).group(1)))
+            if f"{table}.weight" in names:
+                table_parts = [f"{table}.weight"]
+            if not table_parts:
+                raise ConversionError(f"The source has no n-gram table for PLE layer {index + 1} ({table}.shard_*); "
+                                      "the checkpoint is incomplete.")
+            concatenations.append(ConcatenatedWeight(tuple(table_parts),
+                                                     f"{dst}ple.ple_embedding.ngram_embedding.weight"))
+            buffers = tuple(f"{src}ple.ple_embedding.{name}"
+                            for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"))
+            if all(name in names for name in buffers):
+                groups.append(check_hash_tables(
+                    buffers, HybridIndexPoolNGramEmbedding(config, config.ple_layers.index(index))
+                ))
+        groups += [rename(src + part, dst + part) for part in parts]
+    return ConversionPlan(groups, ignore, concatenations)
+
+
+def pooling_weights(config) -> dict[str, torch.Tensor]:
+    """Learned pooling at exactly the mean: a zero gate projection and zero slot biases in every IndexPool layer."""
+    if isinstance(config, HybridIndexPoolMultimodalConfig):
+        return {to_multimodal_name(name): tensor for name, tensor in pooling_weights(config.text_config).items()}
+    if config.index_pool_weighting != "learned":
+        return {}
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+    weights = {}
+    for index, kind in enumerate(config.layer_types):
+        if kind == "indexpool_attention":
+            indexer = f"model.layers.{index}.self_attn.indexer"
+            weights[f"{indexer}.pool_gate_proj.weight"] = torch.zeros(config.index_head_dim, config.hidden_size,
+                                                                      dtype=dtype)
+            weights[f"{indexer}.pool_slot_bias"] = torch.zeros(config.index_pool_size, config.index_head_dim,
+                                                               dtype=dtype)
+    return weights
+
+
+def convert_qwen4_exp(
+    source_dir, output_dir, *, pool_weighting: str = "learned", text_only: bool = False, overwrite: bool = False,
+    max_shard_size: int | str = "5GB", progress: bool = True, log=print,
+) -> ConversionReport:
+    """Convert the Qwen4-Exp checkpoint in `source_dir` into ours in `output_dir` (a multimodal one with its vision
+    tower, unless `text_only`)."""
+    source = SourceCheckpoint.open(source_dir)
+    source.require_model_type((TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE), SCRIPT)
+    if source.model_type == MULTIMODAL_MODEL_TYPE:
+        log("multimodal checkpoint: converting its language model; the vision tower is left out" if text_only else
+            "multimodal checkpoint: converting the language model and keeping the vision tower")
+    config = build_config(source, pool_weighting, text_only)
+    return convert_checkpoint(
+        source, build_plan(source, config), config, output_dir, overwrite=overwrite, max_shard_size=max_shard_size,
+        extra_tensors=pooling_weights(config), progress=progress, log=log,
+    )
