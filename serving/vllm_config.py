@@ -22,6 +22,7 @@ SERVED_VARIANTS = {
     "moe_router_type": "softmax",
     "shared_expert_gate": True,
     "swiglu_limit": None,
+    "rms_norm_unit_offset": True,
 }
 
 

@@ -5,17 +5,21 @@ and the shard writer, `cli` the command line the converter scripts share, `qwen`
 One module per source family holds its mapping (config, plan) and the function that converts a folder: `qwen4_exp`
 (`convert_qwen4_exp`), `qwen3_next` (`convert_qwen3_next` for Qwen3-Next and Qwen3.5, its new indexer set by
 `IndexerSettings`) and `glm5_next` (`convert_glm5_next`); `scripts/convert_<family>.py` is each one's command line.
+`export` runs a family's plan backwards: `export_qwen4_exp` and `export_glm5_next` write a checkpoint of ours in the
+source's format (`scripts/export_<family>.py`).
 """
 
 from .checkpoint_io import CONVERTER_SCRIPTS, SourceCheckpoint
 from .cli import conversion_argument_parser, run_conversion_command
 from .engine import (
+    CheckpointTarget,
     ConcatenatedWeight,
     ConversionPlan,
     ConversionReport,
     IgnoreRule,
     Terminated,
     WeightGroup,
+    concatenated,
     convert_checkpoint,
     expected_weights,
     fresh_weights,
@@ -24,7 +28,7 @@ from .engine import (
     to_multimodal_name,
 )
 from .errors import ConversionError
-from .glm5_next import convert_glm5_next
+from .glm5_next import convert_glm5_next, export_glm5_next
 from .qwen import (
     qwen_attention_parts,
     qwen_hybrid_settings,
@@ -38,6 +42,7 @@ from .qwen4_exp import convert_qwen4_exp
 
 __all__ = [
     "CONVERTER_SCRIPTS",
+    "CheckpointTarget",
     "ConcatenatedWeight",
     "ConversionError",
     "ConversionPlan",
@@ -48,8 +53,10 @@ __all__ = [
     "Terminated",
     "WeightGroup",
     "conversion_argument_parser",
+    "concatenated",
     "convert_checkpoint",
     "convert_glm5_next",
+    "export_glm5_next",
     "convert_qwen3_next",
     "convert_qwen4_exp",
     "expected_weights",

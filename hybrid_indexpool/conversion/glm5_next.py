@@ -1,12 +1,11 @@
-"""GLM-5.3-Flash checkpoints (`Glm5NextForConditionalGeneration`) to ours, computing the same: every part maps to
-the GLM variants of ours (KDA, MLA without RoPE, the pooled indexer, Sinkhorn streams, group-routed MoE), RMSNorm
-weights shifted by one; the vision tower is kept unless `text_only`. The command line is
-`scripts/convert_glm5_next.py`."""
+"""GLM-5.3-Flash checkpoints (`Glm5NextForConditionalGeneration`) to ours and back, computing the same: every part
+maps to the GLM variants of ours (KDA, MLA without RoPE, the pooled indexer, Sinkhorn streams, group-routed MoE), the
+vision tower is kept unless `text_only`. `export_glm5_next` runs the same plan backwards. The command lines are
+`scripts/convert_glm5_next.py` and `scripts/export_glm5_next.py`."""
 
 import re
 
-import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, Glm5NextConfig, Glm5NextForConditionalGeneration
 
 from ..configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
 from .checkpoint_io import SourceCheckpoint
@@ -15,12 +14,14 @@ from .engine import (
     ConversionReport,
     IgnoreRule,
     WeightGroup,
+    concatenated,
     convert_checkpoint,
     fuse_experts,
     rename,
     to_multimodal_name,
 )
 from .errors import ConversionError
+from .export import export_checkpoint, open_our_checkpoint
 
 # The command that converts these sources, named when a source of another model type is refused.
 SCRIPT = "scripts/convert_glm5_next.py"
@@ -66,9 +67,35 @@ MOE_WEIGHTS = {
 }
 
 
-def glm_text_config_to_ours(text, tie_word_embeddings: bool, dtype) -> HybridIndexPoolConfig:
+# GLM-5.3-Flash text config fields that are one field of ours each, GLM's name -> ours.
+SAME_FIELDS = {
+    **{name: name for name in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "attention_bias", "attention_dropout", "index_n_heads", "index_head_dim", "index_topk",
+        "linear_conv_kernel_dim", "hc_sinkhorn_iters", "hc_eps", "num_experts_per_tok", "moe_intermediate_size",
+        "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor", "swiglu_limit", "router_aux_loss_coef",
+        "hidden_act", "rms_norm_eps", "max_position_embeddings", "initializer_range", "pad_token_id", "bos_token_id",
+        "eos_token_id")},
+    "index_kpool": "index_pool_size",
+    "linear_head_dim": "linear_key_head_dim",
+    "linear_num_heads": "linear_num_key_heads",
+    "linear_lower_bound": "linear_gate_lower_bound",
+    "hc_mult": "hc_count",
+}
+# The GLM variant of each of our settings: MLA without RoPE, the pooled indexer with head weights reading the query
+# latent, KDA, Sinkhorn streams, group-routed MoE with an ungated shared expert, no sinks, local windows or PLE.
+GLM_VARIANT = dict(
+    attention_type="mla", index_pool_weighting="learned", index_head_weights=True, index_query_source="q_lora",
+    index_key_norm="layer_norm_before_pool", index_rope=False, index_sink_windows=0, index_local_windows=0,
+    linear_attention_type="kimi_delta", linear_output_gate_act="sigmoid", hc_type="sinkhorn",
+    shared_expert_gate=False, moe_router_type="sigmoid_grouped", ple_layers=[],
+)
+
+
+def glm_text_config_to_ours(text, tie_word_embeddings: bool, dtype, source_config: dict | None = None):
     """Our text config for GLM-5.3-Flash's text config (`Glm5NextTextConfig`): every field mapped to the GLM variants
-    of ours. ConversionError for a setting ours cannot reproduce."""
+    of ours, RMSNorm weights as GLM stores them. ConversionError for a setting ours cannot reproduce."""
     unknown = sorted(set(text.layer_types) - set(LAYER_TYPES))
     if unknown:
         raise ConversionError(f"The source has layer types {unknown}; only {list(LAYER_TYPES)} convert.")
@@ -76,74 +103,22 @@ def glm_text_config_to_ours(text, tie_word_embeddings: bool, dtype) -> HybridInd
         raise ConversionError("The source's index_kpool_always_select_tail is False; IndexPool always attends the "
                               "open window's tokens, so only checkpoints that select the tail convert.")
     mlp_layer_types = list(text.mlp_layer_types)
-    moe = "sparse" in mlp_layer_types
     try:
         return HybridIndexPoolConfig(
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_hidden_layers=text.num_hidden_layers,
+            **{ours: getattr(text, glm) for glm, ours in SAME_FIELDS.items()},
+            **GLM_VARIANT,
             layer_types=[LAYER_TYPES[kind] for kind in text.layer_types],
-            # MLA without RoPE
-            attention_type="mla",
-            num_attention_heads=text.num_attention_heads,
-            num_key_value_heads=text.num_key_value_heads,
-            q_lora_rank=text.q_lora_rank,
-            kv_lora_rank=text.kv_lora_rank,
-            qk_nope_head_dim=text.qk_nope_head_dim,
-            qk_rope_head_dim=text.qk_rope_head_dim,
-            v_head_dim=text.v_head_dim,
             head_dim=text.index_head_dim,  # with MLA only the RoPE width of a RoPE indexer: unused here
-            attention_bias=text.attention_bias,
-            attention_dropout=text.attention_dropout,
-            # the pooled indexer, shared by the "shared" layers
-            index_n_heads=text.index_n_heads,
-            index_head_dim=text.index_head_dim,
-            index_topk=text.index_topk,
-            index_pool_size=text.index_kpool,
-            index_pool_weighting="learned",
-            index_head_weights=True,
-            index_query_source="q_lora",
-            index_key_norm="layer_norm_before_pool",
-            index_rope=False,
             indexer_types=list(text.indexer_types),
-            # Kimi Delta Attention
-            linear_attention_type="kimi_delta",
-            linear_num_key_heads=text.linear_num_heads,
             linear_num_value_heads=text.linear_num_heads,
-            linear_key_head_dim=text.linear_head_dim,
             linear_value_head_dim=text.linear_head_dim,
-            linear_conv_kernel_dim=text.linear_conv_kernel_dim,
-            linear_gate_lower_bound=text.linear_lower_bound,
-            linear_output_gate_act="sigmoid",
-            # Sinkhorn residual streams
-            hc_type="sinkhorn",
-            hc_count=text.hc_mult,
-            hc_sinkhorn_iters=text.hc_sinkhorn_iters,
-            hc_eps=text.hc_eps,
-            # MLP and group-routed MoE
             mlp_layer_types=mlp_layer_types,
-            num_experts=text.n_routed_experts if moe else 0,
-            num_experts_per_tok=text.num_experts_per_tok,
-            moe_intermediate_size=text.moe_intermediate_size,
+            num_experts=text.n_routed_experts if "sparse" in mlp_layer_types else 0,
             shared_expert_intermediate_size=text.moe_intermediate_size * text.n_shared_experts,
-            shared_expert_gate=False,
-            norm_topk_prob=text.norm_topk_prob,
-            moe_router_type="sigmoid_grouped",
-            n_group=text.n_group,
-            topk_group=text.topk_group,
-            routed_scaling_factor=text.routed_scaling_factor,
-            swiglu_limit=text.swiglu_limit,
-            router_aux_loss_coef=text.router_aux_loss_coef,
-            hidden_act=text.hidden_act,
-            rms_norm_eps=text.rms_norm_eps,
-            max_position_embeddings=text.max_position_embeddings,
-            initializer_range=text.initializer_range,
+            rms_norm_unit_offset=False,
             tie_word_embeddings=tie_word_embeddings,
-            pad_token_id=text.pad_token_id,
-            bos_token_id=text.bos_token_id,
-            eos_token_id=text.eos_token_id,
             dtype=dtype,
+            source_config=source_config,
         )
     except ValueError as error:
         raise ConversionError(f"The source config does not map to ours: {error}") from error
@@ -154,7 +129,7 @@ def build_config(source: SourceCheckpoint, text_only: bool = False):
     config alone with `text_only`."""
     full = AutoConfig.from_pretrained(source.folder)
     text_config = glm_text_config_to_ours(full.text_config, bool(full.tie_word_embeddings),
-                                          full.dtype or full.text_config.dtype)
+                                          full.dtype or full.text_config.dtype, source_config=full.to_dict())
     if text_only:
         return text_config
     try:
@@ -170,13 +145,11 @@ def build_config(source: SourceCheckpoint, text_only: bool = False):
 
 
 def zero_centred_norm(source: str, target: str) -> WeightGroup:
-    """A GLM RMSNorm weight `w` (scaling by `w`) as ours, which scales by `1 + w`: `w - 1`."""
-    return WeightGroup((source,), (target,), lambda tensors: {target: tensors[source] - 1})
-
-
-def concatenated(sources: tuple[str, ...], target: str) -> WeightGroup:
-    """Source tensors concatenated along dim 0 into one of ours (GLM's per-part KDA convolutions)."""
-    return WeightGroup(sources, (target,), lambda tensors: {target: torch.cat([tensors[name] for name in sources])})
+    """A GLM RMSNorm weight `w` (scaling by `w`) as ours zero-centred (`rms_norm_unit_offset`, scaling by `1 + w`):
+    `w - 1`. Exact both ways only for weights in [0.5, 2], where the subtraction does not round: conversions now keep
+    GLM's convention instead, and this reads the checkpoints converted before."""
+    return WeightGroup((source,), (target,), lambda tensors: {target: tensors[source] - 1},
+                       lambda tensors: {source: tensors[target] + 1})
 
 
 def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
@@ -185,7 +158,8 @@ def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
     keep_vision = isinstance(config, HybridIndexPoolMultimodalConfig)
     text = config.get_text_config()
     groups = [rename(f"{TEXT_PREFIX}embed_tokens.weight", "model.embed_tokens.weight"),
-              zero_centred_norm(f"{TEXT_PREFIX}norm.weight", "model.norm.weight")]
+              (zero_centred_norm if text.rms_norm_unit_offset else rename)(f"{TEXT_PREFIX}norm.weight",
+                                                                           "model.norm.weight")]
     layers = re.compile(rf"{re.escape(TEXT_PREFIX)}layers\.(\d+)\.")
     extra_layers = sorted({int(found.group(1)) for name in source.weight_names if (found := layers.match(name))
                            and int(found.group(1)) >= text.num_hidden_layers})
@@ -218,7 +192,8 @@ def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
         else:
             renamed.update(DENSE_MLP_WEIGHTS)
         groups += [rename(src + name, dst + ours) for name, ours in renamed.items()]
-        groups += [zero_centred_norm(src + name, dst + ours) for name, ours in norms.items()]
+        norm = zero_centred_norm if text.rms_norm_unit_offset else rename
+        groups += [norm(src + name, dst + ours) for name, ours in norms.items()]
     plan = ConversionPlan(groups, ignore)
     if not keep_vision:
         return plan
@@ -240,3 +215,63 @@ def convert_glm5_next(
     config = build_config(source, text_only)
     return convert_checkpoint(source, build_plan(source, config), config, output_dir, overwrite=overwrite,
                               max_shard_size=max_shard_size, progress=progress, log=log)
+
+
+def glm_config_from_ours(config) -> Glm5NextConfig:
+    """GLM-5.3-Flash's config for our multimodal config: the source config stored at conversion with every field
+    ours maps taken from ours (so that settings changed here carry over). ConversionError naming each setting of
+    ours that GLM's format cannot express."""
+    text = config.get_text_config()
+    if not isinstance(config, HybridIndexPoolMultimodalConfig):
+        raise ConversionError("GLM-5.3-Flash checkpoints hold a vision tower (Glm5NextForConditionalGeneration) and "
+                              "this model has none; export a model converted without --text_only.")
+    different = [f"{name} = {getattr(text, name)!r} (GLM: {value!r})" for name, value in GLM_VARIANT.items()
+                 if getattr(text, name) != value]
+    if text.shared_expert_intermediate_size % text.moe_intermediate_size:
+        different.append(f"shared_expert_intermediate_size = {text.shared_expert_intermediate_size} (GLM: a "
+                         f"multiple of moe_intermediate_size, {text.moe_intermediate_size})")
+    if different:
+        raise ConversionError(f"GLM-5.3-Flash's format cannot express {', '.join(different)}; only models of GLM's "
+                              "variant export to it.")
+    stored = dict(text.source_config or {})
+    mapped = {glm: getattr(text, ours) for glm, ours in SAME_FIELDS.items()}
+    mapped.update(
+        layer_types=[GLM_LAYER_TYPES[kind] for kind in text.layer_types],
+        indexer_types=list(text.indexer_types or ["full"] * text.num_hidden_layers),
+        mlp_layer_types=text.mlp_types,
+        n_shared_experts=text.shared_expert_intermediate_size // text.moe_intermediate_size,
+        index_kpool_always_select_tail=True,
+        tie_word_embeddings=text.tie_word_embeddings,
+    )
+    if text.num_experts:
+        mapped["n_routed_experts"] = text.num_experts
+    return Glm5NextConfig.from_dict({
+        **stored,
+        "text_config": {**stored.get("text_config", {}), **mapped},
+        "vision_config": config.vision_config.to_dict(),
+        "image_token_id": config.image_token_id,
+        "video_token_id": config.video_token_id,
+        "image_start_token_id": config.vision_start_token_id,
+        "image_end_token_id": config.vision_end_token_id,
+        "video_start_token_id": config.video_start_token_id,
+        "video_end_token_id": config.video_end_token_id,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "dtype": text.dtype,
+    })
+
+
+GLM_LAYER_TYPES = {ours: glm for glm, ours in LAYER_TYPES.items()}
+
+
+def export_glm5_next(
+    folder, output_dir, *, overwrite: bool = False, max_shard_size: int | str = "5GB", progress: bool = True,
+    log=print,
+) -> ConversionReport:
+    """Write our checkpoint in `folder` (converted from GLM-5.3-Flash, perhaps fine-tuned since) as a GLM-5.3-Flash
+    checkpoint in `output_dir`, loadable by transformers' `Glm5NextForConditionalGeneration` and the engines that
+    serve GLM-5.3-Flash: the same weight names, shapes and values as the converted source."""
+    checkpoint, config = open_our_checkpoint(folder)
+    source_config = glm_config_from_ours(config)
+    return export_checkpoint(checkpoint, config, source_config, Glm5NextForConditionalGeneration, build_plan,
+                             output_dir, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress,
+                             log=log)

@@ -200,8 +200,8 @@ def test_wrong_shapes_are_named_as_they_are_built(source_folder, tmp_path):
                                  build=lambda t: {"model.embed_tokens.weight": next(iter(t.values())).T})
         return plan
 
-    with pytest.raises(ConversionError, match=r"Built model\.embed_tokens\.weight with shape \(64, 97\), but the target "
-                                              r"model expects \(97, 64\)"):
+    with pytest.raises(ConversionError, match=r"Built model\.embed_tokens\.weight with shape \(64, 97\), but the "
+                                              r"target model expects \(97, 64\)"):
         library_conversion(source_folder, tmp_path / "ours", plan_edit=transposed_embedding)
     assert os.listdir(tmp_path) == []
 

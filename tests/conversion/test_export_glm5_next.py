@@ -1,0 +1,113 @@
+"""GLM-5.3-Flash -> ours -> GLM-5.3-Flash: the export gives back the source's tensors bit for bit and its config, and a
+model changed here loads in transformers' `Glm5NextForConditionalGeneration` with our logits; what GLM's format
+cannot express is refused."""
+
+import json
+
+import pytest
+import torch
+from glm_sources import VARIANTS, tiny_glm_source
+from qwen_sources import save_source
+from safetensors import safe_open
+from transformers import AutoModelForImageTextToText, Glm5NextForConditionalGeneration
+
+from hybrid_indexpool.conversion import ConversionError, convert_glm5_next, export_glm5_next
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+QUIET = dict(progress=False, log=lambda message: None)
+
+
+def saved_tensors(folder) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def config_dict(folder) -> dict:
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("transformers_version", None)
+    return config
+
+
+@pytest.fixture(scope="module", ids=lambda variant: variant.name, params=VARIANTS[:2])
+def round_trip(request, tmp_path_factory):
+    """(variant, folder): `source` saved by transformers, `ours` converted from it, `back` exported from ours."""
+    variant = request.param
+    folder = tmp_path_factory.mktemp(f"export-{variant.name}")
+    save_source(tiny_glm_source(variant), folder / "source", max_shard_size="60KB")
+    convert_glm5_next(folder / "source", folder / "ours", max_shard_size="60KB", **QUIET)
+    export_glm5_next(folder / "ours", folder / "back", max_shard_size="60KB", **QUIET)
+    return variant, folder
+
+
+def test_source_to_ours_to_source_gives_the_same_tensors_names_and_config(round_trip):
+    _, folder = round_trip
+    source, back = saved_tensors(folder / "source"), saved_tensors(folder / "back")
+    assert sorted(back) == sorted(source)
+    different = [name for name in source
+                 if source[name].dtype != back[name].dtype or not torch.equal(source[name], back[name])]
+    assert different == []
+    assert config_dict(folder / "back") == config_dict(folder / "source")
+    for file_name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (folder / "back" / file_name).read_bytes() == (folder / "source" / file_name).read_bytes()
+
+
+def test_a_model_trained_here_loads_in_glms_class_with_our_logits(round_trip, tmp_path):
+    variant, folder = round_trip
+    ours = AutoModelForImageTextToText.from_pretrained(folder / "ours", trust_remote_code=True)
+    # A few steps on the indexer (its pooling gate and slot biases included), as the indexer training does.
+    indexer = [parameter for name, parameter in ours.named_parameters() if ".indexer." in name]
+    for parameter in ours.parameters():
+        parameter.requires_grad_(False)
+    for parameter in indexer:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.SGD(indexer, lr=0.5)
+    generator = torch.Generator().manual_seed(0)
+    budget = 2 * variant.kpool
+    for _ in range(3):
+        input_ids = torch.randint(2, 88, (2, 5 * budget), generator=generator)
+        loss = ours(input_ids, indexer_loss="dense").indexer_loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ours.eval().save_pretrained(tmp_path / "trained")
+    export_glm5_next(tmp_path / "trained", tmp_path / "glm", **QUIET)
+
+    glm = Glm5NextForConditionalGeneration.from_pretrained(tmp_path / "glm").eval()
+    changed = glm.state_dict()
+    original = Glm5NextForConditionalGeneration.from_pretrained(folder / "source").state_dict()
+    assert any(not torch.equal(changed[name], original[name]) for name in changed if "indexer" in name)
+    input_ids = torch.randint(2, 88, (2, 5 * budget), generator=generator)
+    with torch.no_grad():
+        difference = (glm(input_ids).logits - ours(input_ids).logits).abs().max().item()
+    assert difference <= 1e-4
+
+
+def test_what_glms_format_cannot_express_is_refused(round_trip, tmp_path):
+    _, folder = round_trip
+    ours = AutoModelForImageTextToText.from_pretrained(folder / "ours", trust_remote_code=True)
+    ours.config.text_config.index_sink_windows = 1
+    ours.save_pretrained(tmp_path / "sinks")
+    with pytest.raises(ConversionError, match=r"cannot express index_sink_windows = 1 \(GLM: 0\)"):
+        export_glm5_next(tmp_path / "sinks", tmp_path / "out", **QUIET)
+    convert_glm5_next(folder / "source", tmp_path / "text", text_only=True, **QUIET)
+    with pytest.raises(ConversionError, match="this model has none; export a model converted without --text_only"):
+        export_glm5_next(tmp_path / "text", tmp_path / "out", **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_inputs_and_an_existing_output_are_refused_and_nothing_is_touched(round_trip, tmp_path):
+    _, folder = round_trip
+    with pytest.raises(ConversionError, match="model_type 'glm5_next' checkpoint; the export reads HybridIndexPool"):
+        export_glm5_next(folder / "source", tmp_path / "out", **QUIET)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConversionError, match="holds LoRA adapters, not a model. Merge them"):
+        export_glm5_next(tmp_path / "adapter", tmp_path / "out", **QUIET)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    with pytest.raises(ConversionError, match="already exists"):
+        export_glm5_next(folder / "ours", tmp_path / "out", **QUIET)
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["mine.txt"]
