@@ -7,14 +7,14 @@ query plus the open tail, and `"shared"` layers reuse the previous layer's selec
 ours: Kimi Delta Attention (`linear_attention_type="kimi_delta"`), MLA without RoPE (`attention_type="mla"`), the
 indexer (queries from the attention's q_lora residual, LayerNorm before pooling, no RoPE, head weights, learned pooling
 with the source's gate and slot bias), Sinkhorn residual streams (`hc_type="sinkhorn"`), group-routed MoE with an
-ungated shared expert and the SwiGLU clamp. GLM's RMSNorms scale by `w`, ours by `1 + w`: their weights are shifted
-by one. transformers' cache keeps every token's indexer key and gate; the converted model keeps one pooled key per
+ungated shared expert and the SwiGLU clamp, RMSNorms scaling by their weight as GLM's do (`rms_norm_unit_offset`
+False). transformers' cache keeps every token's indexer key and gate; the converted model keeps one pooled key per
 window, prefills in bounded chunks and compiles its decode step.
 
 The vision tower (transformers' `Glm5NextVisionModel`) and the processor files are kept: the output is our
 `HybridIndexPoolForConditionalGeneration` (image-text-to-text); `--text_only` converts the language model alone into
 our causal LM. The multi-token-prediction layer is left out. It streams shard by shard, so memory stays near the
-largest shard, not the model.
+largest shard, not the model. `scripts/export_glm5_next.py` writes the result (fine-tuned or not) back in GLM's format.
 
     python -m hybrid_indexpool.scripts.convert_glm5_next --source GLM-5.3-Flash --output GLM-5.3-Flash-IndexPool
 """

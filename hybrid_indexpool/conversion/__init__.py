@@ -38,7 +38,7 @@ from .qwen import (
     qwen_text_prefix,
 )
 from .qwen3_next import IndexerSettings, convert_qwen3_next
-from .qwen4_exp import convert_qwen4_exp
+from .qwen4_exp import convert_qwen4_exp, export_qwen4_exp
 
 __all__ = [
     "CONVERTER_SCRIPTS",
@@ -57,6 +57,7 @@ __all__ = [
     "convert_checkpoint",
     "convert_glm5_next",
     "export_glm5_next",
+    "export_qwen4_exp",
     "convert_qwen3_next",
     "convert_qwen4_exp",
     "expected_weights",

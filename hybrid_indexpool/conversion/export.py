@@ -85,7 +85,9 @@ def export_checkpoint(
     expected = saved_weight_shapes(source_model_class, source_config)
     layout = SourceLayout(list(expected), source_config.model_type)
     plan = build_plan(layout, our_config).inverted(expected, ignore=dropped)
-    plan.groups += list(checks)
+    # A group that reads nothing of ours (values the source stores and ours computes) is written up front.
+    computed = {name: tensor for group in plan.groups if not group.sources for name, tensor in group.build({}).items()}
+    plan.groups = [group for group in plan.groups if group.sources] + list(checks)
     architecture = source_model_class.__name__
 
     def write_metadata(folder: Path) -> None:
@@ -99,5 +101,5 @@ def export_checkpoint(
 
     return convert_checkpoint(
         checkpoint, plan, source_config, output_dir, overwrite=overwrite, max_shard_size=max_shard_size,
-        target=CheckpointTarget(expected, write_metadata), progress=progress, log=log,
+        extra_tensors=computed, target=CheckpointTarget(expected, write_metadata), progress=progress, log=log,
     )

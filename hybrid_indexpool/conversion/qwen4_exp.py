@@ -1,10 +1,11 @@
-"""Qwen4-Exp checkpoints (text `qwen4_exp_text` and multimodal `qwen4_exp`) to ours, computing the same: QSA becomes
-IndexPool with learned pooling starting at the mean, everything else maps one to one. The command line is
-`scripts/convert_qwen4_exp.py`."""
+"""Qwen4-Exp checkpoints (text `qwen4_exp_text` and multimodal `qwen4_exp`) to ours and back, computing the same: QSA
+becomes IndexPool with learned pooling starting at the mean, everything else maps one to one. `export_qwen4_exp` runs
+the same plan backwards. The command lines are `scripts/convert_qwen4_exp.py` and `scripts/export_qwen4_exp.py`."""
 
 import re
 
 import torch
+from transformers import Qwen4ExpConfig, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, Qwen4ExpTextConfig
 
 from ..configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
 from ..modeling.per_layer_embedding import HybridIndexPoolNGramEmbedding
@@ -19,6 +20,7 @@ from .engine import (
     to_multimodal_name,
 )
 from .errors import ConversionError
+from .export import export_checkpoint, open_our_checkpoint
 from .qwen import (
     qwen_attention_parts,
     qwen_hybrid_settings,
@@ -75,6 +77,7 @@ def build_config(source: SourceCheckpoint, pool_weighting: str = "learned", text
             ple_ngram_vocab_size_base=text.ngram_vocab_size_base,
             ple_vocab_size_multiple=text.make_ngram_vocab_size_divisible_by,
             ple_hash_seed=text.seed,
+            source_config=full.to_dict(),
         )
         if not keep_vision:
             return text_config
@@ -103,7 +106,8 @@ def split_index_projection(source: str, target_prefix: str, config: HybridIndexP
             )
         return {targets[0]: weight[:query_rows], targets[1]: weight[query_rows:]}
 
-    return WeightGroup((source,), targets, build)
+    return WeightGroup((source,), targets, build,
+                       lambda tensors: {source: torch.cat([tensors[targets[0]], tensors[targets[1]]])})
 
 
 def check_hash_tables(sources: tuple[str, ...], embedding: HybridIndexPoolNGramEmbedding) -> WeightGroup:
@@ -121,7 +125,8 @@ def check_hash_tables(sources: tuple[str, ...], embedding: HybridIndexPoolNGramE
                 )
         return {}
 
-    return WeightGroup(sources, (), build)
+    return WeightGroup(sources, (), build,
+                       lambda tensors: {name: torch.tensor(values) for name, values in zip(sources, ours)})
 
 
 def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
@@ -225,3 +230,125 @@ def convert_qwen4_exp(
         source, build_plan(source, config), config, output_dir, overwrite=overwrite, max_shard_size=max_shard_size,
         extra_tensors=pooling_weights(config), progress=progress, log=log,
     )
+
+
+# Our settings Qwen4-Exp's format fixes: the Qwen variant of each (GQA with an output gate, a QSA indexer reading the
+# hidden state with RMSNorm after mean pooling and RoPE, Gated DeltaNet, gated hyper-connections, softmax routing).
+QWEN4_VARIANT = dict(
+    attention_type="gqa", attention_output_gate=True, index_head_weights=False, index_query_source="hidden",
+    index_key_norm="rms_after_pool", index_rope=True, index_sink_windows=0, index_local_windows=0,
+    linear_attention_type="gated_deltanet", hc_type="qwen4_exp", moe_router_type="softmax", shared_expert_gate=True,
+    swiglu_limit=None, rms_norm_unit_offset=True,
+)
+# Qwen4-Exp text config fields that are one field of ours each, Qwen's name -> ours.
+SAME_FIELDS = {
+    **{name: name for name in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "attention_bias", "attention_dropout", "linear_num_key_heads", "linear_num_value_heads",
+        "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "hidden_act", "rms_norm_eps",
+        "max_position_embeddings", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id",
+        "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "norm_topk_prob", "hc_count", "hc_lowrank", "ple_embed_dim", "ple_conv_kernel_size")},
+    "indexer_n_heads": "index_n_heads",
+    "indexer_head_dim": "index_head_dim",
+    "indexer_budget": "index_topk",
+    "indexer_compress_ratio": "index_pool_size",
+    "ngram_size": "ple_ngram_size",
+    "heads_per_ngram": "ple_heads_per_ngram",
+    "ngram_vocab_size_base": "ple_ngram_vocab_size_base",
+    "make_ngram_vocab_size_divisible_by": "ple_vocab_size_multiple",
+    "seed": "ple_hash_seed",
+}
+
+
+def qwen4_config_from_ours(config):
+    """Qwen4-Exp's config (`Qwen4ExpConfig` with our vision tower, or `Qwen4ExpTextConfig`) for ours: the source
+    config stored at conversion with every field ours maps taken from ours. ConversionError naming each setting of
+    ours that Qwen4-Exp's format cannot express."""
+    text = config.get_text_config()
+    different = [f"{name} = {getattr(text, name)!r} (Qwen4-Exp: {value!r})" for name, value in QWEN4_VARIANT.items()
+                 if getattr(text, name) != value]
+    if text.index_pool_weighting not in ("mean", "learned", "learned_scalar"):
+        different.append(f"index_pool_weighting = {text.index_pool_weighting!r} (Qwen4-Exp: mean pooling)")
+    if text.indexer_types is not None and "shared" in text.indexer_types:
+        different.append("indexer_types with 'shared' layers (Qwen4-Exp: every indexed layer has its indexer)")
+    if len(set(text.mlp_types)) > 1:
+        different.append("mlp_layer_types mixing dense and MoE layers (Qwen4-Exp: one kind in every layer)")
+    if different:
+        raise ConversionError(f"Qwen4-Exp's format cannot express {', '.join(different)}; only models of Qwen4-Exp's "
+                              "variant export to it.")
+    stored = dict(text.source_config or {})
+    multimodal = isinstance(config, HybridIndexPoolMultimodalConfig)
+    stored_text = dict(stored.get("text_config", stored) if stored.get("model_type") == MULTIMODAL_MODEL_TYPE
+                       else stored)
+    rope = {**stored_text.get("rope_parameters", {}), **text.rope_parameters}
+    mapped = {qwen: getattr(text, ours) for qwen, ours in SAME_FIELDS.items()}
+    mapped.update(
+        layer_types=["indexed_attention" if kind == "indexpool_attention" else kind for kind in text.layer_types],
+        rope_parameters=rope,
+        indexer_kv_heads=1,
+        ple_layer_ids=[index + 1 for index in text.ple_layers],  # Qwen4-Exp counts layers from 1
+        tie_word_embeddings=text.tie_word_embeddings,
+    )
+    if (stored_text.get("output_gate_type") or text.hidden_act) != text.linear_output_gate_act:
+        mapped["output_gate_type"] = text.linear_output_gate_act
+    if not multimodal:
+        return Qwen4ExpTextConfig.from_dict({**stored_text, **mapped, "model_type": TEXT_MODEL_TYPE,
+                                             "dtype": text.dtype})
+    top = stored if stored.get("model_type") == MULTIMODAL_MODEL_TYPE else {}
+    return Qwen4ExpConfig.from_dict({
+        **top,
+        "text_config": {**stored_text, **mapped},
+        "vision_config": config.vision_config.to_dict(),
+        "image_token_id": config.image_token_id,
+        "video_token_id": config.video_token_id,
+        "vision_start_token_id": config.vision_start_token_id,
+        "vision_end_token_id": config.vision_end_token_id,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "dtype": text.dtype,
+    })
+
+
+def mean_pooling_checks(config) -> list[WeightGroup]:
+    """Groups that write nothing and refuse a learned pooling gate that is not exactly the mean (zero gate
+    projection and slot biases), which Qwen4-Exp's mean pooling cannot express."""
+    text = config.get_text_config()
+    if text.index_pool_weighting == "mean":
+        return []
+    prefix = "model.language_model." if isinstance(config, HybridIndexPoolMultimodalConfig) else "model."
+    checks = []
+    for index, kind in enumerate(text.layer_types):
+        if kind != "indexpool_attention":
+            continue
+        names = tuple(f"{prefix}layers.{index}.self_attn.indexer.{part}"
+                      for part in ("pool_gate_proj.weight", "pool_slot_bias"))
+
+        def refuse_unless_mean(tensors, index=index, names=names):
+            if any(bool(tensors[name].any()) for name in names):
+                raise ConversionError(
+                    f"Layer {index}'s learned pooling (index_pool_weighting = {text.index_pool_weighting!r}, "
+                    "pool_gate_proj / pool_slot_bias) has moved from the mean; Qwen4-Exp's QSA pools by the mean and "
+                    "cannot express it. Export to a format with learned pools, or keep the pooling at the mean "
+                    "(train with the pooling weights frozen)."
+                )
+            return {}
+
+        checks.append(WeightGroup(names, (), refuse_unless_mean))
+    return checks
+
+
+def export_qwen4_exp(
+    folder, output_dir, *, overwrite: bool = False, max_shard_size: int | str = "5GB", progress: bool = True,
+    log=print,
+) -> ConversionReport:
+    """Write our checkpoint in `folder` (converted from Qwen4-Exp, perhaps fine-tuned since) as a Qwen4-Exp
+    checkpoint in `output_dir` (multimodal with our vision tower, or text-only), loadable by transformers'
+    `Qwen4ExpForConditionalGeneration` / `Qwen4ExpForCausalLM` and the engines that serve Qwen4-Exp: the same weight
+    names, shapes and values as the converted source."""
+    checkpoint, config = open_our_checkpoint(folder)
+    source_config = qwen4_config_from_ours(config)
+    model_class = (Qwen4ExpForConditionalGeneration if isinstance(config, HybridIndexPoolMultimodalConfig)
+                   else Qwen4ExpForCausalLM)
+    return export_checkpoint(checkpoint, config, source_config, model_class, build_plan, output_dir,
+                             checks=mean_pooling_checks(config), overwrite=overwrite, max_shard_size=max_shard_size,
+                             progress=progress, log=log)

@@ -2,33 +2,17 @@
 model changed here loads in transformers' `Glm5NextForConditionalGeneration` with our logits; what GLM's format
 cannot express is refused."""
 
-import json
-
 import pytest
 import torch
+from checkpoint_files import config_dict, saved_tensors
 from glm_sources import VARIANTS, tiny_glm_source
 from qwen_sources import save_source
-from safetensors import safe_open
 from transformers import AutoModelForImageTextToText, Glm5NextForConditionalGeneration
 
 from hybrid_indexpool.conversion import ConversionError, convert_glm5_next, export_glm5_next
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 QUIET = dict(progress=False, log=lambda message: None)
-
-
-def saved_tensors(folder) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
-
-
-def config_dict(folder) -> dict:
-    config = json.loads((folder / "config.json").read_text())
-    config.pop("transformers_version", None)
-    return config
 
 
 @pytest.fixture(scope="module", ids=lambda variant: variant.name, params=VARIANTS[:2])
