@@ -95,3 +95,17 @@ def test_wrong_inputs_and_an_existing_output_are_refused_and_nothing_is_touched(
     with pytest.raises(ConversionError, match="already exists"):
         export_glm5_next(folder / "ours", tmp_path / "out", **QUIET)
     assert [path.name for path in (tmp_path / "out").iterdir()] == ["mine.txt"]
+
+
+def test_a_model_built_here_in_glms_variant_exports_without_a_stored_source_config(round_trip, tmp_path):
+    _, folder = round_trip
+    config = AutoModelForImageTextToText.from_pretrained(folder / "ours", trust_remote_code=True).config
+    config.text_config.source_config = None  # as if built here: every GLM field from ours, the rest GLM's defaults
+    torch.manual_seed(3)
+    ours = type(AutoModelForImageTextToText.from_pretrained(folder / "ours", trust_remote_code=True))(config).eval()
+    ours.save_pretrained(tmp_path / "fresh")
+    export_glm5_next(tmp_path / "fresh", tmp_path / "glm", **QUIET)
+    glm = Glm5NextForConditionalGeneration.from_pretrained(tmp_path / "glm").eval()
+    input_ids = torch.randint(2, 88, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (glm(input_ids).logits - ours(input_ids).logits).abs().max().item() <= 1e-4
