@@ -195,12 +195,14 @@ def test_fsdp2_under_accelerate_launch_trains_like_one_process_and_its_checkpoin
     assert torch.equal(tokens, reference.generate(prompt, max_new_tokens=8, do_sample=False))
 
 
-def test_fsdp_size_needs_that_many_processes_and_no_lora(tmp_path, monkeypatch):
+def test_fsdp_size_needs_that_many_processes_and_no_lora(tmp_path, monkeypatch, capsys):
     data = tmp_path / "train.txt"
     data.write_text("some text\n\nmore text\n")
     command = finetune_command(data, tmp_path / "out", 2)[2:] + ["--fsdp_size", "2"]
-    with pytest.raises(ValueError, match="--fsdp_size 2 needs that many processes \\(this run has 1\\)"):
+    with pytest.raises(SystemExit) as stop:  # the command's error line, exit status 2
         finetune.main(command)
+    assert stop.value.code == 2
+    assert "error: --fsdp_size 2 needs that many processes (this run has 1)" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--lora with --fsdp_size is not supported"):
         build_model(FinetuneArguments(init_config=TINY, fsdp_size=2, lora=True), byte_level_tokenizer())
