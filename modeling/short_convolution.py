@@ -1,10 +1,9 @@
 """The causal depthwise convolution that both linear-attention mixers (Gated DeltaNet, KDA) run before their rule."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
+from ..kernels.causal_conv1d import causal_conv1d
 from .layers import last_real_entries
 
 
@@ -17,7 +16,7 @@ class HybridIndexPoolShortConvolution(nn.Conv1d):
 
     def __init__(self, channels: int, kernel_size: int, activation: str):
         super().__init__(channels, channels, kernel_size, groups=channels, bias=False, padding=kernel_size - 1)
-        self.act_fn = ACT2FN[activation]
+        self.activation = activation
 
     def forward(
         self,
@@ -32,19 +31,16 @@ class HybridIndexPoolShortConvolution(nn.Conv1d):
 
         `channels` selects this rank's channels under tensor parallelism (their weights; `mixed` holds only those).
         """
-        batch_size, seq_len, _ = mixed.shape
+        batch_size = mixed.shape[0]
         compute_dtype = compute_dtype or mixed.dtype
         weight = self.weight[:, 0] if channels is None else self.weight[channels, 0]  # [channels, kernel]
         weight = weight.to(compute_dtype)
         sequence = mixed.transpose(1, 2).to(compute_dtype)  # [batch, channels, seq]
+        output = causal_conv1d(sequence, weight, conv_state, self.activation)
         if conv_state is None:
             conv_state = sequence.new_zeros(batch_size, sequence.shape[1], self.kernel_size[0] - 1)
         conv_input = torch.cat([conv_state.to(compute_dtype), sequence], dim=-1)
-        if seq_len == 1:  # decode: one dot product per channel, cheaper than setting up a convolution
-            output = (conv_input * weight).sum(dim=-1, keepdim=True)
-        else:
-            output = F.conv1d(conv_input, weight[:, None], groups=weight.shape[0])
-        return self.act_fn(output).to(mixed.dtype).transpose(1, 2), conv_input
+        return output.to(mixed.dtype).transpose(1, 2), conv_input
 
     def next_state(self, conv_input: torch.Tensor, token_is_real: torch.Tensor) -> torch.Tensor:
         """The state to cache after these tokens: the last `kernel - 1` inputs up to each row's last real token."""
