@@ -26,6 +26,7 @@ from transformers import (
     set_seed,
 )
 
+from .command_line import exit_with_error
 from .configuration import HybridIndexPoolConfig
 from .modeling import HybridIndexPoolForCausalLM
 from .tokenization import byte_level_tokenizer
@@ -49,8 +50,7 @@ def run_training_command(run, args, training_args):
     try:
         return run(args, training_args)
     except TrainingInputError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_error(str(error))
 
 
 @dataclass

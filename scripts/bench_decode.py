@@ -61,6 +61,7 @@ from hybrid_indexpool.benchmarking import (
     copy_bandwidth,
     read_bandwidth,
 )
+from hybrid_indexpool.command_line import exit_with_error
 
 SETTINGS = ("pooled_r4", "unpooled_r1", "dense", "qwen4_exp")
 GLM_SETTINGS = ("pooled_r16", "unpooled_r1", "dense", "glm5_next")
@@ -131,8 +132,8 @@ def glm_model_config(setting: str, args, index_key_dtype: str = "auto"):
     from hybrid_indexpool import HybridIndexPoolConfig
 
     if args.linear_key_heads != args.linear_value_heads:
-        raise SystemExit("bench_decode: Kimi Delta Attention (glm-flash) needs --linear-key-heads equal to "
-                         "--linear-value-heads")
+        exit_with_error("Kimi Delta Attention (glm-flash) needs --linear-key-heads equal to --linear-value-heads; "
+                        "give both the same count.")
     return HybridIndexPoolConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
@@ -472,7 +473,7 @@ def plot(results: list[dict], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from error
+        exit_with_error(f"--plot needs matplotlib ({error}): pip install matplotlib, or leave out --plot.")
     figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4))
     for setting, key_dtype in ((s, d) for s in ALL_SETTINGS for d in KEY_DTYPE_NAMES):
         rows = [row for row in results if row["setting"] == setting and row.get("index_key_dtype", "auto") == key_dtype]
@@ -599,7 +600,7 @@ def main(argv=None) -> dict:
                                  + ("" if key_dtype == "auto" else f" with {key_dtype} index keys"))
                    for setting, length, key_dtype in tqdm(runs, desc="bench_decode", unit="run")]
     except MeasurementFailed as error:
-        raise SystemExit(f"bench_decode: {error}") from None
+        exit_with_error(str(error))
     print_table(results, bandwidth)
     print_per_token_table(results)
     report = {

@@ -28,12 +28,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from hybrid_indexpool.command_line import exit_with_error
 
 NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100": 2.0e12}
 
@@ -362,18 +363,18 @@ def main(argv=None):
     device = None
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it when the kernels are first imported
-            sys.exit("--smoke runs the kernels in Triton's interpreter: run it with TRITON_INTERPRET=1 set.")
+            exit_with_error("--smoke runs the kernels in Triton's interpreter: run it with TRITON_INTERPRET=1 set.")
         device = torch.device("cpu")
     elif torch.cuda.is_available():
         device = torch.device("cuda")
     elif not args.offline:
-        sys.exit("check_gpu needs a CUDA device (--offline: only the tables that need none; --smoke: a CPU run of "
-                 "the script itself).")
+        exit_with_error("check_gpu needs a CUDA device (--offline: only the tables that need none; --smoke: a CPU "
+                        "run of the script itself).")
     from hybrid_indexpool.kernels.pooled_index_topk import pooled_index_topk_torch, pooled_index_topk_triton
     from hybrid_indexpool.kernels.sparse_attention import sparse_attention_torch, sparse_attention_triton
 
     if pooled_index_topk_triton is None or sparse_attention_triton is None:
-        sys.exit("Triton is not installed: pip install -e '.[triton]'.")
+        exit_with_error("Triton is not installed: pip install -e '.[triton]'.")
     kernels = {"topk_torch": pooled_index_topk_torch, "topk_triton": pooled_index_topk_triton,
                "attention_torch": sparse_attention_torch, "attention_triton": sparse_attention_triton}
     if device is None:

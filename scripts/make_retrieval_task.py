@@ -14,6 +14,7 @@ Context lengths are in characters; with the byte-level tokenizer that is tokens,
 import argparse
 from pathlib import Path
 
+from hybrid_indexpool.command_line import exit_with_error
 from hybrid_indexpool.retrieval_task import stdlib_texts, write_lm_eval_task
 
 
@@ -32,18 +33,18 @@ def main(argv=None) -> list[str]:
     try:
         contexts = [int(value) for value in args.contexts.split(",")]
     except ValueError:
-        raise SystemExit(f"error: --contexts {args.contexts!r} is not a comma-separated list of integers")
+        exit_with_error(f"--contexts {args.contexts!r} is not a comma-separated list of integers, e.g. 2048,8192.")
     if args.text is None:
         text = stdlib_texts()[1]
     else:
         try:
             text = Path(args.text).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
-            raise SystemExit(f"error: cannot read --text {args.text}: {error}")
+            exit_with_error(f"cannot read --text {args.text}: {error}; give a UTF-8 text file.")
     try:
         names = write_lm_eval_task(args.output, text, contexts, args.samples, args.seed)
     except (FileExistsError, ValueError) as error:
-        raise SystemExit(f"error: {error}")
+        exit_with_error(str(error))
     print(f"wrote {len(names)} tasks ({', '.join(names)}) and the group hybrid_indexpool_passkey to {args.output}")
     print(f"run: lm_eval --model hf --model_args pretrained=CHECKPOINT,trust_remote_code=True "
           f"--include_path {args.output} --tasks hybrid_indexpool_passkey")

@@ -16,6 +16,7 @@ from typing import Annotated
 import transformers
 
 import hybrid_indexpool
+from hybrid_indexpool.command_line import exit_with_error
 from hybrid_indexpool.configuration import HybridIndexPoolConfig
 
 SERVE_HELP = """Serve a HybridIndexPool checkpoint with transformers' own OpenAI-compatible server
@@ -44,12 +45,10 @@ def check_checkpoint(checkpoint: str, trust_remote_code: bool = False) -> None:
     try:
         config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"serve: cannot read a model config from {checkpoint!r}: {error}") from error
+        exit_with_error(f"cannot read a model config from {checkpoint!r}: {error}")
     if config.model_type != HybridIndexPoolConfig.model_type:
-        raise SystemExit(
-            f"serve: {checkpoint!r} is a {config.model_type!r} model, not a HybridIndexPool one; serve it with "
-            "`transformers serve` itself."
-        )
+        exit_with_error(f"{checkpoint!r} is a {config.model_type!r} model, not a HybridIndexPool one; serve it with "
+                        "`transformers serve` itself.")
 
 
 def _serve_command():
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
-        raise SystemExit('serve: the server needs FastAPI, Uvicorn and openai: pip install "hybrid-indexpool[serve]".')
+        exit_with_error('the server needs FastAPI, Uvicorn and openai: pip install "hybrid-indexpool[serve]".')
     app = typer.Typer(add_completion=False)
     app.command()(_serve_command())
     app(args=sys.argv[1:] if argv is None else argv, prog_name="python -m hybrid_indexpool.scripts.serve")

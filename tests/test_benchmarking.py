@@ -71,5 +71,6 @@ def test_bench_decode_exits_non_zero_with_the_measurement_error():
                "--settings", "qwen4_exp", "--head-dim", "64", "--index-head-dim", "32", "--partial-rotary-factor", "1"]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert finished.returncode != 0
-    assert "bench_decode: qwen4_exp at 300 tokens raised in its measuring process" in finished.stderr
+    assert finished.returncode == 2
+    assert "error: qwen4_exp at 300 tokens raised in its measuring process" in finished.stderr
     assert "must fit the QSA index head" in finished.stderr

@@ -25,13 +25,16 @@ def test_writes_a_task_per_context_and_the_group(tmp_path, capsys):
     (["--text", "missing.txt"], "cannot read --text"),
     (["--contexts", "10"], "at least"),
 ])
-def test_bad_arguments_are_refused(tmp_path, arguments, message):
-    with pytest.raises(SystemExit, match=message):
+def test_bad_arguments_are_refused(tmp_path, capsys, arguments, message):
+    with pytest.raises(SystemExit) as stop:
         make_retrieval_task.main(["--output", str(tmp_path / "task"), *arguments])
+    printed = capsys.readouterr().err
+    assert stop.value.code == 2 and printed.startswith("error: ") and message in printed
     assert not (tmp_path / "task").exists()
 
 
-def test_an_existing_output_is_refused(tmp_path):
+def test_an_existing_output_is_refused(tmp_path, capsys):
     (tmp_path / "task").mkdir()
-    with pytest.raises(SystemExit, match="already exists"):
+    with pytest.raises(SystemExit) as stop:
         make_retrieval_task.main(["--output", str(tmp_path / "task"), "--contexts", "200"])
+    assert stop.value.code == 2 and "already exists" in capsys.readouterr().err
