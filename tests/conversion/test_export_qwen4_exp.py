@@ -90,3 +90,13 @@ def test_learned_pooling_away_from_the_mean_and_other_variants_are_refused(round
     model.save_pretrained(tmp_path / "local")
     with pytest.raises(ConversionError, match=r"cannot express index_local_windows = 1 \(Qwen4-Exp: 0\)"):
         export_qwen4_exp(tmp_path / "local", tmp_path / "out", **QUIET)
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    save_source(tiny_qwen4_source(tie_word_embeddings=True), tmp_path / "source", max_shard_size="40KB")
+    convert_qwen4_exp(tmp_path / "source", tmp_path / "ours", **QUIET)
+    export_qwen4_exp(tmp_path / "ours", tmp_path / "back", **QUIET)
+    source, back = saved_tensors(tmp_path / "source"), saved_tensors(tmp_path / "back")
+    assert "lm_head.weight" not in back and sorted(back) == sorted(source)
+    assert all(torch.equal(source[name], back[name]) for name in source)
+    assert config_dict(tmp_path / "back") == config_dict(tmp_path / "source")
