@@ -186,10 +186,9 @@ class ConversionPlan:
             [ConcatenatedWeight(c.sources, rename_target(c.target)) for c in self.concatenations],
         )
 
-    def inverted(self, source_shapes: Mapping[str, torch.Size], ignore: Iterable[IgnoreRule] = ()) -> "ConversionPlan":
+    def inverted(self, source_shapes: Mapping[str, torch.Size]) -> "ConversionPlan":
         """The plan back: each group's `inverse` building its sources from its targets, each concatenation split
-        into its parts (of `source_shapes`), our weights matched by `ignore` left out. ConversionError names a group
-        that cannot be undone."""
+        into its parts (of `source_shapes`). ConversionError names a group that cannot be undone."""
         groups = []
         for group in self.groups:
             if group.inverse is None:
@@ -203,7 +202,7 @@ class ConversionPlan:
                 lambda tensors, c=concatenation, sizes=sizes: dict(zip(
                     c.sources, (part.clone() for part in tensors[c.target].split(sizes)))),
             ))
-        return ConversionPlan(groups, list(ignore))
+        return ConversionPlan(groups)
 
     def check(self, weight_names: Iterable[str]) -> dict[str, list[str]]:
         """Check the plan against the source's weight names; returns `{reason: names}` of what it leaves out.

@@ -16,7 +16,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 
 from .checkpoint_io import SourceCheckpoint
-from .engine import COPIED_FILES, CheckpointTarget, ConversionPlan, ConversionReport, IgnoreRule, convert_checkpoint
+from .engine import COPIED_FILES, CheckpointTarget, ConversionPlan, ConversionReport, convert_checkpoint
 from .errors import ConversionError
 
 OUR_MODEL_TYPES = ("hybrid_indexpool", "hybrid_indexpool_multimodal")
@@ -68,7 +68,6 @@ def export_checkpoint(
     build_plan: Callable[[SourceLayout, PretrainedConfig], ConversionPlan],
     output_dir,
     *,
-    dropped: Iterable[IgnoreRule] = (),
     checks: Iterable = (),
     overwrite: bool = False,
     max_shard_size: int | str = "5GB",
@@ -77,14 +76,14 @@ def export_checkpoint(
 ) -> ConversionReport:
     """Write `checkpoint` (ours, of `our_config`) as a checkpoint of `source_model_class` with `source_config`.
 
-    `build_plan(layout, our_config)` is the family's conversion plan; it runs backwards. `dropped` names our weights
-    the source format has no place for (each must be checked to be neutral by one of `checks`, weight groups that
-    write nothing and raise ConversionError otherwise). Output safety is the conversion's: an existing folder is
-    refused unless `overwrite`, and the result appears only once complete.
+    `build_plan(layout, our_config)` is the family's conversion plan; it runs backwards. `checks` are weight groups
+    that read our weights the source format has no place for and write nothing: each raises ConversionError unless
+    its weights are neutral (e.g. learned pooling still at the mean). Output safety is the conversion's: an existing
+    folder is refused unless `overwrite`, and the result appears only once complete.
     """
     expected = saved_weight_shapes(source_model_class, source_config)
     layout = SourceLayout(list(expected), source_config.model_type)
-    plan = build_plan(layout, our_config).inverted(expected, ignore=dropped)
+    plan = build_plan(layout, our_config).inverted(expected)
     # A group that reads nothing of ours (values the source stores and ours computes) is written up front.
     computed = {name: tensor for group in plan.groups if not group.sources for name, tensor in group.build({}).items()}
     plan.groups = [group for group in plan.groups if group.sources] + list(checks)
