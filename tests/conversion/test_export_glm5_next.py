@@ -15,7 +15,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 QUIET = dict(progress=False, log=lambda message: None)
 
 
-@pytest.fixture(scope="module", ids=lambda variant: variant.name, params=VARIANTS[:2])
+# The first two variants take every option one way or the other; the other two mix them again, in the slow suite.
+@pytest.fixture(scope="module", ids=lambda variant: variant.name,
+                params=[*VARIANTS[:2], *(pytest.param(variant, marks=pytest.mark.slow) for variant in VARIANTS[2:])])
 def round_trip(request, tmp_path_factory):
     """(variant, folder): `source` saved by transformers, `ours` converted from it, `back` exported from ours."""
     variant = request.param
