@@ -8,7 +8,7 @@ so a converted checkpoint exported unchanged gives back the source's tensors bit
 
 import shutil
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +28,6 @@ class SourceLayout:
 
     weight_names: list[str]
     model_type: str
-    folder: Path | None = field(default=None)
 
 
 def saved_weight_shapes(model_class, config: PretrainedConfig) -> dict[str, torch.Size]:
