@@ -36,10 +36,11 @@ class HybridIndexPoolShortConvolution(nn.Conv1d):
         weight = self.weight[:, 0] if channels is None else self.weight[channels, 0]  # [channels, kernel]
         weight = weight.to(compute_dtype)
         sequence = mixed.transpose(1, 2).to(compute_dtype)  # [batch, channels, seq]
-        output = causal_conv1d(sequence, weight, conv_state, self.activation)
-        if conv_state is None:
+        zero_state = conv_state is None
+        if zero_state:
             conv_state = sequence.new_zeros(batch_size, sequence.shape[1], self.kernel_size[0] - 1)
         conv_input = torch.cat([conv_state.to(compute_dtype), sequence], dim=-1)
+        output = causal_conv1d(conv_input, weight, self.activation, zero_state=zero_state)
         return output.to(mixed.dtype).transpose(1, 2), conv_input
 
     def next_state(self, conv_input: torch.Tensor, token_is_real: torch.Tensor) -> torch.Tensor:

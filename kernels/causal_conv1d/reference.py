@@ -6,15 +6,10 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 
-def causal_conv1d_torch(sequence: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
-                        activation: str | None = None) -> torch.Tensor:
-    """`sequence [batch, channels, seq]`, `weight [channels, kernel]`, `state [batch, channels, kernel - 1]` (None:
-    zeros) -> the activated output `[batch, channels, seq]`, in `sequence`'s dtype."""
-    kernel = weight.shape[-1]
-    if state is None:
-        state = sequence.new_zeros(*sequence.shape[:2], kernel - 1)
-    conv_input = torch.cat([state.to(sequence.dtype), sequence], dim=-1)
-    if sequence.shape[-1] == 1:  # decode: one dot product per channel, cheaper than setting up a convolution
+def causal_conv1d_torch(conv_input: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    """`conv_input [batch, channels, kernel - 1 + seq]` (the state, then the tokens), `weight [channels, kernel]` ->
+    the activated output `[batch, channels, seq]`, in `conv_input`'s dtype."""
+    if conv_input.shape[-1] == weight.shape[-1]:  # decode: one dot product per channel, cheaper than a convolution
         output = (conv_input * weight).sum(dim=-1, keepdim=True)
     else:
         output = F.conv1d(conv_input, weight[:, None], groups=weight.shape[0])

@@ -19,20 +19,24 @@ def test_the_reference_is_nn_conv1d_causal_from_zeros_and_continues_from_a_state
     from hybrid_indexpool.kernels import causal_conv1d as conv
 
     sequence, weight, state = inputs()
+    zeros = torch.zeros_like(state)
     expected = F.conv1d(sequence, weight[:, None], padding=3, groups=6)[..., :7]
-    torch.testing.assert_close(conv.causal_conv1d_torch(sequence, weight), expected)
+    torch.testing.assert_close(conv.causal_conv1d_torch(torch.cat([zeros, sequence], -1), weight), expected)
     whole = F.conv1d(torch.cat([state, sequence], -1), weight[:, None], groups=6)
-    torch.testing.assert_close(conv.causal_conv1d_torch(sequence, weight, state, "silu"), F.silu(whole))
-    torch.testing.assert_close(conv.causal_conv1d_torch(sequence[..., :1], weight, state), whole[..., :1])
+    torch.testing.assert_close(conv.causal_conv1d_torch(torch.cat([state, sequence], -1), weight, "silu"),
+                               F.silu(whole))
+    torch.testing.assert_close(conv.causal_conv1d_torch(torch.cat([state, sequence[..., :1]], -1), weight),
+                               whole[..., :1])
 
 
 def test_the_fast_path_without_the_package_runs_the_reference_under_the_kernels_signature(monkeypatch):
     from hybrid_indexpool.kernels import causal_conv1d as conv
 
-    sequence, weight, _ = inputs()
-    expected = conv.causal_conv1d(sequence, weight, None, "silu")
+    sequence, weight, state = inputs()
+    from_zeros = torch.cat([torch.zeros_like(state), sequence], -1)
+    expected = conv.causal_conv1d(from_zeros, weight, "silu", zero_state=True)
     monkeypatch.setattr(conv, "use_fast_path", lambda *tensors: True)
-    torch.testing.assert_close(conv.causal_conv1d(sequence, weight, None, "silu"), expected)
+    torch.testing.assert_close(conv.causal_conv1d(from_zeros, weight, "silu", zero_state=True), expected)
 
 
 def check_the_kernel_runs_only_for_a_prefill_from_no_state():
@@ -44,12 +48,14 @@ def check_the_kernel_runs_only_for_a_prefill_from_no_state():
     from hybrid_indexpool.kernels import causal_conv1d as conv  # imported only now: the helper looks it up then
 
     sequence, weight, state = inputs()
-    conv.causal_conv1d(sequence, weight, None, "silu")  # CPU tensors: the reference
+    from_zeros, from_state = torch.cat([torch.zeros_like(state), sequence], -1), torch.cat([state, sequence], -1)
+    conv.causal_conv1d(from_zeros, weight, "silu", zero_state=True)  # CPU tensors: the reference
     assert calls == []
     conv.use_fast_path = lambda *tensors: True
-    assert bool((conv.causal_conv1d(sequence, weight, None, "silu") == 5).all()) and calls == ["silu"]
-    conv.causal_conv1d(sequence, weight, state, "silu")  # a cached state: the reference
-    conv.causal_conv1d(sequence, weight, None, "gelu")  # an activation the kernel lacks: the reference
+    output = conv.causal_conv1d(from_zeros, weight, "silu", zero_state=True)
+    assert output.shape == sequence.shape and bool((output == 5).all()) and calls == ["silu"]
+    conv.causal_conv1d(from_state, weight, "silu")  # a cached state: the reference
+    conv.causal_conv1d(from_zeros, weight, "gelu", zero_state=True)  # an activation the kernel lacks: the reference
     assert calls == ["silu"]
 
 
