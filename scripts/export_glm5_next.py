@@ -14,22 +14,12 @@ merged first. It streams shard by shard; the output appears only once complete.
     vllm serve GLM-5.3-Flash-finetuned   # the engine's own command, no plugin
 """
 
-from hybrid_indexpool.conversion import (
-    ConversionReport,
-    conversion_argument_parser,
-    export_glm5_next,
-    run_conversion_command,
-)
+from hybrid_indexpool.conversion import ConversionReport, export_glm5_next, run_export_command
 
 
 def main(argv=None) -> ConversionReport:
     """Run the export on the command line `argv` (default `sys.argv[1:]`); returns the report."""
-    parser = conversion_argument_parser(__doc__, "folder of our checkpoint, converted from GLM-5.3-Flash")
-    args = parser.parse_args(argv)
-    return run_conversion_command(parser, lambda: export_glm5_next(
-        args.source, args.output, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-        progress=not args.no_progress,
-    ))
+    return run_export_command(__doc__, "GLM-5.3-Flash", export_glm5_next, argv)
 
 
 if __name__ == "__main__":

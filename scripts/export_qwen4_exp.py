@@ -14,22 +14,12 @@ LoRA adapters must be merged first. It streams shard by shard; the output appear
     vllm serve Qwen3.8-Flash-Next-finetuned   # the engine's own command, no plugin
 """
 
-from hybrid_indexpool.conversion import (
-    ConversionReport,
-    conversion_argument_parser,
-    export_qwen4_exp,
-    run_conversion_command,
-)
+from hybrid_indexpool.conversion import ConversionReport, export_qwen4_exp, run_export_command
 
 
 def main(argv=None) -> ConversionReport:
     """Run the export on the command line `argv` (default `sys.argv[1:]`); returns the report."""
-    parser = conversion_argument_parser(__doc__, "folder of our checkpoint, converted from Qwen4-Exp")
-    args = parser.parse_args(argv)
-    return run_conversion_command(parser, lambda: export_qwen4_exp(
-        args.source, args.output, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-        progress=not args.no_progress,
-    ))
+    return run_export_command(__doc__, "Qwen4-Exp", export_qwen4_exp, argv)
 
 
 if __name__ == "__main__":

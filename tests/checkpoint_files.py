@@ -21,3 +21,12 @@ def config_dict(folder: Path) -> dict:
     config = json.loads((Path(folder) / "config.json").read_text())
     config.pop("transformers_version", None)
     return config
+
+
+def differing_tensors(first: Path, second: Path) -> list[str]:
+    """The names whose tensors differ between two checkpoint folders in dtype or in any bit, and the names only one
+    of them holds."""
+    ours, theirs = saved_tensors(first), saved_tensors(second)
+    return sorted(set(ours) ^ set(theirs)) + [
+        name for name in ours if name in theirs
+        and (ours[name].dtype != theirs[name].dtype or not torch.equal(ours[name], theirs[name]))]

@@ -10,7 +10,7 @@ source's format (`scripts/export_<family>.py`).
 """
 
 from .checkpoint_io import CONVERTER_SCRIPTS, SourceCheckpoint
-from .cli import conversion_argument_parser, run_conversion_command
+from .cli import conversion_argument_parser, run_conversion_command, run_export_command
 from .engine import (
     CheckpointTarget,
     ConcatenatedWeight,
@@ -71,5 +71,6 @@ __all__ = [
     "qwen_text_prefix",
     "rename",
     "run_conversion_command",
+    "run_export_command",
     "to_multimodal_name",
 ]

@@ -5,6 +5,7 @@ import argparse
 import signal
 from collections.abc import Callable
 
+from ..command_line import exit_with_error
 from .engine import ConversionReport, Terminated
 from .errors import ConversionError
 
@@ -26,10 +27,21 @@ def run_conversion_command(parser: argparse.ArgumentParser, convert: Callable[[]
     try:
         report = convert()
     except ConversionError as error:
-        parser.exit(2, f"error: {error}\n")
+        exit_with_error(str(error))
     except Terminated as stop:
         parser.exit(128 + signal.SIGTERM, f"{stop}: the partial output was removed\n")
     print(report.summary())
     return report
 
 
+
+
+def run_export_command(description: str, family: str, export: Callable[..., "ConversionReport"], argv=None):
+    """The command line of a family's export (`scripts/export_<family>.py`): the converters' shared arguments, with
+    `--source` our checkpoint; runs `export(source, output, ...)` as `run_conversion_command` does."""
+    parser = conversion_argument_parser(description, f"folder of our checkpoint, converted from {family}")
+    args = parser.parse_args(argv)
+    return run_conversion_command(parser, lambda: export(
+        args.source, args.output, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
+        progress=not args.no_progress,
+    ))

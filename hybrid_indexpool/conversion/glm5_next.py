@@ -29,6 +29,7 @@ MODEL_TYPE = "glm5_next"
 TEXT_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
 LAYER_TYPES = {"linear_attention": "linear_attention", "indexed_attention": "indexpool_attention"}
+GLM_LAYER_TYPES = {ours: glm for glm, ours in LAYER_TYPES.items()}
 
 # Source -> our names inside a layer. RMSNorms (GLM: `w * x / rms`) are listed apart: they are shifted by one.
 KDA_WEIGHTS = {
@@ -157,9 +158,9 @@ def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
     weights go under `model.language_model.` and the vision tower's keep their names."""
     keep_vision = isinstance(config, HybridIndexPoolMultimodalConfig)
     text = config.get_text_config()
+    norm = zero_centred_norm if text.rms_norm_unit_offset else rename
     groups = [rename(f"{TEXT_PREFIX}embed_tokens.weight", "model.embed_tokens.weight"),
-              (zero_centred_norm if text.rms_norm_unit_offset else rename)(f"{TEXT_PREFIX}norm.weight",
-                                                                           "model.norm.weight")]
+              norm(f"{TEXT_PREFIX}norm.weight", "model.norm.weight")]
     layers = re.compile(rf"{re.escape(TEXT_PREFIX)}layers\.(\d+)\.")
     extra_layers = sorted({int(found.group(1)) for name in source.weight_names if (found := layers.match(name))
                            and int(found.group(1)) >= text.num_hidden_layers})
@@ -192,7 +193,6 @@ def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
         else:
             renamed.update(DENSE_MLP_WEIGHTS)
         groups += [rename(src + name, dst + ours) for name, ours in renamed.items()]
-        norm = zero_centred_norm if text.rms_norm_unit_offset else rename
         groups += [norm(src + name, dst + ours) for name, ours in norms.items()]
     plan = ConversionPlan(groups, ignore)
     if not keep_vision:
@@ -259,8 +259,6 @@ def glm_config_from_ours(config) -> Glm5NextConfig:
         "dtype": text.dtype,
     })
 
-
-GLM_LAYER_TYPES = {ours: glm for glm, ours in LAYER_TYPES.items()}
 
 
 def export_glm5_next(

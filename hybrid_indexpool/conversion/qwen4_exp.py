@@ -278,9 +278,9 @@ def qwen4_config_from_ours(config):
         raise ConversionError(f"Qwen4-Exp's format cannot express {', '.join(different)}; only models of Qwen4-Exp's "
                               "variant export to it.")
     stored = dict(text.source_config or {})
-    multimodal = isinstance(config, HybridIndexPoolMultimodalConfig)
-    stored_text = dict(stored.get("text_config", stored) if stored.get("model_type") == MULTIMODAL_MODEL_TYPE
-                       else stored)
+    # The stored config is the whole source's: a multimodal one holds the text config inside.
+    stored_multimodal = stored if stored.get("model_type") == MULTIMODAL_MODEL_TYPE else {}
+    stored_text = dict(stored_multimodal.get("text_config", {}) if stored_multimodal else stored)
     rope = {**stored_text.get("rope_parameters", {}), **text.rope_parameters}
     mapped = {qwen: getattr(text, ours) for qwen, ours in SAME_FIELDS.items()}
     mapped.update(
@@ -292,12 +292,11 @@ def qwen4_config_from_ours(config):
     )
     if (stored_text.get("output_gate_type") or text.hidden_act) != text.linear_output_gate_act:
         mapped["output_gate_type"] = text.linear_output_gate_act
-    if not multimodal:
+    if not isinstance(config, HybridIndexPoolMultimodalConfig):
         return Qwen4ExpTextConfig.from_dict({**stored_text, **mapped, "model_type": TEXT_MODEL_TYPE,
                                              "dtype": text.dtype})
-    top = stored if stored.get("model_type") == MULTIMODAL_MODEL_TYPE else {}
     return Qwen4ExpConfig.from_dict({
-        **top,
+        **stored_multimodal,
         "text_config": {**stored_text, **mapped},
         "vision_config": config.vision_config.to_dict(),
         "image_token_id": config.image_token_id,
@@ -315,12 +314,12 @@ def mean_pooling_checks(config) -> list[WeightGroup]:
     text = config.get_text_config()
     if text.index_pool_weighting == "mean":
         return []
-    prefix = "model.language_model." if isinstance(config, HybridIndexPoolMultimodalConfig) else "model."
+    name_in_model = to_multimodal_name if isinstance(config, HybridIndexPoolMultimodalConfig) else str
     checks = []
     for index, kind in enumerate(text.layer_types):
         if kind != "indexpool_attention":
             continue
-        names = tuple(f"{prefix}layers.{index}.self_attn.indexer.{part}"
+        names = tuple(name_in_model(f"model.layers.{index}.self_attn.indexer.{part}")
                       for part in ("pool_gate_proj.weight", "pool_slot_bias"))
 
         def refuse_unless_mean(tensors, index=index, names=names):
