@@ -26,6 +26,7 @@ CHOICES = {
     "linear_output_gate_act": ("silu", "sigmoid"),
     "moe_router_type": ("softmax", "sigmoid_grouped"),
     "hc_type": ("qwen4_exp", "sinkhorn"),
+    "mtp_type": ("deepseek", "qwen4_exp"),
 }
 # Per-layer lists (None: their default), one entry per layer, and the values of an entry.
 LAYER_CHOICES = {
@@ -44,8 +45,8 @@ RANGES = {
          "max_position_embeddings", "prefill_chunk_length", "hc_count", "hc_lowrank", "ple_conv_kernel_size",
          "ple_ngram_vocab_size_base", "ple_vocab_size_multiple", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
          "v_head_dim", "hc_sinkhorn_iters", "n_group", "topk_group"), POSITIVE),
-    **dict.fromkeys(("index_sink_windows", "index_local_windows", "num_experts", "router_aux_loss_coef", "hc_eps"),
-                    "[0, inf)"),
+    **dict.fromkeys(("index_sink_windows", "index_local_windows", "num_experts", "router_aux_loss_coef", "hc_eps",
+                     "num_mtp_layers", "mtp_loss_weight"), "[0, inf)"),
     "partial_rotary_factor": "(0, 1]",
     "attention_dropout": "[0, 1)",
     "swiglu_limit": "(0, inf)",
@@ -237,6 +238,19 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             `generate()` too. (Not named `prefill_chunk_size`: `generate()` would copy that into its own setting,
             which refuses `use_cache=False`.)
         pad_token_id, bos_token_id, eos_token_id (`int`, *optional*): Special token ids.
+        num_mtp_layers (`int`): Multi-token-prediction (MTP) layers after the decoder, for the speculative decoding of
+            the engines that serve the source models; `0` (the default) for none. MTP layer `k` predicts the token
+            `k + 2` places ahead from the main model's hidden state and the embedding of the token `k + 1` ahead;
+            each is one IndexPool decoder layer with its own indexer (and the MLP of the last decoder layer).
+        mtp_type (`str`): How an MTP layer reads its inputs: `"deepseek"` (DeepSeek-V3 / GLM-5.3-Flash: the normed
+            token embedding, zero at position 0, and the normed final hidden state, concatenated and projected
+            (`input_proj`), then a plain pre-norm decoder layer without residual streams, then `output_norm`) or
+            `"qwen4_exp"` (Qwen4-Exp: the main model's residual streams before the final mix, normed together and
+            projected stream by stream, plus the projected normed embedding in every stream; then decoder layers with
+            hyper-connections, one per depth, and the MTP's own final mix). `"qwen4_exp"` needs `hc_type
+            "qwen4_exp"` and `hc_count > 1`. The MTP logits use the language-model head.
+        mtp_loss_weight (`float`): Weight of the MTP layers' mean next-next-token loss in `loss` when labels are
+            given; `0` (the default) leaves the MTP layers out of a labelled forward (they are then not trained).
         source_config (`dict`, *optional*): The config (`to_dict()`) of the checkpoint this model was converted from,
             written by the converters. The export back to that format starts from it, so that settings ours does not
             carry (the source's own defaults, fields of variants ours leaves out) come back unchanged.
@@ -389,6 +403,9 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     use_cache: bool = True
     prefill_chunk_length: int | None = 8192
+    num_mtp_layers: int = 0
+    mtp_type: str = "deepseek"
+    mtp_loss_weight: float | int = 0.0
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -490,6 +507,11 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             if getattr(self, value_field) != getattr(self, key_field):
                 fail(f"`linear_attention_type` 'kimi_delta' needs {need}, but `{value_field}` is "
                      f"{getattr(self, value_field)} and `{key_field}` {getattr(self, key_field)}; set both the same.")
+        if self.num_mtp_layers and self.mtp_type == "qwen4_exp" and not (self.hc_type == "qwen4_exp"
+                                                                           and self.hc_count > 1):
+            fail("`mtp_type` 'qwen4_exp' reads Qwen4-Exp's residual streams, but the model has none (hc_type "
+                 f"{self.hc_type!r}, hc_count {self.hc_count}); use mtp_type 'deepseek' or hc_type 'qwen4_exp' with "
+                 "hc_count > 1.")
         self._check_experts(fail)
         self._check_ple(fail)
 
@@ -530,8 +552,10 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             fail("`ple_layers` need `eos_token_id`: the n-gram context restarts after it. Set eos_token_id.")
 
     def is_shared_indexer_layer(self, layer_idx: int) -> bool:
-        """Whether IndexPool layer `layer_idx` reuses the previous full layer's selection (it has no indexer)."""
-        return self.indexer_types is not None and self.indexer_types[layer_idx] == "shared"
+        """Whether IndexPool layer `layer_idx` reuses the previous full layer's selection (it has no indexer). MTP
+        layers (indices from `num_hidden_layers` on) always have their own."""
+        return (self.indexer_types is not None and layer_idx < self.num_hidden_layers
+                and self.indexer_types[layer_idx] == "shared")
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:
         """Raise a `ValueError` naming every head count (or width) that `tp_size` ranks cannot split evenly.
@@ -596,6 +620,11 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     def ple_eos_token_id(self) -> int:
         """The end-of-sequence id the n-gram context restarts after (the first one when there are several)."""
         return self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
+
+    @property
+    def mtp_mlp_type(self) -> str:
+        """The feed-forward block of the MTP layers: that of the last decoder layer (as vLLM builds GLM's)."""
+        return self.mlp_types[-1]
 
     @property
     def rotary_dim(self) -> int:

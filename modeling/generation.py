@@ -1,6 +1,7 @@
 """What the HybridIndexPool language-model heads share for `generate()` and their losses."""
 
 import torch
+import torch.nn.functional as F
 from transformers.generation import GenerationMixin
 
 from .cache_hybrid_indexpool import HybridIndexPoolCache
@@ -24,6 +25,19 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
+        mtp_logits = mtp_loss = None
+        if getattr(outputs, "mtp_hidden_states", None) is not None:
+            mtp_logits = tuple(self.lm_head(states[:, keep, :]) for states in outputs.mtp_hidden_states)
+        if mtp_logits is not None and labels is not None:
+            # Depth k's position i predicts token i + k + 2: the usual one-place shift, of the labels k + 1 ahead.
+            mtp_loss = torch.stack([
+                self.loss_function(logits=depth_logits, labels=F.pad(labels[:, depth + 1:], (0, depth + 1),
+                                                                     value=-100),
+                                   vocab_size=text_config.vocab_size, **kwargs)
+                for depth, depth_logits in enumerate(mtp_logits)
+            ]).mean()
+            if text_config.mtp_loss_weight:
+                loss = loss + text_config.mtp_loss_weight * mtp_loss
         aux_loss = self.router_aux_loss(outputs.router_logits, attention_mask)
         if aux_loss is not None and loss is not None:
             loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
@@ -33,7 +47,16 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
         return HybridIndexPoolCausalLMOutput(
             loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, router_logits=outputs.router_logits, indexer_loss=outputs.indexer_loss,
+            mtp_logits=mtp_logits, mtp_loss=mtp_loss,
         )
+
+    def wants_mtp_logits(self, output_mtp_logits: bool | None, labels) -> bool:
+        """Whether a forward computes the MTP layers: when asked, or by default for a labelled forward whose loss
+        weighs them (`mtp_loss_weight > 0`)."""
+        text_config = self.config.get_text_config()
+        if output_mtp_logits is None:
+            return labels is not None and text_config.num_mtp_layers > 0 and text_config.mtp_loss_weight > 0
+        return bool(output_mtp_logits)
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length

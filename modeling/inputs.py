@@ -26,6 +26,8 @@ class LayerStep:
         selections: each full IndexPool layer's selection by layer index, which the shared-indexer layers after it
             reuse (filled as the pass goes; recomputing a layer under gradient checkpointing rewrites the same entry).
         indexer_losses: each IndexPool layer's indexer KL loss by layer index, when `indexer_loss` asks for it.
+        final_streams: `[batch, seq, hc_count * hidden]` the residual streams after the last layer, before the final
+            mix, when the pass keeps them (for Qwen4-Exp's multi-token prediction).
     """
 
     positions: torch.Tensor
@@ -36,6 +38,7 @@ class LayerStep:
     ple_token_ids: torch.Tensor | None = None
     selections: dict = field(default_factory=dict)
     indexer_losses: dict = field(default_factory=dict)
+    final_streams: torch.Tensor | None = None
 
     def chunk(self, start: int, end: int) -> "LayerStep":
         """The same pass over tokens `start:end` of the grid, with fresh records."""
@@ -171,6 +174,19 @@ def check_inputs(config, input_ids, inputs_embeds) -> None:
         if not inputs_embeds.is_floating_point():
             raise ValueError(f"`inputs_embeds` are {inputs_embeds.dtype}; give floating-point embeddings (e.g. "
                              "model.get_input_embeddings()(input_ids)).")
+
+def check_mtp_inputs(config, cache) -> None:
+    """Refuse multi-token prediction where it cannot run: a model without MTP layers, or a forward that continues a
+    cache (the MTP layers keep no cache of their own, so they read the whole sequence in one forward)."""
+    if not config.num_mtp_layers:
+        raise ValueError("This model has no multi-token-prediction layers (`num_mtp_layers` is 0); convert a source "
+                         "checkpoint that has them, or leave out the MTP outputs.")
+    if cache is not None and cache.seen_tokens is not None:
+        raise ValueError(
+            "The multi-token-prediction layers read the whole sequence in one forward and keep no cache: ask for "
+            "them in a forward from an empty cache (or use_cache=False), not in one that continues a cache."
+        )
+
 
 def check_cache(config, cache, batch_size: int) -> None:
     """Refuse a cache that is not a `HybridIndexPoolCache`, or one built for another model or batch."""

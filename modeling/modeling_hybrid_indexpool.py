@@ -5,11 +5,11 @@ indexer keeps one pooled key per window of `r = index_pool_size` consecutive tok
 then RoPE at the window's first position), scores the complete windows a query may see, and the query attends to
 the raw keys/values of its best `index_topk // r` windows plus its own open window (the tail).
 
-This module assembles the decoder layer, the model and its heads; each concept lives in a module of its own:
+This module assembles the model and its heads; each concept lives in a module of its own: `decoder_layer`,
 `layers` (linear, norms, rotary), `linear_attention_gdn` / `linear_attention_kda`, `indexer`, `attention_indexpool`
 (the IndexPool forward) with its head shapes `attention_gqa` / `attention_mla`, `moe`, `residual_streams`
-(hyper-connections), `per_layer_embedding`, `inputs` (validation, positions, token layout), `outputs`, `generation`,
-and the cache in `cache_hybrid_indexpool`.
+(hyper-connections), `per_layer_embedding`, `multi_token_prediction` (MTP layers), `inputs` (validation, positions,
+token layout), `outputs`, `generation`, and the cache in `cache_hybrid_indexpool`.
 """
 
 import math
@@ -20,17 +20,15 @@ import transformers
 from packaging import version
 from torch import nn
 from transformers import initialization as init
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
-from .attention_gqa import HybridIndexPoolAttention
 from .attention_indexpool import HybridIndexPoolAttentionBase
-from .attention_mla import HybridIndexPoolMLAAttention
 from .cache_hybrid_indexpool import HybridIndexPoolCache
+from .decoder_layer import HybridIndexPoolDecoderLayer
 from .generation import HybridIndexPoolGenerationMixin
 from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .indexer import HybridIndexPoolIndexer
@@ -39,6 +37,7 @@ from .inputs import (
     attention_by_column,
     check_cache,
     check_inputs,
+    check_mtp_inputs,
     columns_of_positions,
     gather_pieces,
     prepare_inputs,
@@ -46,131 +45,19 @@ from .inputs import (
 from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm, HybridIndexPoolRotaryEmbedding
 from .linear_attention_gdn import HybridIndexPoolGatedDeltaNet
 from .linear_attention_kda import (
-    HybridIndexPoolKimiDeltaAttention,
     HybridIndexPoolKimiForgetGate,
     HybridIndexPoolKimiRMSNormGated,
 )
 from .moe import (
     HybridIndexPoolExperts,
     HybridIndexPoolGroupedTopkRouter,
-    HybridIndexPoolMLP,
     HybridIndexPoolSparseMoeBlock,
     load_balancing_loss,
 )
+from .multi_token_prediction import MTP_CLASSES
 from .outputs import HybridIndexPoolCausalLMOutput, HybridIndexPoolModelOutput, HybridIndexPoolSequenceClassifierOutput
 from .per_layer_embedding import HybridIndexPoolNGramEmbedding, HybridIndexPoolPerLayerEmbedding
 from .residual_streams import HybridIndexPoolHyperConnection, HybridIndexPoolSinkhornHyperConnection
-
-LINEAR_ATTENTION_CLASSES = {
-    "gated_deltanet": HybridIndexPoolGatedDeltaNet,
-    "kimi_delta": HybridIndexPoolKimiDeltaAttention,
-}
-
-
-HYPER_CONNECTION_CLASSES = {
-    "qwen4_exp": HybridIndexPoolHyperConnection,
-    "sinkhorn": HybridIndexPoolSinkhornHyperConnection,
-}
-
-
-class HybridIndexPoolDecoderLayer(GradientCheckpointingLayer):
-    """Token mixer (linear attention: Gated DeltaNet or Kimi Delta Attention; or IndexPool attention), then MLP or MoE
-    (`mlp_layer_types`), each in a residual block.
-
-    Without hyper-connections the blocks are pre-norm residuals. With them, the layer carries `hc_count` residual
-    streams and each block reads and writes them through a hyper-connection: a [`HybridIndexPoolHyperConnection`]
-    (Qwen4-Exp, which also does the norm) or a [`HybridIndexPoolSinkhornHyperConnection`] (GLM-5.3-Flash, whose
-    block input then goes through the block's RMSNorm). A PLE layer first adds its n-gram features to the streams.
-    """
-
-    def __init__(self, config: HybridIndexPoolConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type == "linear_attention":
-            linear_attention_class = LINEAR_ATTENTION_CLASSES[config.linear_attention_type]
-            self.linear_attn = linear_attention_class(config, layer_idx)
-        elif config.attention_type == "mla":
-            self.self_attn = HybridIndexPoolMLAAttention(config, layer_idx)
-        else:
-            self.self_attn = HybridIndexPoolAttention(config, layer_idx)
-        if config.mlp_types[layer_idx] == "sparse":
-            self.mlp = HybridIndexPoolSparseMoeBlock(config)
-        else:
-            self.mlp = HybridIndexPoolMLP(config, config.intermediate_size)
-        self.ple = None
-        if layer_idx in config.ple_layers:
-            self.ple = HybridIndexPoolPerLayerEmbedding(config, config.ple_layers.index(layer_idx))
-        self.hyper_connections = config.has_hyper_connections
-        if self.hyper_connections:
-            hyper_connection_class = HYPER_CONNECTION_CLASSES[config.hc_type]
-            self.attn_hyper_connection = hyper_connection_class(config)
-            self.mlp_hyper_connection = hyper_connection_class(config)
-        self.input_layernorm = self.post_attention_layernorm = None
-        if not self.hyper_connections or config.hc_type == "sinkhorn":  # Qwen4-Exp's hyper-connections norm instead
-            self.input_layernorm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
-            self.post_attention_layernorm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
-        # A shared-indexer layer attends to the windows the closest full IndexPool layer before it selected.
-        self.selection_source = None
-        if self.layer_type == "indexpool_attention" and config.is_shared_indexer_layer(layer_idx):
-            full_layers = [index for index in range(layer_idx) if config.layer_types[index] == "indexpool_attention"
-                           and not config.is_shared_indexer_layer(index)]
-            self.selection_source = full_layers[-1] if full_layers else None
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        step: LayerStep,
-        cache: HybridIndexPoolCache | None = None,
-    ) -> torch.Tensor:
-        """`hidden_states [batch, seq, hc_count * hidden]` -> the same. An IndexPool layer with its own indexer
-        records its selection in `step` (a shared-indexer layer attends to that of `selection_source`), and its
-        indexer loss when `step.indexer_loss` asks for it; attention weights and router logits are recorded by the
-        model's output capture."""
-        layer_cache = None if cache is None else cache.layers[self.layer_idx]
-        if self.ple is not None:
-            hidden_states = hidden_states + self.ple(hidden_states, step.ple_token_ids, step.token_is_real,
-                                                     layer_cache)
-        if self.hyper_connections:
-            streams = hidden_states
-            hidden_states, write_weights = self.attn_hyper_connection(streams)
-        else:
-            residual = hidden_states
-        if self.input_layernorm is not None:
-            hidden_states = self.input_layernorm(hidden_states)
-        if self.layer_type == "linear_attention":
-            hidden_states = self.linear_attn(hidden_states, step.token_is_real, layer_cache)
-        else:
-            hidden_states = self._sparse_attention(hidden_states, position_embeddings, step, layer_cache)
-        if self.hyper_connections:
-            streams = self.attn_hyper_connection.inject(streams, hidden_states, write_weights)
-            hidden_states, write_weights = self.mlp_hyper_connection(streams)
-            if self.post_attention_layernorm is not None:
-                hidden_states = self.post_attention_layernorm(hidden_states)
-            return self.mlp_hyper_connection.inject(streams, self._feed_forward(hidden_states), write_weights)
-        hidden_states = residual + hidden_states
-        return hidden_states + self._feed_forward(self.post_attention_layernorm(hidden_states))
-
-    def _sparse_attention(self, hidden_states, position_embeddings, step: LayerStep, layer_cache) -> torch.Tensor:
-        """The IndexPool attention's output; its selection and indexer loss go to `step`."""
-        shared = None if self.selection_source is None else step.selections.get(self.selection_source)
-        output, _, kl, selection = self.self_attn(
-            hidden_states, position_embeddings, step.positions, step.rope_positions, step.token_is_real, layer_cache,
-            step.output_attentions, step.indexer_loss, shared,
-        )
-        if self.selection_source is None:  # a full layer: the shared layers after it may attend to its selection
-            step.selections[self.layer_idx] = selection
-        if kl is not None:
-            step.indexer_losses[self.layer_idx] = kl
-        return output
-
-    def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The MLP's output (a MoE block's router logits are recorded from the block itself)."""
-        if isinstance(self.mlp, HybridIndexPoolSparseMoeBlock):
-            return self.mlp(hidden_states)[0]
-        return self.mlp(hidden_states)
-
 
 # The oldest transformers the model runs on. The package installs next to older ones (vLLM pins transformers < 5.20)
 # because its vLLM plugin needs only the configuration; building a model there is refused here.
@@ -328,6 +215,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                                    for name in ("base", "scale")]
         self._keep_in_fp32_modules_strict = [*self._keep_in_fp32_modules_strict, *float32_parameters]
         self.rotary_emb = HybridIndexPoolRotaryEmbedding(config)
+        self.mtp = MTP_CLASSES[config.mtp_type](config) if config.num_mtp_layers else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -346,6 +234,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         indexer_loss: str | None = None,
         ple_input_ids: torch.LongTensor | None = None,
         output_router_logits: bool | None = None,
+        output_mtp_hidden_states: bool = False,
         **kwargs,
     ) -> "HybridIndexPoolModelOutput":
         """Run the decoder.
@@ -366,6 +255,9 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 `input_ids` (models with `ple_layers` only).
             output_router_logits: also return each MoE layer's router logits `[batch * seq, num_experts]`, in
                 the input's token order (default `config.output_router_logits`; None for a model without experts).
+            output_mtp_hidden_states: also return the multi-token-prediction layers' outputs, one `[batch, seq,
+                hidden]` per depth (models with `num_mtp_layers` only; the whole sequence in one forward, from an
+                empty cache or none).
         """
         if indexer_loss not in (None, "dense", "sparse"):
             raise ValueError(f"indexer_loss is {indexer_loss!r}; use None, 'dense' or 'sparse'.")
@@ -386,6 +278,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache, cache = False, None  # the recomputation would update a cache twice
         check_cache(config, cache, inputs_embeds.shape[0])
+        if output_mtp_hidden_states:
+            check_mtp_inputs(config, cache)
         inputs = prepare_inputs(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, use_cache_asked,
                                 output_attentions, indexer_loss, ple_input_ids)
         hidden_states = inputs.inputs_embeds
@@ -399,11 +293,22 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         # In one piece, the layers record their input hidden states in the input's layout and continue from those,
         # so the returned states are tensors the output was computed from (their gradients can be retained).
         record_layout = inputs.layout if chunk == grid_length else None
-        pieces = [self._run_layers(hidden_states[:, start:start + chunk], inputs.step.chunk(start, start + chunk),
-                                   inputs.cache, record_layout, output_hidden_states=output_hidden_states,
+        steps = [inputs.step.chunk(start, start + chunk) for start in range(0, grid_length, chunk)]
+        keep_streams = output_mtp_hidden_states and self.mtp.reads_residual_streams
+        pieces = [self._run_layers(hidden_states[:, start:start + chunk], step, inputs.cache, record_layout,
+                                   output_hidden_states=output_hidden_states, keep_final_streams=keep_streams,
                                    output_attentions=output_attentions, output_router_logits=output_router_logits)
-                  for start in range(0, grid_length, chunk)]
+                  for start, step in zip(range(0, grid_length, chunk), steps)]
+        if output_mtp_hidden_states:  # on the grid, from the whole pass
+            mtp_inputs = [step.final_streams for step in steps] if keep_streams else [
+                piece.last_hidden_state for piece in pieces]
+            mtp_inputs = torch.cat(mtp_inputs, dim=1) if len(mtp_inputs) > 1 else mtp_inputs[0]
+            mtp_hidden_states = self.mtp(mtp_inputs, inputs.inputs_embeds,
+                                         self._position_embeddings(mtp_inputs, inputs.step), inputs.step)
         output = gather_pieces(pieces, inputs.layout, record_layout)
+        if output_mtp_hidden_states:
+            output.mtp_hidden_states = tuple(states if inputs.layout is None else inputs.layout.from_grid(states)
+                                             for states in mtp_hidden_states)
         if output.attentions is not None:
             columns = columns_of_positions(attention_mask, inputs.layout, inputs_embeds.shape[0], inputs.kv_length,
                                            inputs_embeds.device)
@@ -412,14 +317,20 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         output.cache = inputs.cache if inputs.use_cache else None
         return output
 
+    def _position_embeddings(self, hidden_states, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary `(cos, sin)` of a pass's positions (text positions, or the multimodal streams)."""
+        return self.rotary_emb(hidden_states, step.rope_positions[0] if len(step.rope_positions) == 1
+                               else step.rope_positions)
+
     @capture_outputs
     def _run_layers(self, hidden_states, step: LayerStep, cache, record_layout, output_hidden_states=False,
-                    **kwargs) -> "HybridIndexPoolModelOutput":
+                    keep_final_streams=False, **kwargs) -> "HybridIndexPoolModelOutput":
         """One pass of the stack over a piece of the input: final normed states, per-layer states (recorded in the
         input's layout with `record_layout`; the final ones stay on the grid) and the indexer loss; attention
-        weights and router logits `[rows, seq, num_experts]` are captured from the layers (`_can_record_outputs`)."""
-        position_embeddings = self.rotary_emb(hidden_states, step.rope_positions[0] if len(step.rope_positions) == 1
-                                              else step.rope_positions)
+        weights and router logits `[rows, seq, num_experts]` are captured from the layers (`_can_record_outputs`).
+        With `keep_final_streams`, `step.final_streams` keeps the residual streams before the final mix (on the
+        grid), which Qwen4-Exp's MTP reads."""
+        position_embeddings = self._position_embeddings(hidden_states, step)
         all_hidden_states = ()
         for decoder_layer in self.layers:
             if not isinstance(decoder_layer, HybridIndexPoolDecoderLayer):
@@ -432,6 +343,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             elif output_hidden_states:
                 all_hidden_states += (hidden_states,)
             hidden_states = decoder_layer(hidden_states, position_embeddings, step, cache=cache)
+        if keep_final_streams:
+            step.final_streams = hidden_states
         if self.config.hc_type == "sinkhorn":
             hidden_states = self.norm(HybridIndexPoolSinkhornHyperConnection.collapse(hidden_states,
                                                                                       self.config.hc_count))
@@ -478,6 +391,7 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
         indexer_loss: str | None = None,
         ple_input_ids: torch.LongTensor | None = None,
         output_router_logits: bool | None = None,
+        output_mtp_logits: bool | None = None,
         **kwargs,
     ) -> "HybridIndexPoolCausalLMOutput":
         """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss.
@@ -485,13 +399,17 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
         With `indexer_loss` (`"dense"` or `"sparse"`, see [`HybridIndexPoolModel.forward`]) the output also carries
         `indexer_loss`, and `loss` adds it weighted by `config.indexer_loss_weight`. With `output_router_logits`
         (default `config.output_router_logits`) a MoE model also returns `router_logits` and the load-balancing
-        `aux_loss`, which `loss` adds weighted by `config.router_aux_loss_coef`.
+        `aux_loss`, which `loss` adds weighted by `config.router_aux_loss_coef`. With `output_mtp_logits` (default:
+        with labels, when `config.mtp_loss_weight > 0`) a model with MTP layers also returns `mtp_logits`, one `[batch,
+        seq, vocab]` per depth `k` whose position `i` predicts the token at `i + k + 2`, and with labels `mtp_loss`,
+        which `loss` adds weighted by `config.mtp_loss_weight`.
         """
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, indexer_loss=indexer_loss, ple_input_ids=ple_input_ids,
             output_router_logits=output_router_logits,
+            output_mtp_hidden_states=self.wants_mtp_logits(output_mtp_logits, labels),
         )
         return self.language_model_output(outputs, labels, logits_to_keep, attention_mask, **kwargs)
 

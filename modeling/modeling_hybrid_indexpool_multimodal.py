@@ -262,16 +262,19 @@ class HybridIndexPoolForConditionalGeneration(HybridIndexPoolMultimodalPreTraine
         logits_to_keep: int | torch.Tensor = 0,
         indexer_loss: str | None = None,
         output_router_logits: bool | None = None,
+        output_mtp_logits: bool | None = None,
         **kwargs,
     ) -> HybridIndexPoolCausalLMOutput:
         """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss
-        (with the text model's load-balancing loss under `output_router_logits`, as in the text-only model)."""
+        (with the text model's load-balancing loss under `output_router_logits` and the MTP logits and loss under
+        `output_mtp_logits`, as in the text-only model)."""
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, pixel_values=pixel_values, pixel_values_videos=pixel_values_videos,
             image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, mm_token_type_ids=mm_token_type_ids,
             use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
             indexer_loss=indexer_loss, output_router_logits=output_router_logits,
+            output_mtp_hidden_states=self.wants_mtp_logits(output_mtp_logits, labels),
         )
         return self.language_model_output(outputs, labels, logits_to_keep, attention_mask, **kwargs)
 

@@ -1,0 +1,119 @@
+"""Multi-token prediction (MTP): the layers after the decoder that predict the tokens beyond the next one.
+
+The released models keep them for speculative decoding (vLLM and SGLang draft with them); here they are computed
+over a whole input, so that they can be evaluated and trained, and exported back with the rest of the model.
+
+At depth `k` (from 0) the MTP entry at position `i` reads the depth-`k - 1` output at `i` (the main model's for
+`k = 0`) and the input embedding of the token at `i + k + 1`, and its logits predict the token at `i + k + 2`. An
+entry whose token `i + k + 1` is padding, beyond the row's end or in the next packed sequence is not a real token of
+its layer: on the model's grid, where each sequence's real tokens come first, that is one more column off the end of
+every row per depth.
+"""
+
+import torch
+from torch import nn
+
+from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
+from .decoder_layer import HybridIndexPoolDecoderLayer
+from .inputs import LayerStep
+from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm
+from .residual_streams import HybridIndexPoolHyperConnection
+
+
+def multi_token_step(step: LayerStep, depth: int) -> LayerStep:
+    """The layer step of MTP depth `depth`: the main pass's positions, with the last `depth + 1` real tokens of each
+    grid row no longer real (their token `i + depth + 1` does not exist)."""
+    shifted = step.token_is_real[:, depth + 1:]
+    token_is_real = torch.cat([shifted, shifted.new_zeros(shifted.shape[0], depth + 1)], dim=1)
+    return LayerStep(step.positions, step.rope_positions, token_is_real)
+
+
+def next_token_embeddings(inputs_embeds: torch.Tensor, depth: int) -> torch.Tensor:
+    """`[batch, seq, hidden]` grid embeddings -> those of the token `depth + 1` columns later (zeros past the end)."""
+    shifted = inputs_embeds[:, depth + 1:]
+    return torch.cat([shifted, shifted.new_zeros(shifted.shape[0], depth + 1, shifted.shape[2])], dim=1)
+
+
+class HybridIndexPoolDeepSeekMTPLayer(nn.Module):
+    """One MTP layer of DeepSeek-V3 (GLM-5.3-Flash's next-n layer): the normed token embedding (zero at position 0,
+    as vLLM computes it) and the normed hidden state, concatenated and projected to `hidden_size`, then a pre-norm
+    IndexPool decoder layer without residual streams, then a final norm."""
+
+    def __init__(self, config: HybridIndexPoolConfig, depth: int):
+        super().__init__()
+        self.embedding_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
+        self.hidden_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
+        self.input_proj = HybridIndexPoolLinear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.block = HybridIndexPoolDecoderLayer(config, config.num_hidden_layers + depth, multi_token_prediction=True)
+        self.output_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
+
+    def forward(self, hidden_states, next_embeds, position_embeddings, step: LayerStep) -> torch.Tensor:
+        """`hidden_states`, `next_embeds` `[batch, seq, hidden]` -> the normed output `[batch, seq, hidden]`, which is
+        both what the head reads and the next depth's hidden state."""
+        next_embeds = next_embeds.masked_fill((step.positions == 0).unsqueeze(-1), 0)
+        hidden_states = self.input_proj(torch.cat([self.embedding_norm(next_embeds), self.hidden_norm(hidden_states)],
+                                                  dim=-1))
+        return self.output_norm(self.block(hidden_states, position_embeddings, step))
+
+
+class HybridIndexPoolDeepSeekMTP(nn.Module):
+    """DeepSeek-V3's MTP: one [`HybridIndexPoolDeepSeekMTPLayer`] per depth, chained, reading the final normed
+    hidden states."""
+
+    reads_residual_streams = False
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(HybridIndexPoolDeepSeekMTPLayer(config, depth)
+                                    for depth in range(config.num_mtp_layers))
+
+    def forward(self, hidden_states, inputs_embeds, position_embeddings, step: LayerStep) -> tuple[torch.Tensor, ...]:
+        """Grid `hidden_states` (final, normed) and `inputs_embeds` `[batch, seq, hidden]` -> each depth's output
+        `[batch, seq, hidden]` on the grid."""
+        outputs = ()
+        for depth, layer in enumerate(self.layers):
+            hidden_states = layer(hidden_states, next_token_embeddings(inputs_embeds, depth), position_embeddings,
+                                  multi_token_step(step, depth))
+            outputs += (hidden_states,)
+        return outputs
+
+
+class HybridIndexPoolQwen4ExpMTP(nn.Module):
+    """Qwen4-Exp's MTP, on the residual streams.
+
+    The main model's streams before its final mix `[batch, seq, hc_count * hidden]` are normed together
+    (`streams_norm`) and projected stream by stream by one shared `stream_proj`; the normed token embedding, projected
+    by `embedding_proj`, is added to every stream (with weight 1). A decoder layer with hyper-connections (one per
+    depth) follows, and the MTP's own final mix gives what the head reads; the next depth continues from the layer's
+    streams.
+    """
+
+    reads_residual_streams = True
+
+    def __init__(self, config: HybridIndexPoolConfig):
+        super().__init__()
+        self.hc_count, self.hidden_size = config.hc_count, config.hidden_size
+        self.embedding_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
+        self.streams_norm = HybridIndexPoolRMSNorm.from_config(config, config.hc_count * config.hidden_size)
+        self.embedding_proj = HybridIndexPoolLinear(config.hidden_size, config.hidden_size, bias=False)
+        self.stream_proj = HybridIndexPoolLinear(config.hidden_size, config.hidden_size, bias=False)
+        self.layers = nn.ModuleList(
+            HybridIndexPoolDecoderLayer(config, config.num_hidden_layers + depth, multi_token_prediction=True)
+            for depth in range(config.num_mtp_layers)
+        )
+        self.hyper_connection_mixer = HybridIndexPoolHyperConnection(config, inject=False)
+
+    def forward(self, streams, inputs_embeds, position_embeddings, step: LayerStep) -> tuple[torch.Tensor, ...]:
+        """Grid `streams [batch, seq, hc_count * hidden]` and `inputs_embeds [batch, seq, hidden]` -> each depth's
+        mixed output `[batch, seq, hidden]` on the grid."""
+        outputs = ()
+        for depth, layer in enumerate(self.layers):
+            embedded = self.embedding_proj(self.embedding_norm(next_token_embeddings(inputs_embeds, depth)))
+            streams = self.stream_proj(self.streams_norm(streams).unflatten(-1, (self.hc_count, self.hidden_size)))
+            streams = (streams + embedded.unsqueeze(-2)).flatten(-2)
+            streams = layer(streams, position_embeddings, multi_token_step(step, depth))
+            outputs += (self.hyper_connection_mixer(streams)[0],)
+        return outputs
+
+
+MTP_CLASSES = {"deepseek": HybridIndexPoolDeepSeekMTP, "qwen4_exp": HybridIndexPoolQwen4ExpMTP}
