@@ -2,10 +2,18 @@
 with transformers (no downloads): KDA and MLA layers, the pooled indexer, Sinkhorn streams, grouped MoE, the vision
 tower."""
 
+import copy
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from qwen_sources import save_source
+from safetensors.torch import save_file
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+from transformers.core_model_loading import revert_weight_conversion
+
+TEXT_PREFIX = "model.language_model."
 
 # Placeholder and delimiter tokens inside the tiny vocabulary.
 VISION_TOKENS = dict(image_token_id=93, video_token_id=94, image_start_token_id=89, image_end_token_id=90,
@@ -71,3 +79,63 @@ def tiny_glm_source(variant: GlmVariant = VARIANTS[0], seed: int = 0) -> Glm5Nex
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
     return model.eval()
+
+
+def glm_mtp_modules(model: Glm5NextForConditionalGeneration, seed: int = 1) -> tuple[dict, int]:
+    """A random next-n (MTP) layer for `model`, of the source's own classes, as vLLM builds it: the attention (with its
+    indexer) and norms of the first full-indexer MLA layer, the MLP of the last layer, its input norms and projection
+    and its output norm (`shared_head.norm`), all perturbed. Returns `({name under the layer: module}, index of the
+    MLA layer they were copied from)`."""
+    text = model.config.text_config
+    layers = model.model.language_model.layers
+    source = next(index for index, (kind, indexer) in enumerate(zip(text.layer_types, text.indexer_types))
+                  if kind == "indexed_attention" and indexer == "full")
+    norm = type(layers[source].input_layernorm)
+    modules = {
+        "self_attn": copy.deepcopy(layers[source].self_attn), "mlp": copy.deepcopy(layers[-1].mlp),
+        "input_layernorm": copy.deepcopy(layers[source].input_layernorm),
+        "post_attention_layernorm": copy.deepcopy(layers[source].post_attention_layernorm),
+        "enorm": norm(text.hidden_size, text.rms_norm_eps), "hnorm": norm(text.hidden_size, text.rms_norm_eps),
+        "eh_proj": torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False),
+        "shared_head.norm": norm(text.hidden_size, text.rms_norm_eps),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in modules.values():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    return modules, source
+
+
+def save_glm_source(model: Glm5NextForConditionalGeneration, folder: Path, mtp: bool = True, copies: bool = True,
+                    max_shard_size: str = "60KB") -> tuple[Path, dict | None]:
+    """Save `model` as a checkpoint (with a tokenizer); with `mtp`, one next-n layer after the decoder layers under
+    GLM's names, in a shard of its own (transformers' class does not hold it), and with `copies` the copies of the
+    embedding and of the head that DeepSeek-V3's layout keeps in it. Returns the folder and the MTP modules."""
+    save_source(model, folder, max_shard_size=max_shard_size)
+    if not mtp:
+        return folder, None
+    text = model.config.text_config
+    modules, source = glm_mtp_modules(model)
+    prefix, last = TEXT_PREFIX + "layers.", text.num_hidden_layers - 1
+    state = {}
+    for name, module in modules.items():
+        owner = last if name == "mlp" else source  # where such a module sits in the decoder, for transformers' names
+        state.update({f"{prefix}{owner}.{name}.{key}": tensor for key, tensor in module.state_dict().items()})
+    saved = revert_weight_conversion(model, state)
+    mtp_layer = f"{prefix}{text.num_hidden_layers}."
+    tensors = {mtp_layer + name.split(".", 4)[4]: tensor.contiguous() for name, tensor in saved.items()}
+    if copies:
+        tensors[mtp_layer + "embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
+        tensors[mtp_layer + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(tensors, folder / "model-mtp.safetensors", metadata={"format": "pt"})
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update(dict.fromkeys(tensors, "model-mtp.safetensors"))
+    index_path.write_text(json.dumps(index, indent=2))
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["text_config"]["num_nextn_predict_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2))
+    return folder, modules

@@ -7,7 +7,7 @@ so a converted checkpoint exported unchanged gives back the source's tensors bit
 """
 
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,14 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 
 from .checkpoint_io import SourceCheckpoint
-from .engine import COPIED_FILES, CheckpointTarget, ConversionPlan, ConversionReport, convert_checkpoint
+from .engine import (
+    COPIED_FILES,
+    CheckpointTarget,
+    ConversionPlan,
+    ConversionReport,
+    convert_checkpoint,
+    expected_weights,
+)
 from .errors import ConversionError
 
 OUR_MODEL_TYPES = ("hybrid_indexpool", "hybrid_indexpool_multimodal")
@@ -38,6 +45,20 @@ def saved_weight_shapes(model_class, config: PretrainedConfig) -> dict[str, torc
     tied = set(model.all_tied_weights_keys)
     state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
     return {name: tensor.shape for name, tensor in revert_weight_conversion(model, state).items()}
+
+
+def weights_beyond_the_class(plan: ConversionPlan, expected: Mapping[str, torch.Size], our_config) -> dict:
+    """`{name: shape}` of the source weights `plan` reads that transformers' class does not hold (`expected` lacks
+    them: the MTP layers, which the engines load but transformers leaves out), from running the groups that read
+    them backwards on meta tensors of our shapes."""
+    ours, _ = expected_weights(our_config)
+    shapes = {}
+    for group in plan.groups:
+        if all(name in expected for name in group.sources) or group.inverse is None:
+            continue
+        meta = {name: torch.empty(ours[name], device="meta") for name in group.targets}
+        shapes.update({name: tensor.shape for name, tensor in group.inverse(meta).items() if name not in expected})
+    return shapes
 
 
 def open_our_checkpoint(folder) -> tuple[SourceCheckpoint, PretrainedConfig]:
@@ -82,7 +103,9 @@ def export_checkpoint(
     """
     expected = saved_weight_shapes(source_model_class, source_config)
     layout = SourceLayout(list(expected), source_config.model_type)
-    plan = build_plan(layout, our_config).inverted(expected)
+    forward_plan = build_plan(layout, our_config)
+    expected.update(weights_beyond_the_class(forward_plan, expected, our_config))
+    plan = forward_plan.inverted(expected)
     # A group that reads nothing of ours (values the source stores and ours computes) is written up front.
     computed = {name: tensor for group in plan.groups if not group.sources for name, tensor in group.build({}).items()}
     plan.groups = [group for group in plan.groups if group.sources] + list(checks)

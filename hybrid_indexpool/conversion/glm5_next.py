@@ -5,6 +5,7 @@ vision tower is kept unless `text_only`. `export_glm5_next` runs the same plan b
 
 import re
 
+import torch
 from transformers import AutoConfig, Glm5NextConfig, Glm5NextForConditionalGeneration
 
 from ..configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
@@ -20,7 +21,7 @@ from .engine import (
     rename,
     to_multimodal_name,
 )
-from .errors import ConversionError
+from .errors import ConversionError, names_preview
 from .export import export_checkpoint, open_our_checkpoint
 
 # The command that converts these sources, named when a source of another model type is refused.
@@ -94,9 +95,11 @@ GLM_VARIANT = dict(
 )
 
 
-def glm_text_config_to_ours(text, tie_word_embeddings: bool, dtype, source_config: dict | None = None):
+def glm_text_config_to_ours(text, tie_word_embeddings: bool, dtype, source_config: dict | None = None,
+                            num_mtp_layers: int = 0):
     """Our text config for GLM-5.3-Flash's text config (`Glm5NextTextConfig`): every field mapped to the GLM variants
-    of ours, RMSNorm weights as GLM stores them. ConversionError for a setting ours cannot reproduce."""
+    of ours, RMSNorm weights as GLM stores them, `num_mtp_layers` next-n layers of DeepSeek's kind. ConversionError
+    for a setting ours cannot reproduce."""
     unknown = sorted(set(text.layer_types) - set(LAYER_TYPES))
     if unknown:
         raise ConversionError(f"The source has layer types {unknown}; only {list(LAYER_TYPES)} convert.")
@@ -117,6 +120,8 @@ def glm_text_config_to_ours(text, tie_word_embeddings: bool, dtype, source_confi
             num_experts=text.n_routed_experts if "sparse" in mlp_layer_types else 0,
             shared_expert_intermediate_size=text.moe_intermediate_size * text.n_shared_experts,
             rms_norm_unit_offset=False,
+            num_mtp_layers=num_mtp_layers,
+            mtp_type="deepseek",
             tie_word_embeddings=tie_word_embeddings,
             dtype=dtype,
             source_config=source_config,
@@ -129,8 +134,13 @@ def build_config(source: SourceCheckpoint, text_only: bool = False):
     """Our config for the source: a `HybridIndexPoolMultimodalConfig` with GLM's vision tower as it is, or the text
     config alone with `text_only`."""
     full = AutoConfig.from_pretrained(source.folder)
+    num_mtp_layers, copies = mtp_layout(source, full.text_config)
+    source_config = full.to_dict()
+    if copies:  # which shared weights the next-n layers repeat on disk, to write them back on export
+        source_config[MTP_COPIES_KEY] = copies
     text_config = glm_text_config_to_ours(full.text_config, bool(full.tie_word_embeddings),
-                                          full.dtype or full.text_config.dtype, source_config=full.to_dict())
+                                          full.dtype or full.text_config.dtype, source_config=source_config,
+                                          num_mtp_layers=num_mtp_layers)
     if text_only:
         return text_config
     try:
@@ -143,6 +153,67 @@ def build_config(source: SourceCheckpoint, text_only: bool = False):
         )
     except ValueError as error:
         raise ConversionError(f"The source config does not map to ours: {error}") from error
+
+
+# The weights a next-n layer may repeat from the main model (DeepSeek-V3's checkpoint layout), under the layer.
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+# Where our config's `source_config` records which of them the source repeats (the export writes them back).
+MTP_COPIES_KEY = "hybrid_indexpool_mtp_copies"
+
+
+def mtp_layout(source: SourceCheckpoint, text) -> tuple[int, list[str]]:
+    """The source's next-n (MTP) layers after its decoder layers, and which of `MTP_COPIES` they hold.
+    ConversionError when `num_nextn_predict_layers` disagrees with the weights."""
+    layers = re.compile(rf"{re.escape(TEXT_PREFIX)}layers\.(\d+)\.(.*)")
+    found = [(int(match.group(1)), match.group(2)) for name in source.weight_names if (match := layers.match(name))]
+    extra = sorted({index for index, _ in found if index >= text.num_hidden_layers})
+    if extra != list(range(text.num_hidden_layers, text.num_hidden_layers + len(extra))):
+        raise ConversionError(f"The source's layers after the decoder are {extra}; next-n layers follow the "
+                              f"{text.num_hidden_layers} decoder layers without gaps.")
+    declared = getattr(text, "num_nextn_predict_layers", None)
+    if declared is not None and declared != len(extra):
+        raise ConversionError(f"The source config declares num_nextn_predict_layers = {declared}, but its weights "
+                              f"hold {len(extra)} layers after the decoder; the checkpoint is incomplete or its "
+                              "config.json does not describe it.")
+    copies = sorted({name for index, name in found if index >= text.num_hidden_layers and name in MTP_COPIES})
+    return len(extra), copies
+
+
+def shared_with_copies(main: str, copies: list[str], target: str) -> WeightGroup:
+    """Our weight `target` from the source's `main` and the `copies` of it the next-n layers hold, which must be
+    equal (ConversionError otherwise); the inverse writes it to all of them."""
+
+    def build(tensors):
+        different = [name for name in copies if not torch.equal(tensors[name], tensors[main])]
+        if different:
+            raise ConversionError(f"The source's {names_preview(different)} differ from {main}; our MTP layers share "
+                                  "the model's embedding and head, so only checkpoints whose copies are equal convert.")
+        return {target: tensors[main]}
+
+    return WeightGroup((main, *copies), (target,), build,
+                       lambda tensors: {main: tensors[target], **{name: tensors[target].clone() for name in copies}})
+
+
+def layer_groups(src: str, dst: str, kind: str, mlp_kind: str, full_indexer: bool, streams: bool, norm, num_experts):
+    """The groups of one source decoder layer (prefix `src`) into ours (prefix `dst`)."""
+    renamed = dict(STREAM_WEIGHTS) if streams else {}
+    norms = dict(LAYER_NORMS)
+    groups = []
+    if kind == "linear_attention":
+        renamed.update(KDA_WEIGHTS)
+        groups.append(concatenated(tuple(src + name for name in KDA_CONVOLUTIONS), f"{dst}linear_attn.conv1d.weight"))
+    else:
+        renamed.update(MLA_WEIGHTS)
+        norms.update(MLA_NORMS)
+        if full_indexer:
+            renamed.update(INDEXER_WEIGHTS)
+    if mlp_kind == "sparse":
+        renamed.update(MOE_WEIGHTS)
+        groups += fuse_experts(f"{src}mlp.experts", f"{dst}mlp.experts", num_experts)
+    else:
+        renamed.update(DENSE_MLP_WEIGHTS)
+    groups += [rename(src + name, dst + ours) for name, ours in renamed.items()]
+    return groups + [norm(src + name, dst + ours) for name, ours in norms.items()]
 
 
 def zero_centred_norm(source: str, target: str) -> WeightGroup:
@@ -159,41 +230,33 @@ def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
     keep_vision = isinstance(config, HybridIndexPoolMultimodalConfig)
     text = config.get_text_config()
     norm = zero_centred_norm if text.rms_norm_unit_offset else rename
-    groups = [rename(f"{TEXT_PREFIX}embed_tokens.weight", "model.embed_tokens.weight"),
-              norm(f"{TEXT_PREFIX}norm.weight", "model.norm.weight")]
-    layers = re.compile(rf"{re.escape(TEXT_PREFIX)}layers\.(\d+)\.")
-    extra_layers = sorted({int(found.group(1)) for name in source.weight_names if (found := layers.match(name))
-                           and int(found.group(1)) >= text.num_hidden_layers})
-    ignore = [IgnoreRule(rf"{re.escape(TEXT_PREFIX)}layers\.{index}\.",
-                         "multi-token-prediction layer (after the last decoder layer): our model has none")
-              for index in extra_layers]
-    if text.tie_word_embeddings:
+    mtp_layers = [f"{TEXT_PREFIX}layers.{text.num_hidden_layers + depth}." for depth in range(text.num_mtp_layers)]
+    copies = (text.source_config or {}).get(MTP_COPIES_KEY, [])
+    embedding_copies = [layer + name for layer in mtp_layers for name in copies if name == "embed_tokens.weight"]
+    head_copies = [layer + name for layer in mtp_layers for name in copies if name == "shared_head.head.weight"]
+    ignore = []
+    if text.tie_word_embeddings:  # the head is the embedding, and so are its copies
+        embedding_copies += head_copies
         ignore.append(IgnoreRule(r"lm_head\.weight$", "tied to the input embeddings"))
-    else:
-        groups.append(rename("lm_head.weight", "lm_head.weight"))
+    groups = [shared_with_copies(f"{TEXT_PREFIX}embed_tokens.weight", embedding_copies, "model.embed_tokens.weight"),
+              norm(f"{TEXT_PREFIX}norm.weight", "model.norm.weight")]
+    if not text.tie_word_embeddings:
+        groups.append(shared_with_copies("lm_head.weight", head_copies, "lm_head.weight"))
     if not keep_vision:
         ignore.append(IgnoreRule(re.escape(VISION_PREFIX), "vision tower: the converted model reads text only"))
 
     for index, (kind, mlp_kind) in enumerate(zip(text.layer_types, text.mlp_types)):
-        src, dst = f"{TEXT_PREFIX}layers.{index}.", f"model.layers.{index}."
-        renamed = dict(STREAM_WEIGHTS)
-        norms = dict(LAYER_NORMS)
-        if kind == "linear_attention":
-            renamed.update(KDA_WEIGHTS)
-            convolutions = tuple(src + name for name in KDA_CONVOLUTIONS)
-            groups.append(concatenated(convolutions, f"{dst}linear_attn.conv1d.weight"))
-        else:
-            renamed.update(MLA_WEIGHTS)
-            norms.update(MLA_NORMS)
-            if text.indexer_types[index] == "full":
-                renamed.update(INDEXER_WEIGHTS)
-        if mlp_kind == "sparse":
-            renamed.update(MOE_WEIGHTS)
-            groups += fuse_experts(f"{src}mlp.experts", f"{dst}mlp.experts", text.num_experts)
-        else:
-            renamed.update(DENSE_MLP_WEIGHTS)
-        groups += [rename(src + name, dst + ours) for name, ours in renamed.items()]
-        groups += [norm(src + name, dst + ours) for name, ours in norms.items()]
+        groups += layer_groups(f"{TEXT_PREFIX}layers.{index}.", f"model.layers.{index}.", kind, mlp_kind,
+                               text.indexer_types[index] == "full", True, norm, text.num_experts)
+    # Each next-n layer: its input norms and projection, a plain MLA block with its own indexer, its output norm.
+    for depth, src in enumerate(mtp_layers):
+        dst = f"model.mtp.layers.{depth}."
+        groups += [norm(f"{src}enorm.weight", f"{dst}embedding_norm.weight"),
+                   norm(f"{src}hnorm.weight", f"{dst}hidden_norm.weight"),
+                   rename(f"{src}eh_proj.weight", f"{dst}input_proj.weight"),
+                   norm(f"{src}shared_head.norm.weight", f"{dst}output_norm.weight")]
+        groups += layer_groups(src, f"{dst}block.", "indexed_attention", text.mtp_mlp_type, True, False, norm,
+                               text.num_experts)
     plan = ConversionPlan(groups, ignore)
     if not keep_vision:
         return plan
@@ -234,12 +297,14 @@ def glm_config_from_ours(config) -> Glm5NextConfig:
         raise ConversionError(f"GLM-5.3-Flash's format cannot express {', '.join(different)}; only models of GLM's "
                               "variant export to it.")
     stored = dict(text.source_config or {})
+    stored.pop(MTP_COPIES_KEY, None)
     mapped = {glm: getattr(text, ours) for glm, ours in SAME_FIELDS.items()}
     mapped.update(
         layer_types=[GLM_LAYER_TYPES[kind] for kind in text.layer_types],
         indexer_types=list(text.indexer_types or ["full"] * text.num_hidden_layers),
         mlp_layer_types=text.mlp_types,
         n_shared_experts=text.shared_expert_intermediate_size // text.moe_intermediate_size,
+        num_nextn_predict_layers=text.num_mtp_layers,
         index_kpool_always_select_tail=True,
         tie_word_embeddings=text.tie_word_embeddings,
     )

@@ -1,12 +1,12 @@
-"""GLM-5.3-Flash -> ours -> GLM-5.3-Flash: the export gives back the source's tensors bit for bit and its config, and a
+"""GLM-5.3-Flash -> ours -> GLM-5.3-Flash: the export gives back the source's tensors bit for bit (its MTP layer
+included) and its config, and a
 model changed here loads in transformers' `Glm5NextForConditionalGeneration` with our logits; what GLM's format
 cannot express is refused."""
 
 import pytest
 import torch
-from checkpoint_files import config_dict, differing_tensors
-from glm_sources import VARIANTS, tiny_glm_source
-from qwen_sources import save_source
+from checkpoint_files import config_dict, differing_tensors, saved_tensors
+from glm_sources import VARIANTS, save_glm_source, tiny_glm_source
 from transformers import AutoModelForImageTextToText, Glm5NextForConditionalGeneration
 
 from hybrid_indexpool.conversion import ConversionError, convert_glm5_next, export_glm5_next
@@ -22,7 +22,8 @@ def round_trip(request, tmp_path_factory):
     """(variant, folder): `source` saved by transformers, `ours` converted from it, `back` exported from ours."""
     variant = request.param
     folder = tmp_path_factory.mktemp(f"export-{variant.name}")
-    save_source(tiny_glm_source(variant), folder / "source", max_shard_size="60KB")
+    # With an MTP layer: DeepSeek's layout (copies of the embedding and head in it) for the first variant only.
+    save_glm_source(tiny_glm_source(variant), folder / "source", copies=variant == VARIANTS[0])
     convert_glm5_next(folder / "source", folder / "ours", max_shard_size="60KB", **QUIET)
     export_glm5_next(folder / "ours", folder / "back", max_shard_size="60KB", **QUIET)
     return variant, folder
@@ -54,8 +55,12 @@ def test_a_model_trained_here_loads_in_glms_class_with_our_logits(round_trip, tm
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    mtp_projection = ours.model.language_model.mtp.layers[0].input_proj.weight
+    with torch.no_grad():  # the MTP layer changed too (as the MTP loss would)
+        mtp_projection.mul_(1.5)
     ours.eval().save_pretrained(tmp_path / "trained")
     export_glm5_next(tmp_path / "trained", tmp_path / "glm", **QUIET)
+    assert torch.equal(saved_tensors(tmp_path / "glm")["model.language_model.layers.5.eh_proj.weight"], mtp_projection)
 
     glm = Glm5NextForConditionalGeneration.from_pretrained(tmp_path / "glm").eval()
     changed = glm.state_dict()

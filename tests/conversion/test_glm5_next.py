@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from glm_sources import PATCH, VARIANTS, VISION_TOKENS, tiny_glm_source
+from checkpoint_files import saved_tensors
+from glm_sources import PATCH, VARIANTS, VISION_TOKENS, save_glm_source, tiny_glm_source
 from qwen_sources import save_source, tiny_source_model
-from safetensors.torch import load_file, save_file
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
 
@@ -158,16 +158,11 @@ def test_text_only_conversion_gives_the_causal_lm(tmp_path):
     assert difference <= TOLERANCE and torch.equal(actual, expected)
 
 
-def test_the_processor_files_are_kept_and_the_mtp_layer_left_out(tmp_path):
-    folder = save_source(tiny_glm_source(VARIANTS[1]), tmp_path / "source", max_shard_size="60KB")
+def test_the_processor_files_and_the_mtp_layer_are_kept(tmp_path):
+    folder, _ = save_glm_source(tiny_glm_source(VARIANTS[1]), tmp_path / "source")
     Glm5NextImageProcessorPil(patch_size=14, merge_size=2).save_pretrained(folder)
-    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    shard = weight_map["model.language_model.norm.weight"]
-    tensors = load_file(folder / shard)
-    tensors["model.language_model.layers.5.eh_proj.weight"] = torch.ones(2, 2)  # GLM's MTP layer after the last
-    save_file(tensors, folder / shard, metadata={"format": "pt"})
     report = convert_glm5_next(folder, tmp_path / "ours", **QUIET)
-    assert ["model.language_model.layers.5.eh_proj.weight"] in report.ignored.values()
+    assert report.ignored == {}
     processor_file = "preprocessor_config.json"
     assert (tmp_path / "ours" / processor_file).read_text() == (folder / processor_file).read_text()
     assert Glm5NextImageProcessorPil.from_pretrained(tmp_path / "ours").patch_size == 14
@@ -176,6 +171,37 @@ def test_the_processor_files_are_kept_and_the_mtp_layer_left_out(tmp_path):
     assert config["vision_config"]["model_type"] == "glm5_next_vision"
     assert config["text_config"]["attention_type"] == "mla"
     assert config["text_config"]["linear_attention_type"] == "kimi_delta"
+    assert config["text_config"]["num_mtp_layers"] == 1 and config["text_config"]["mtp_type"] == "deepseek"
+    tensors = saved_tensors(tmp_path / "ours")
+    source_tensors = saved_tensors(folder)
+    assert torch.equal(tensors["model.language_model.mtp.layers.0.input_proj.weight"],
+                       source_tensors["model.language_model.layers.5.eh_proj.weight"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:2], ids=lambda variant: variant.name)
+def test_the_mtp_layer_computes_what_the_source_modules_compute(variant, tmp_path):
+    """Our next-next-token logits against GLM's own modules composed as vLLM's GLM-5.3-Flash MTP layer does
+    (transformers has no MTP): the embedding of the next token (zero at position 0) and the final hidden state,
+    normed, concatenated and projected, a pre-norm MLA block with its indexer, `shared_head.norm`, the head."""
+    source = tiny_glm_source(variant)
+    folder, mtp = save_glm_source(source, tmp_path / "source")
+    convert_glm5_next(folder, tmp_path / "ours", **QUIET)
+    ours = load_remote_code(tmp_path / "ours", "AutoModelForImageTextToText")
+    input_ids = torch.randint(2, 88, (1, 10 * variant.kpool + 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        actual = ours(input_ids, output_mtp_logits=True, use_cache=False).mtp_logits[0][:, :-1]
+        text = source.model.language_model
+        hidden = text(input_ids=input_ids).last_hidden_state[:, :-1]
+        embeds = text.embed_tokens(input_ids[:, 1:]).clone()
+        embeds[:, 0] = 0
+        states = mtp["eh_proj"](torch.cat([mtp["enorm"](embeds), mtp["hnorm"](hidden)], dim=-1))
+        mask = torch.ones(states.shape[:2], dtype=torch.bool)
+        positions = torch.arange(states.shape[1])[None]
+        states = states + mtp["self_attn"](mtp["input_layernorm"](states), attention_mask=mask,
+                                           position_ids=positions, position_embeddings=None)[0]
+        states = states + mtp["mlp"](mtp["post_attention_layernorm"](states))
+        expected = source.lm_head(mtp["shared_head.norm"](states))
+    assert (actual - expected).abs().max() <= TOLERANCE
 
 
 def test_refusals_leave_the_users_files_alone(tmp_path):
