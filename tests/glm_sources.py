@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from qwen_sources import save_source
-from safetensors.torch import save_file
+from qwen_sources import add_shard, save_source
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 from transformers.core_model_loading import revert_weight_conversion
 
@@ -129,11 +128,7 @@ def save_glm_source(model: Glm5NextForConditionalGeneration, folder: Path, mtp: 
     if copies:
         tensors[mtp_layer + "embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
         tensors[mtp_layer + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
-    save_file(tensors, folder / "model-mtp.safetensors", metadata={"format": "pt"})
-    index_path = folder / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    index["weight_map"].update(dict.fromkeys(tensors, "model-mtp.safetensors"))
-    index_path.write_text(json.dumps(index, indent=2))
+    add_shard(folder, tensors, "model-mtp.safetensors")
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
     config["text_config"]["num_nextn_predict_layers"] = 1

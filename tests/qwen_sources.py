@@ -1,10 +1,14 @@
 """Tiny random Qwen3-Next / Qwen3.5 source checkpoints for the conversion tests (built with transformers, no
 downloads), saved in several shards."""
 
+import copy
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.models.qwen3_5 import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
@@ -94,3 +98,64 @@ def tiny_qwen4_source(multimodal: bool = False, seed: int = 0, **overrides) -> t
             if parameter.dim() == 1 or name.endswith(("mlp.gate.weight", "ple.conv1d.weight")):
                 parameter.add_(torch.randn_like(parameter) * 0.3)
     return model.eval()
+
+
+def qwen4_mtp_modules(model: torch.nn.Module, seed: int = 1) -> tuple[dict, int]:
+    """A random Qwen4-Exp MTP head for `model`, of the source's own classes, as vLLM builds it: the embedding and
+    stream norms and projections, one decoder layer (a copy of the last attention layer, which has no PLE), and a
+    final mix (a copy of the model's), all perturbed. Returns `({name under mtp.: module}, index of the layer the
+    MTP layer was copied from)`."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
+
+    text = model.config.get_text_config()
+    language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    attention = max(index for index, kind in enumerate(text.layer_types) if kind != "linear_attention")
+    hidden, streams = text.hidden_size, text.hc_count * text.hidden_size
+    modules = {
+        "pre_fc_norm_embedding": Qwen4ExpTextRMSNorm(hidden, eps=text.rms_norm_eps),
+        "pre_fc_norm_hidden": Qwen4ExpTextRMSNorm(streams, eps=text.rms_norm_eps),  # one norm over all streams
+        "fc_embedding": torch.nn.Linear(hidden, hidden, bias=False),
+        "fc_hidden": torch.nn.Linear(hidden, hidden, bias=False),
+        "layers.0": copy.deepcopy(language_model.layers[attention]),
+        "hyper_connection_mixer": copy.deepcopy(language_model.hyper_connection_mixer),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in modules.values():
+            for tensor in module.parameters():
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    return modules, attention
+
+
+def save_qwen4_source(model: torch.nn.Module, folder: Path, mtp: bool = True,
+                      max_shard_size: str = "40KB") -> tuple[Path, dict | None]:
+    """Save `model` as `save_source` does; with `mtp`, an MTP head with one layer under Qwen4-Exp's names (`mtp.`),
+    in a shard of its own (transformers' classes do not hold it). Returns the folder and the MTP modules."""
+    save_source(model, folder, max_shard_size=max_shard_size)
+    if not mtp:
+        return folder, None
+    modules, source_layer = qwen4_mtp_modules(model)
+    text_prefix = "model.language_model." if hasattr(model.model, "language_model") else "model."
+    layer = f"{text_prefix}layers.{source_layer}."
+    state = {f"{layer}{key}": tensor for key, tensor in modules["layers.0"].state_dict().items()}
+    tensors = {name.replace(layer, "mtp.layers.0.", 1): tensor.contiguous()
+               for name, tensor in revert_weight_conversion(model, state).items()}
+    for name, module in modules.items():
+        if name != "layers.0":
+            tensors.update({f"mtp.{name}.{key}": tensor.detach().clone()
+                            for key, tensor in module.state_dict().items()})
+    add_shard(folder, tensors, "model-mtp.safetensors")
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    (config["text_config"] if "text_config" in config else config)["mtp_num_hidden_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2))
+    return folder, modules
+
+
+def add_shard(folder: Path, tensors: dict, file_name: str) -> None:
+    """Add `tensors` to the sharded checkpoint in `folder` as one more shard, listed in its index."""
+    save_file(tensors, folder / file_name, metadata={"format": "pt"})
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update(dict.fromkeys(tensors, file_name))
+    index_path.write_text(json.dumps(index, indent=2))

@@ -60,11 +60,12 @@ def qwen_text_prefix(multimodal: bool) -> str:
     return "model.language_model." if multimodal else "model."
 
 
-def qwen_outer_plan(config: HybridIndexPoolConfig, multimodal: bool, keep_vision: bool = False) -> ConversionPlan:
+def qwen_outer_plan(config: HybridIndexPoolConfig, multimodal: bool, keep_vision: bool = False,
+                    keep_mtp: bool = False) -> ConversionPlan:
     """The part of a Qwen hybrid's plan outside the layers: the embedding, the head (or its tie), and what is left
-    out (an MTP head, a multimodal checkpoint's vision tower unless `keep_vision`)."""
+    out (the MTP head unless `keep_mtp`, a multimodal checkpoint's vision tower unless `keep_vision`)."""
     groups = [rename(f"{qwen_text_prefix(multimodal)}embed_tokens.weight", "model.embed_tokens.weight")]
-    ignore = [IgnoreRule(r"mtp\.", "multi-token-prediction head: our model has none")]
+    ignore = [] if keep_mtp else [IgnoreRule(r"mtp\.", "multi-token-prediction head: not converted from this family")]
     if multimodal and not keep_vision:
         ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
     if config.tie_word_embeddings:
@@ -83,14 +84,16 @@ def qwen_attention_parts(config: HybridIndexPoolConfig) -> list[str]:
     return parts
 
 
-def qwen_moe_plan(src: str, dst: str, config: HybridIndexPoolConfig, weight_names) -> tuple[list[str], list]:
+def qwen_moe_plan(src: str, dst: str, config: HybridIndexPoolConfig, weight_names,
+                  fused_like: str | None = None) -> tuple[list[str], list]:
     """A Qwen MoE block: the parts renamed as they are (router, shared expert) and the groups that fuse per-expert
-    weights (none when the experts are already fused on disk, in our layout)."""
+    weights (none when the experts are already fused on disk, in our layout; as those of the layer prefix
+    `fused_like` when given)."""
     parts, groups = ["mlp.gate.weight"], []
     if config.shared_expert_intermediate_size:
         parts += [f"mlp.shared_expert.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
         parts += ["mlp.shared_expert_gate.weight"]
-    if f"{src}mlp.experts.gate_up_proj" in weight_names:
+    if f"{fused_like or src}mlp.experts.gate_up_proj" in weight_names:
         parts += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     else:
         groups = fuse_experts(f"{src}mlp.experts", f"{dst}mlp.experts", config.num_experts)

@@ -77,6 +77,8 @@ def build_config(source: SourceCheckpoint, pool_weighting: str = "learned", text
             ple_ngram_vocab_size_base=text.ngram_vocab_size_base,
             ple_vocab_size_multiple=text.make_ngram_vocab_size_divisible_by,
             ple_hash_seed=text.seed,
+            num_mtp_layers=mtp_layer_count(source, text),
+            mtp_type="qwen4_exp",
             source_config=full.to_dict(),
         )
         if not keep_vision:
@@ -148,52 +150,108 @@ def build_text_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig, kee
     multimodal = source.model_type == MULTIMODAL_MODEL_TYPE
     prefix = qwen_text_prefix(multimodal)
     names = source.weight_names
-    outer = qwen_outer_plan(config, multimodal, keep_vision)
+    outer = qwen_outer_plan(config, multimodal, keep_vision, keep_mtp=True)
     groups, ignore, concatenations = list(outer.groups), outer.ignore, []
     groups += [
         rename(f"{prefix}hyper_connection_mixer.{part}", f"model.hyper_connection_mixer.{part}")
         for part in ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight")
     ]
 
-    hyper_connection = ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight",
-                        "block_inject_weight.weight")
     for index, kind in enumerate(config.layer_types):
-        src, dst = f"{prefix}layers.{index}.", f"model.layers.{index}."
-        parts = [f"{block}_hyper_connection.{part}" for block in ("attn", "mlp") for part in hyper_connection]
-        if kind == "linear_attention":
-            parts += [f"linear_attn.{name}" for name in (
-                "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
-                "dt_bias", "A_log", "norm.weight", "out_proj.weight")]
-        else:
-            parts += qwen_attention_parts(config)
-            groups.append(split_index_projection(f"{src}self_attn.indexer.index_qk_proj.weight",
-                                                 f"{dst}self_attn.indexer", config))
-            groups.append(rename(f"{src}self_attn.indexer.q_layernorm.weight", f"{dst}self_attn.indexer.q_norm.weight"))
-            groups.append(rename(f"{src}self_attn.indexer.k_layernorm.weight", f"{dst}self_attn.indexer.k_norm.weight"))
-        moe_parts, moe_groups = qwen_moe_plan(src, dst, config, names)
-        parts, groups = parts + moe_parts, groups + moe_groups
-        if index in config.ple_layers:
-            parts += [f"ple.{name}.weight" for name in (
-                "conv1d", "key_proj", "value_proj", "norm_key", "norm_query", "norm_conv")]
-            table = f"{src}ple.ple_embedding.ngram_embedding"
-            part_pattern = re.compile(re.escape(table) + r"\.shard_(\d+)\.weight$")
-            table_parts = sorted((name for name in names if part_pattern.match(name)),
-                                 key=lambda name: int(part_pattern.match(name).group(1)))
-            if f"{table}.weight" in names:
-                table_parts = [f"{table}.weight"]
-            if not table_parts:
-                raise ConversionError(f"The source has no n-gram table for PLE layer {index + 1} ({table}.shard_*); "
-                                      "the checkpoint is incomplete.")
-            concatenations.append(ConcatenatedWeight(tuple(table_parts),
-                                                     f"{dst}ple.ple_embedding.ngram_embedding.weight"))
-            buffers = tuple(f"{src}ple.ple_embedding.{name}"
-                            for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"))
-            if all(name in names for name in buffers):
-                groups.append(check_hash_tables(
-                    buffers, HybridIndexPoolNGramEmbedding(config, config.ple_layers.index(index))
-                ))
-        groups += [rename(src + part, dst + part) for part in parts]
+        layer_groups, layer_concatenations = decoder_layer_plan(f"{prefix}layers.{index}.", f"model.layers.{index}.",
+                                                                kind, config, names, index in config.ple_layers,
+                                                                index)
+        groups, concatenations = groups + layer_groups, concatenations + layer_concatenations
+    groups += mtp_plan(config, names, prefix)
     return ConversionPlan(groups, ignore, concatenations)
+
+
+HYPER_CONNECTION = ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight",
+                    "block_inject_weight.weight")
+MIXER = HYPER_CONNECTION[:3]  # a final mix writes nothing back
+# Qwen4-Exp's MTP head (`mtp.` at the top of the checkpoint) -> ours (`model.mtp.`), besides its decoder layers.
+MTP_WEIGHTS = {
+    "pre_fc_norm_embedding.weight": "embedding_norm.weight",
+    "pre_fc_norm_hidden.weight": "streams_norm.weight",
+    "fc_embedding.weight": "embedding_proj.weight",
+    "fc_hidden.weight": "stream_proj.weight",
+    **{f"hyper_connection_mixer.{part}": f"hyper_connection_mixer.{part}" for part in MIXER},
+}
+
+
+def decoder_layer_plan(src: str, dst: str, kind: str, config: HybridIndexPoolConfig, names, ple: bool, index: int,
+                       experts_like: str | None = None) -> tuple[list[WeightGroup], list[ConcatenatedWeight]]:
+    """The groups (and the concatenated n-gram table of a PLE layer) of one Qwen4-Exp decoder layer, source prefix
+    `src`, ours `dst`; an MTP layer's experts are stored as those of the decoder layer prefix `experts_like`."""
+    groups, concatenations = [], []
+    parts = [f"{block}_hyper_connection.{part}" for block in ("attn", "mlp") for part in HYPER_CONNECTION]
+    if kind == "linear_attention":
+        parts += [f"linear_attn.{name}" for name in (
+            "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+            "dt_bias", "A_log", "norm.weight", "out_proj.weight")]
+    else:
+        parts += qwen_attention_parts(config)
+        groups.append(split_index_projection(f"{src}self_attn.indexer.index_qk_proj.weight",
+                                             f"{dst}self_attn.indexer", config))
+        groups.append(rename(f"{src}self_attn.indexer.q_layernorm.weight", f"{dst}self_attn.indexer.q_norm.weight"))
+        groups.append(rename(f"{src}self_attn.indexer.k_layernorm.weight", f"{dst}self_attn.indexer.k_norm.weight"))
+    moe_parts, moe_groups = qwen_moe_plan(src, dst, config, names, fused_like=experts_like)
+    parts, groups = parts + moe_parts, groups + moe_groups
+    if ple:
+        parts += [f"ple.{name}.weight" for name in (
+            "conv1d", "key_proj", "value_proj", "norm_key", "norm_query", "norm_conv")]
+        table = f"{src}ple.ple_embedding.ngram_embedding"
+        part_pattern = re.compile(re.escape(table) + r"\.shard_(\d+)\.weight$")
+        table_parts = sorted((name for name in names if part_pattern.match(name)),
+                             key=lambda name: int(part_pattern.match(name).group(1)))
+        if f"{table}.weight" in names:
+            table_parts = [f"{table}.weight"]
+        if not table_parts:
+            raise ConversionError(f"The source has no n-gram table for PLE layer {index + 1} ({table}.shard_*); "
+                                  "the checkpoint is incomplete.")
+        concatenations.append(ConcatenatedWeight(tuple(table_parts), f"{dst}ple.ple_embedding.ngram_embedding.weight"))
+        buffers = tuple(f"{src}ple.ple_embedding.{name}"
+                        for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"))
+        if all(name in names for name in buffers):
+            groups.append(check_hash_tables(
+                buffers, HybridIndexPoolNGramEmbedding(config, config.ple_layers.index(index))
+            ))
+    return groups + [rename(src + part, dst + part) for part in parts], concatenations
+
+
+def mtp_plan(config: HybridIndexPoolConfig, names, prefix: str) -> list[WeightGroup]:
+    """The groups of Qwen4-Exp's MTP head: its input norms and projections, its final mix, and its decoder layers
+    (QSA attention, MoE, hyper-connections, no PLE)."""
+    if not config.num_mtp_layers:
+        return []
+    groups = [rename(f"mtp.{name}", f"model.mtp.{ours}") for name, ours in MTP_WEIGHTS.items()]
+    for depth in range(config.num_mtp_layers):
+        layer_groups, _ = decoder_layer_plan(f"mtp.layers.{depth}.", f"model.mtp.layers.{depth}.",
+                                             "indexed_attention", config, names, False, depth,
+                                             experts_like=f"{prefix}layers.0.")
+        groups += layer_groups
+    return groups
+
+
+def mtp_layer_count(source: SourceCheckpoint, text) -> int:
+    """The source's MTP decoder layers (`mtp.layers.N.`); ConversionError when `mtp_num_hidden_layers` disagrees."""
+    pattern = re.compile(r"mtp\.layers\.(\d+)\.")
+    found = sorted({int(match.group(1)) for name in source.weight_names if (match := pattern.match(name))})
+    if found != list(range(len(found))):
+        raise ConversionError(f"The source's MTP layers are {found}; they count from 0 without gaps.")
+    declared = getattr(text, "mtp_num_hidden_layers", None)
+    if declared is not None and found and declared != len(found):
+        raise ConversionError(f"The source config declares mtp_num_hidden_layers = {declared}, but its weights hold "
+                              f"{len(found)} MTP layers; the checkpoint is incomplete or its config.json does not "
+                              "describe it.")
+    return len(found)
+
+
+def indexer_prefixes(config: HybridIndexPoolConfig) -> list[str]:
+    """Where our text model keeps each indexer: every IndexPool layer's, then every MTP layer's."""
+    return ([f"model.layers.{index}.self_attn.indexer" for index, kind in enumerate(config.layer_types)
+             if kind == "indexpool_attention"]
+            + [f"model.mtp.layers.{depth}.self_attn.indexer" for depth in range(config.num_mtp_layers)])
 
 
 def pooling_weights(config) -> dict[str, torch.Tensor]:
@@ -204,13 +262,11 @@ def pooling_weights(config) -> dict[str, torch.Tensor]:
         return {}
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
     weights = {}
-    for index, kind in enumerate(config.layer_types):
-        if kind == "indexpool_attention":
-            indexer = f"model.layers.{index}.self_attn.indexer"
-            weights[f"{indexer}.pool_gate_proj.weight"] = torch.zeros(config.index_head_dim, config.hidden_size,
-                                                                      dtype=dtype)
-            weights[f"{indexer}.pool_slot_bias"] = torch.zeros(config.index_pool_size, config.index_head_dim,
-                                                               dtype=dtype)
+    for indexer in indexer_prefixes(config):
+        weights[f"{indexer}.pool_gate_proj.weight"] = torch.zeros(config.index_head_dim, config.hidden_size,
+                                                                  dtype=dtype)
+        weights[f"{indexer}.pool_slot_bias"] = torch.zeros(config.index_pool_size, config.index_head_dim,
+                                                           dtype=dtype)
     return weights
 
 
@@ -290,6 +346,11 @@ def qwen4_config_from_ours(config):
         ple_layer_ids=[index + 1 for index in text.ple_layers],  # Qwen4-Exp counts layers from 1
         tie_word_embeddings=text.tie_word_embeddings,
     )
+    if text.num_mtp_layers or "mtp_num_hidden_layers" in stored_text:
+        mapped["mtp_num_hidden_layers"] = text.num_mtp_layers
+    if text.num_mtp_layers and text.mtp_type != "qwen4_exp":
+        raise ConversionError(f"Qwen4-Exp's format cannot express mtp_type = {text.mtp_type!r} (Qwen4-Exp: "
+                              "'qwen4_exp'); only models of Qwen4-Exp's variant export to it.")
     if (stored_text.get("output_gate_type") or text.hidden_act) != text.linear_output_gate_act:
         mapped["output_gate_type"] = text.linear_output_gate_act
     if not isinstance(config, HybridIndexPoolMultimodalConfig):
@@ -316,16 +377,13 @@ def mean_pooling_checks(config) -> list[WeightGroup]:
         return []
     name_in_model = to_multimodal_name if isinstance(config, HybridIndexPoolMultimodalConfig) else str
     checks = []
-    for index, kind in enumerate(text.layer_types):
-        if kind != "indexpool_attention":
-            continue
-        names = tuple(name_in_model(f"model.layers.{index}.self_attn.indexer.{part}")
-                      for part in ("pool_gate_proj.weight", "pool_slot_bias"))
+    for indexer in indexer_prefixes(text):
+        names = tuple(name_in_model(f"{indexer}.{part}") for part in ("pool_gate_proj.weight", "pool_slot_bias"))
 
-        def refuse_unless_mean(tensors, index=index, names=names):
+        def refuse_unless_mean(tensors, indexer=indexer, names=names):
             if any(bool(tensors[name].any()) for name in names):
                 raise ConversionError(
-                    f"Layer {index}'s learned pooling (index_pool_weighting = {text.index_pool_weighting!r}, "
+                    f"The learned pooling of {indexer} (index_pool_weighting = {text.index_pool_weighting!r}, "
                     "pool_gate_proj / pool_slot_bias) has moved from the mean; Qwen4-Exp's QSA pools by the mean and "
                     "cannot express it. Export to a format with learned pools, or keep the pooling at the mean "
                     "(train with the pooling weights frozen)."

@@ -1,11 +1,11 @@
 """Qwen4-Exp -> ours -> Qwen4-Exp: the export gives back the source's tensors bit for bit and its config (text and
-multimodal, hyper-connections, PLE with split n-gram tables, MoE), and a model changed here loads in transformers'
-Qwen4-Exp classes with our logits; learned pooling that left the mean is refused."""
+multimodal, hyper-connections, PLE with split n-gram tables, MoE, the MTP head), and a model changed here loads in
+transformers' Qwen4-Exp classes with our logits; learned pooling that left the mean is refused."""
 
 import pytest
 import torch
 from checkpoint_files import config_dict, differing_tensors, saved_tensors
-from qwen_sources import save_source, tiny_qwen4_source
+from qwen_sources import save_qwen4_source, save_source, tiny_qwen4_source
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from hybrid_indexpool.conversion import ConversionError, convert_qwen4_exp, export_qwen4_exp
@@ -20,7 +20,7 @@ def round_trip(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"export-qwen4-{request.param}")
     # 32 index heads: with few, ReLU scores tie at zero, and the two implementations break ties differently.
     source = tiny_qwen4_source(multimodal=request.param == "multimodal", indexer_n_heads=32)
-    save_source(source, folder / "source", max_shard_size="40KB")
+    save_qwen4_source(source, folder / "source")  # with an MTP head
     convert_qwen4_exp(folder / "source", folder / "ours", max_shard_size="40KB", **QUIET)
     export_qwen4_exp(folder / "ours", folder / "back", max_shard_size="40KB", **QUIET)
     return request.param, folder
@@ -57,8 +57,13 @@ def test_a_model_trained_here_loads_in_qwen4s_class_with_our_logits(round_trip, 
     auto = AutoModelForImageTextToText if kind == "multimodal" else AutoModelForCausalLM
     ours = auto.from_pretrained(folder / "ours", trust_remote_code=True)
     train_indexer_projections(ours)
+    mtp_projection = next(parameter for name, parameter in ours.named_parameters()
+                          if name.endswith("mtp.embedding_proj.weight"))
+    with torch.no_grad():  # the MTP head changed too (as the MTP loss would)
+        mtp_projection.mul_(1.5)
     ours.save_pretrained(tmp_path / "trained")
     export_qwen4_exp(tmp_path / "trained", tmp_path / "qwen4", **QUIET)
+    assert torch.equal(saved_tensors(tmp_path / "qwen4")["mtp.fc_embedding.weight"], mtp_projection)
     qwen4 = auto.from_pretrained(tmp_path / "qwen4").eval()
     assert type(qwen4).__name__ == ("Qwen4ExpForConditionalGeneration" if kind == "multimodal" else
                                     "Qwen4ExpForCausalLM")
@@ -79,7 +84,8 @@ def test_learned_pooling_away_from_the_mean_and_other_variants_are_refused(round
     with torch.no_grad():
         indexer.pool_slot_bias.add_(0.1)
     model.save_pretrained(tmp_path / "pooled")
-    with pytest.raises(ConversionError, match="Layer 3's learned pooling .* has moved from the mean"):
+    with pytest.raises(ConversionError,
+                       match=r"The learned pooling of model.layers.3.self_attn.indexer .* has moved from the mean"):
         export_qwen4_exp(tmp_path / "pooled", tmp_path / "out", **QUIET)
     assert not (tmp_path / "out").exists()
     model.config.get_text_config().index_local_windows = 1

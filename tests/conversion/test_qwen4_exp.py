@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
-from qwen_sources import save_source, tiny_qwen4_source, tiny_source_model
+from qwen_sources import save_qwen4_source, save_source, tiny_qwen4_source, tiny_source_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
 from hybrid_indexpool.conversion import ConversionError, convert_qwen4_exp
@@ -122,3 +122,40 @@ def test_refusals(tmp_path, converted):
     with pytest.raises(ConversionError, match="Unknown weight name.*extra_scale"):
         convert_qwen4_exp(broken, tmp_path / "out", **QUIET)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "multimodal"])
+def test_the_mtp_head_is_kept_and_computes_what_the_source_modules_compute(multimodal, tmp_path):
+    """Our next-next-token logits against Qwen4-Exp's own modules composed as vLLM's Qwen4-Exp MTP does (transformers
+    has no MTP): the main model's streams before its final mix, normed together and projected stream by stream, plus
+    the projected normed embedding of the next token in every stream; one decoder layer; the MTP's final mix; the
+    head."""
+    source = tiny_qwen4_source(multimodal=multimodal)
+    folder, mtp = save_qwen4_source(source, tmp_path / "source")
+    report = convert_qwen4_exp(folder, tmp_path / "ours", **QUIET)
+    assert not any("mtp." in name for names in report.ignored.values() for name in names)
+    auto_class = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    ours = auto_class.from_pretrained(tmp_path / "ours", trust_remote_code=True).eval()
+    text_config = ours.config.get_text_config()
+    assert text_config.num_mtp_layers == 1 and text_config.mtp_type == "qwen4_exp"
+    language_model = source.model.language_model if multimodal else source.model
+    captured = {}
+    language_model.hyper_connection_mixer.register_forward_pre_hook(
+        lambda module, args: captured.update(streams=args[0]))
+    attention_layer = language_model.layers[3]
+    attention_layer.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(layer=kwargs), with_kwargs=True)
+    input_ids = torch.randint(2, 97, (1, 41), generator=torch.Generator().manual_seed(0))
+    length = input_ids.shape[1] - 1
+    with torch.no_grad():
+        actual = ours(input_ids, output_mtp_logits=True, use_cache=False).mtp_logits[0][:, :length]
+        language_model(input_ids=input_ids, use_cache=False)
+        cos, sin = captured["layer"]["position_embeddings"]
+        mask = captured["layer"]["attention_mask"]
+        embedded = mtp["fc_embedding"](mtp["pre_fc_norm_embedding"](language_model.embed_tokens(input_ids[:, 1:])))
+        normed = mtp["pre_fc_norm_hidden"](captured["streams"][:, :length]).unflatten(-1, (3, 64))
+        streams = (mtp["fc_hidden"](normed) + embedded.unsqueeze(-2)).flatten(-2)
+        streams = mtp["layers.0"](streams, position_embeddings=(cos[..., :length, :], sin[..., :length, :]),
+                                  attention_mask=None if mask is None else mask[..., :length, :length])
+        expected = source.lm_head(mtp["hyper_connection_mixer"](streams))
+    assert (actual - expected).abs().max() <= 1e-4
