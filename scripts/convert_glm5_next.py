@@ -13,8 +13,9 @@ window, prefills in bounded chunks and compiles its decode step.
 
 The vision tower (transformers' `Glm5NextVisionModel`) and the processor files are kept: the output is our
 `HybridIndexPoolForConditionalGeneration` (image-text-to-text); `--text_only` converts the language model alone into
-our causal LM. The multi-token-prediction layer is left out. It streams shard by shard, so memory stays near the
-largest shard, not the model. `scripts/export_glm5_next.py` writes the result (fine-tuned or not) back in GLM's format.
+our causal LM. The multi-token-prediction (next-n) layers are kept as our MTP layers. It streams shard by shard, so
+memory stays near the largest shard, not the model. `scripts/export_glm5_next.py` writes the result (fine-tuned or
+not) back in GLM's format.
 
     python -m hybrid_indexpool.scripts.convert_glm5_next --source GLM-5.3-Flash --output GLM-5.3-Flash-IndexPool
 """

@@ -11,8 +11,8 @@ folders. A multimodal source becomes our `HybridIndexPoolForConditionalGeneratio
 tower with the source's weights, our text model with its multimodal RoPE, and the source's processor files (so
 `AutoProcessor.from_pretrained(output)` works); `--text_only` converts its language model alone into our causal LM.
 It streams shard by shard, so memory stays near the largest shard, not the model (the real model has about 180B
-parameters). The MTP head is left out. `scripts/export_qwen4_exp.py` writes the result (fine-tuned or not) back in
-Qwen4-Exp's format.
+parameters). The MTP head is kept as our MTP layers. `scripts/export_qwen4_exp.py` writes the result (fine-tuned or
+not) back in Qwen4-Exp's format.
 
     python -m hybrid_indexpool.scripts.convert_qwen4_exp --source Qwen3.8-Flash-Next --output Qwen3.8-Flash-IndexPool
 """

@@ -14,6 +14,7 @@ from .engine import (
     ConcatenatedWeight,
     ConversionPlan,
     ConversionReport,
+    IgnoreRule,
     WeightGroup,
     convert_checkpoint,
     rename,
@@ -152,6 +153,9 @@ def build_text_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig, kee
     names = source.weight_names
     outer = qwen_outer_plan(config, multimodal, keep_vision, keep_mtp=True)
     groups, ignore, concatenations = list(outer.groups), outer.ignore, []
+    # A final mix writes nothing back; vLLM drops such weights where a checkpoint stores them, and so do we.
+    ignore.append(IgnoreRule(rf"(mtp\.|{re.escape(prefix)})hyper_connection_mixer\.block_inject_weight$",
+                             "write-back weights of a final mix, which nothing reads"))
     groups += [
         rename(f"{prefix}hyper_connection_mixer.{part}", f"model.hyper_connection_mixer.{part}")
         for part in ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight")
