@@ -9,6 +9,7 @@ from model_factory import tiny_config
 
 from hybrid_indexpool.kernels.sparse_attention import sparse_attention_torch, sparse_latent_attention_torch
 from hybrid_indexpool.modeling import modeling_hybrid_indexpool as modeling
+from hybrid_indexpool.modeling.attention_mla import HybridIndexPoolMLAAttention
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -233,7 +234,7 @@ def glm_like_model(seed: int = 0):
 
 def test_whole_model_runs_forward_chunked_decode_generate_and_backward():
     model = glm_like_model()
-    assert isinstance(model.model.layers[7].self_attn, modeling.HybridIndexPoolMLAAttention)
+    assert isinstance(model.model.layers[7].self_attn, HybridIndexPoolMLAAttention)
     assert model.model.layers[7].self_attn.indexer is None
     input_ids = torch.randint(1, 97, (2, 40))
     mask = torch.ones_like(input_ids)
