@@ -1,0 +1,275 @@
+"""The IndexPool layer's batched step outside an engine (marker `vllm`): its forward reads nothing from the device,
+keeps its shapes across context lengths, compiles with `fullgraph=True`, and selects the windows the reference
+selection does.
+
+Each check runs in a fresh process (`fresh_process.py`): it starts vLLM's single-rank parallel state, which must not
+leak into the other tests of the session.
+"""
+
+import pytest
+from fresh_process import run_in_fresh_process
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+MAX_MODEL_LEN = 1024
+# One decode far beyond the budget, a prefill chunk that starts and ends inside windows, a short decode.
+CONTEXTS, NEW_TOKENS = [150, 37, 9], [1, 22, 1]
+# The same batch later: other context lengths (windows in another place, the same power-of-two window bound).
+LATER_CONTEXTS = [230, 110, 61]
+
+
+def build_layer(sink_windows: int = 0, local_windows: int = 0):
+    """A tiny IndexPool layer (budget 16 at r = 4) with random weights and empty paged caches, its vLLM config and
+    the metadata builders of its three caches."""
+    import socket
+    import tempfile
+
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    from hybrid_indexpool.configuration import HybridIndexPoolConfig
+    from hybrid_indexpool.serving import register
+    from hybrid_indexpool.serving.indexpool_attention import IndexPoolAttention, IndexPoolMetadataBuilder
+
+    register()
+    folder = tempfile.mkdtemp()
+    HybridIndexPoolConfig(
+        vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        layer_types=["linear_attention", "indexpool_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, partial_rotary_factor=0.25, index_n_heads=2, index_head_dim=32, index_topk=16, index_pool_size=4,
+        index_pool_weighting="learned", index_sink_windows=sink_windows, index_local_windows=local_windows,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        max_position_embeddings=4096, architectures=["HybridIndexPoolForCausalLM"],
+    ).save_pretrained(folder)
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=folder, dtype="bfloat16", skip_tokenizer_init=True,
+                                 max_model_len=MAX_MODEL_LEN),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
+                                         is_encoder_decoder=False),
+    )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.manual_seed(0)
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(1, 1)
+        torch.set_default_dtype(torch.bfloat16)  # as vLLM's loader builds a model: parameters in its dtype
+        layer = IndexPoolAttention(vllm_config.model_config.hf_config, vllm_config, "model.layers.1.self_attn")
+        torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.copy_(torch.randn(parameter.shape) * 0.3)
+    for module in layer.modules():  # as vLLM's loader does (its CPU linear layers pick their kernel here)
+        if getattr(module, "quant_method", None) is not None:
+            module.quant_method.process_weights_after_loading(module)
+    owners = [layer.main_cache, layer.indexer.pooled_key_cache, layer.indexer.open_window_cache]
+    builders = {}
+    for owner in owners:
+        spec = owner.get_kv_cache_spec(vllm_config)
+        rows = {0: BLOCK_SIZE, 1: BLOCK_SIZE // 4, 2: 4}[len(builders)]
+        if owner is layer.main_cache:
+            owner.kv_cache = torch.randn(NUM_BLOCKS, spec.num_kv_heads, BLOCK_SIZE, 2 * spec.head_size)
+        else:
+            owner.kv_cache = torch.randn(NUM_BLOCKS, rows, 1, owner.head_size)
+        owner.kv_cache = owner.kv_cache.to(torch.bfloat16)
+        builders[owner.prefix] = IndexPoolMetadataBuilder(spec, [owner.prefix], vllm_config, torch.device("cpu"))
+    return layer, vllm_config, builders
+
+
+def build_step(layer, builders, contexts: list[int], new_tokens: list[int], padding: int = 0):
+    """Positions and per-cache metadata of one step: request `i` has `contexts[i]` tokens cached and
+    `new_tokens[i]` scheduled; `padding` tokens of no request follow. Request `i` owns blocks `1 + 16 i ..` in the
+    paged caches (block 0 is the null block) and ring block `1 + i`."""
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    num_requests = len(contexts)
+    query_lens = torch.tensor(new_tokens)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]).int()
+    seq_lens = torch.tensor(contexts) + query_lens
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, new_tokens)])
+    token_request = torch.repeat_interleave(torch.arange(num_requests), query_lens)
+    paged = 1 + torch.arange(num_requests)[:, None] * 16 + torch.arange(16)
+    main_slots = paged[token_request, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    num_tokens = len(positions) + padding
+    tables = {layer.main_cache.prefix: paged, layer.indexer.pooled_key_cache.prefix: paged,
+              layer.indexer.open_window_cache.prefix: 1 + torch.arange(num_requests)[:, None]}
+    metadata = {}
+    for name, builder in builders.items():
+        common = CommonAttentionMetadata(
+            query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=seq_lens.int(),
+            num_reqs=num_requests, num_actual_tokens=num_tokens, max_query_len=max(new_tokens),
+            max_seq_len=int(seq_lens.max()), block_table_tensor=tables[name].int(),
+            slot_mapping=torch.cat([main_slots, torch.full((padding,), -1)]),
+        )
+        metadata[name] = builder.build(0, common)
+    return torch.cat([positions, torch.zeros(padding, dtype=torch.long)]), metadata
+
+
+def run_layer(layer, vllm_config, positions, metadata, seed: int = 0):
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    hidden = torch.randn(len(positions), 128, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    with torch.no_grad(), set_forward_context(metadata, vllm_config):
+        return layer(positions, hidden)
+
+
+def fill_caches(layer, vllm_config, builders, contexts):
+    """Prefill every request's context in one step, so that later steps read real pooled keys and ring rows."""
+    positions, metadata = build_step(layer, builders, [0] * len(contexts), contexts)
+    run_layer(layer, vllm_config, positions, metadata, seed=1)
+
+
+class HostSyncGuard:
+    """Raises on anything that reads a device value on the host or sizes a tensor by its values: `.item()`,
+    `.tolist()`, `.cpu()`, `.numpy()`, `bool`/`int`/`float` of a tensor, `nonzero`, boolean-mask indexing (all
+    reach `aten._local_scalar_dense` or `aten.nonzero` underneath); records each operator run with its output
+    shapes."""
+
+    SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "masked_scatter")
+    PATCHED = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+    def __enter__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        guard = self
+        self.trace = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in guard.SYNC_OPS:
+                    raise AssertionError(f"host sync in the forward: aten.{name}")
+                if name == "index" and any(index is not None and index.dtype == torch.bool for index in args[1]):
+                    raise AssertionError("boolean-mask indexing in the forward")
+                result = func(*args, **(kwargs or {}))
+                shapes = [tuple(t.shape) for t in (result if isinstance(result, (tuple, list)) else [result])
+                          if isinstance(t, torch.Tensor)]
+                guard.trace.append((name, shapes))
+                return result
+
+        self.originals = {name: getattr(torch.Tensor, name) for name in self.PATCHED}
+        for name in self.PATCHED:
+            setattr(torch.Tensor, name, self._raiser(name))
+        self.original_nonzero = torch.nonzero
+        torch.nonzero = self._raiser("torch.nonzero")
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    @staticmethod
+    def _raiser(name):
+        def raise_sync(*args, **kwargs):
+            raise AssertionError(f"host sync in the forward: {name}")
+        return raise_sync
+
+    def __exit__(self, *exc):
+        import torch
+
+        self.mode.__exit__(*exc)
+        for name, original in self.originals.items():
+            setattr(torch.Tensor, name, original)
+        torch.nonzero = self.original_nonzero
+
+
+def check_forward_makes_no_host_sync_and_keeps_its_shapes():
+    layer, vllm_config, builders = build_layer()
+    fill_caches(layer, vllm_config, builders, [max(a, b) for a, b in zip(CONTEXTS, LATER_CONTEXTS)])
+    traces = []
+    for contexts in (CONTEXTS, LATER_CONTEXTS):
+        positions, metadata = build_step(layer, builders, contexts, NEW_TOKENS, padding=3)
+        with HostSyncGuard() as guard:
+            output = run_layer(layer, vllm_config, positions, metadata)
+        assert output.shape == (sum(NEW_TOKENS) + 3, 128)
+        assert output.isfinite().all()
+        traces.append(guard.trace)
+    assert traces[0] == traces[1]  # the same operators with the same shapes at other context lengths
+    decode_positions, decode_metadata = build_step(layer, builders, CONTEXTS, [1, 1, 1])
+    with HostSyncGuard() as guard:
+        run_layer(layer, vllm_config, decode_positions, decode_metadata)
+    print(f"operators in a 3-request decode step of one layer: {len(guard.trace)}")
+
+
+def test_forward_makes_no_host_sync_and_keeps_its_shapes():
+    """After the builder ran, the whole forward of a mixed step (decodes, a prefill chunk inside windows, padding
+    tokens) reads nothing from the device, and runs the same operators with the same shapes at other contexts."""
+    run_in_fresh_process(__file__, "check_forward_makes_no_host_sync_and_keeps_its_shapes")
+
+
+def check_compiled_forward_matches_eager(backend: str):
+    import torch
+
+    layer, vllm_config, builders = build_layer()
+    fill_caches(layer, vllm_config, builders, CONTEXTS)
+    positions, metadata = build_step(layer, builders, CONTEXTS, NEW_TOKENS, padding=2)
+    caches = [layer.main_cache, layer.indexer.pooled_key_cache, layer.indexer.open_window_cache]
+    before = [owner.kv_cache.clone() for owner in caches]
+    eager = run_layer(layer, vllm_config, positions, metadata)
+    eager_caches = [owner.kv_cache.clone() for owner in caches]
+    for owner, saved in zip(caches, before):
+        owner.kv_cache.copy_(saved)
+    torch._dynamo.reset()
+    compiled_forward = torch.compile(layer.forward, fullgraph=True, dynamic=False, backend=backend)
+    from vllm.forward_context import set_forward_context
+
+    hidden = torch.randn(len(positions), 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad(), set_forward_context(metadata, vllm_config):
+        compiled = compiled_forward(positions, hidden)
+    # The same operators (functionalized, the cache writes put back in place): the same bits.
+    assert torch.equal(compiled, eager)
+    for owner, expected in zip(caches, eager_caches):
+        assert torch.equal(owner.kv_cache, expected)
+
+
+def test_compiled_forward_matches_eager():
+    """The layer's forward compiles as one graph (`torch.compile(fullgraph=True)`: Dynamo traces it without a break
+    and AOTAutograd functionalizes its cache writes) and computes what the eager forward does, caches included.
+    (Inductor compiles the same graph too, in minutes on two cores, so the test stops at the traced graph.)"""
+    run_in_fresh_process(__file__, "check_compiled_forward_matches_eager", "aot_eager")
+
+
+def check_selection_matches_reference(sink_windows: int, local_windows: int, tied: bool):
+    import torch
+
+    from hybrid_indexpool.kernels.pooled_index_topk.reference import pooled_index_topk_torch
+
+    layer, vllm_config, builders = build_layer(sink_windows, local_windows)
+    fill_caches(layer, vllm_config, builders, CONTEXTS)
+    positions, metadata = build_step(layer, builders, CONTEXTS, NEW_TOKENS)
+    main = metadata[layer.main_cache.prefix]
+    pooled = metadata[layer.indexer.pooled_key_cache.prefix]
+    generator = torch.Generator().manual_seed(2)
+    index_queries = torch.randn(len(positions), 2, 32, generator=generator).to(torch.bfloat16)
+    if tied:  # every score 0 after the ReLU: the earliest windows win
+        index_queries = -index_queries.abs()
+        layer.indexer.pooled_key_cache.kv_cache.abs_()
+    head_weights = torch.rand(len(positions), 2, generator=generator)
+    selected = layer._select(index_queries, head_weights, main, pooled)
+    pooled_cache = layer.indexer.pooled_key_cache.kv_cache
+    start = 0
+    for request, (context, count) in enumerate(zip(CONTEXTS, NEW_TOKENS)):
+        windows = torch.arange((context + count) // 4)
+        keys = pooled_cache[pooled.block_table[request, windows // (BLOCK_SIZE // 4)].long(),
+                            windows % (BLOCK_SIZE // 4), 0]
+        tokens = slice(start, start + count)
+        expected = pooled_index_topk_torch(
+            index_queries[None, tokens], keys[None], ((positions[tokens] + 1) // 4)[None], 4,
+            head_weights[None, tokens], sink_windows=sink_windows, local_windows=local_windows)[0]
+        assert torch.equal(selected[tokens], expected), (request, selected[tokens], expected)
+        start += count
+
+
+@pytest.mark.parametrize("sink_windows, local_windows, tied", [(0, 0, False), (1, 1, False), (0, 0, True)])
+def test_selection_matches_reference(sink_windows, local_windows, tied):
+    """The batched selection picks exactly the windows of the reference selection (`pooled_index_topk_torch`,
+    fixed-shape path), with forced sink and local windows and with every score tied."""
+    run_in_fresh_process(__file__, "check_selection_matches_reference", sink_windows, local_windows, tied)
