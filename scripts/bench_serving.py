@@ -23,6 +23,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import string
 import subprocess
@@ -34,6 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+# The checkout this script runs from (an editable install): `--baseline-ref` reads its git history.
+REPO = Path(__file__).resolve().parents[1]
 
 MODEL = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
              head_dim=128, partial_rotary_factor=0.25, index_n_heads=4, index_head_dim=64, index_topk=256,
@@ -79,7 +83,10 @@ class Server:
     def __init__(self, command: list[str], port: int, log_path: Path, env: dict | None = None):
         self.url, self.log_path = f"http://127.0.0.1:{port}", log_path
         self.log = log_path.open("w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # Started in the log's folder: from the checkout's root, its `hybrid_indexpool/` folder would shadow the
+        # package on `PYTHONPATH`.
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                        cwd=log_path.parent)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -115,14 +122,33 @@ def serve_concurrently(url: str, model: str, prompts: list[str], new_tokens: int
             "load_average_1min_after": os.getloadavg()[0]}
 
 
-def vllm_server(python: str, checkpoint: Path, args, log_path: Path) -> Server:
+def vllm_server(python: str, checkpoint: Path, args, log_path: Path, package_root: Path | None = None) -> Server:
+    """vLLM's OpenAI server on `checkpoint`, with the plugin installed in `python`'s environment or, with
+    `package_root`, the `hybrid_indexpool` package found there first."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "OMP_NUM_THREADS": str(args.threads)}
     env.pop("TRITON_INTERPRET", None)
+    if package_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package_root), env.get("PYTHONPATH")]))
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--port", str(port),
                "--dtype", "bfloat16", "--max-model-len", str(args.max_prompt + args.new_tokens + 8),
                "--max-num-seqs", str(args.requests), "--enforce-eager"]
     return Server(command, port, log_path, env)
+
+
+def package_at(ref: str, folder: Path) -> Path:
+    """The `hybrid_indexpool` package as of git commit `ref` of this checkout, laid out under `folder` as `setup.py`
+    installs it (the top-level folders as subpackages); returns the folder to put on `PYTHONPATH`."""
+    source = folder / "source"
+    source.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    root = folder / "packages"
+    package = root / "hybrid_indexpool"
+    shutil.copytree(source / "hybrid_indexpool", package)
+    for name in ("configuration", "modeling", "kernels", "scripts", "serving"):  # setup.py's PACKAGE_FOLDERS
+        shutil.copytree(source / name, package / name)
+    return root
 
 
 def kv_cache_tokens(log: str) -> int:
@@ -159,6 +185,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--pool-size", type=int, default=4)
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of the vLLM engines")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--baseline-ref", help="also serve the same requests with the vLLM plugin as of this git "
+                        "commit of the checkout (e.g. the one before a change), side by side")
+    parser.add_argument("--skip-transformers", action="store_true",
+                        help="measure vLLM only (not scripts/serve.py nor generate())")
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)
 
@@ -186,18 +216,27 @@ def main(argv=None) -> dict:
         finally:
             log = server.close()
         results["vllm"]["kv_cache_tokens"] = kv_cache_tokens(log)
+        if args.baseline_ref:
+            baseline = package_at(args.baseline_ref, scratch / "baseline")
+            server = vllm_server(args.vllm_python, checkpoint, args, scratch / "vllm_baseline.log", baseline)
+            try:
+                results["vllm_baseline"] = serve_concurrently(server.url, str(checkpoint), prompts, args.new_tokens,
+                                                              ignore_eos=True)
+            finally:
+                server.close()
+            results["vllm_baseline"]["ref"] = args.baseline_ref
         server = vllm_server(args.vllm_python, unpooled, args, scratch / "vllm_r1.log")
         results["vllm_r1_kv_cache_tokens"] = kv_cache_tokens(server.close())
 
-        port = free_port()
-        server = Server([sys.executable, "-m", "hybrid_indexpool.scripts.serve", str(checkpoint), "--port", str(port)],
-                        port, scratch / "serve.log")
-        try:
-            results["serve_py"] = serve_concurrently(server.url, str(checkpoint), prompts, args.new_tokens)
-        finally:
-            server.close()
-
-        results["generate"] = generate_one_by_one(checkpoint, prompts, args.new_tokens)
+        if not args.skip_transformers:
+            port = free_port()
+            server = Server([sys.executable, "-m", "hybrid_indexpool.scripts.serve", str(checkpoint), "--port",
+                             str(port)], port, scratch / "serve.log")
+            try:
+                results["serve_py"] = serve_concurrently(server.url, str(checkpoint), prompts, args.new_tokens)
+            finally:
+                server.close()
+            results["generate"] = generate_one_by_one(checkpoint, prompts, args.new_tokens)
 
     context = args.max_prompt + args.new_tokens
     for name, pool_size in (("kv_bytes_per_token", args.pool_size), ("kv_bytes_per_token_r1", 1)):
@@ -205,8 +244,10 @@ def main(argv=None) -> dict:
         output = subprocess.run([args.vllm_python, "-c", KV_BYTES_SCRIPT, json.dumps(config), "256", str(context)],
                                 check=True, capture_output=True, text=True).stdout
         results[name] = json.loads(output.strip().splitlines()[-1])
-    for name in ("vllm", "serve_py", "generate"):
-        print(f"{name:10s} {results[name]['tokens_per_second']:8.1f} tokens/s "
+    for name in ("vllm", "vllm_baseline", "serve_py", "generate"):
+        if name not in results:
+            continue
+        print(f"{name:13s} {results[name]['tokens_per_second']:8.1f} tokens/s "
               f"({results[name]['generated_tokens']} tokens in {results[name]['seconds']:.1f} s)")
     print(f"vLLM KV cache in {args.kv_cache_gib} GiB: {results['vllm']['kv_cache_tokens']} tokens at r = "
           f"{args.pool_size}, {results['vllm_r1_kv_cache_tokens']} at r = 1")
