@@ -130,9 +130,11 @@ def vllm_server(python: str, checkpoint: Path, args, log_path: Path, package_roo
     env.pop("TRITON_INTERPRET", None)
     if package_root is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package_root), env.get("PYTHONPATH")]))
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--port", str(port),
-               "--dtype", "bfloat16", "--max-model-len", str(args.max_prompt + args.new_tokens + 8),
-               "--max-num-seqs", str(args.requests), "--enforce-eager"]
+    command = [os.path.abspath(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+               "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", str(args.requests),
+               "--max-model-len", str(args.max_prompt + args.new_tokens + 8)]
+    if not args.compile:
+        command.append("--enforce-eager")
     return Server(command, port, log_path, env)
 
 
@@ -187,6 +189,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--baseline-ref", help="also serve the same requests with the vLLM plugin as of this git "
                         "commit of the checkout (e.g. the one before a change), side by side")
+    parser.add_argument("--compile", action="store_true",
+                        help="leave vLLM's compilation on (the plugin's model is compiled); else --enforce-eager")
     parser.add_argument("--skip-transformers", action="store_true",
                         help="measure vLLM only (not scripts/serve.py nor generate())")
     parser.add_argument("--json", help="write the results here")
@@ -201,7 +205,8 @@ def main(argv=None) -> dict:
                                                                                        args.max_prompt)))
                for _ in range(args.requests)]
     results = {"requests": args.requests, "new_tokens": args.new_tokens, "prompt_tokens": [len(p) for p in prompts],
-               "model": MODEL, "pool_size": args.pool_size, "threads": args.threads, "kv_cache_gib": args.kv_cache_gib}
+               "model": MODEL, "pool_size": args.pool_size, "threads": args.threads, "kv_cache_gib": args.kv_cache_gib,
+               "compile": args.compile}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         checkpoint, unpooled = scratch / "pooled", scratch / "unpooled"

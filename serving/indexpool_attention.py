@@ -31,6 +31,12 @@ from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.models.qwen4_exp.common.qsa_cache import QSACompressedKeyCache, QSAKeyStateCache
+from vllm.utils.torch_utils import (
+    LayerNameType,
+    _encode_layer_name,
+    _resolve_layer_name,
+    direct_register_custom_op,
+)
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -44,6 +50,7 @@ from ..kernels.pooled_index_topk.reference import scaled_head_weights, selection
 from ..kernels.sparse_attention.reference import masked_softmax
 from ..kernels.weighted_pool.reference import weighted_pool_torch
 from .memory import main_kv_spec, open_window_spec, pooled_key_spec
+from .vllm_config import ATTENTION_OP
 
 # Queries attended at once: bounds the gathered keys/values to `QUERY_CHUNK x (budget + r - 1)` rows per step.
 QUERY_CHUNK = 256
@@ -413,6 +420,12 @@ class IndexPoolAttention(nn.Module):
         self.indexer = IndexPoolIndexer(config, vllm_config, f"{prefix}.indexer")
         self.main_cache = IndexPoolKVCache(self.num_kv_heads, self.head_dim, vllm_config.model_config.dtype,
                                          vllm_config, f"{prefix}.attn")
+        # The custom op finds the layer by name in the forward context, as vLLM's own attention ops do.
+        self.prefix = prefix
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """`positions [tokens]`, `hidden_states [tokens, hidden]` -> `[tokens, hidden]`."""
@@ -433,16 +446,8 @@ class IndexPoolAttention(nn.Module):
         index_queries, ring_rows, head_weights = self.indexer.project(hidden_states, cos_sin)
 
         output = torch.zeros_like(query)  # [tokens, heads, head_dim]
-        metadata = get_forward_context().attn_metadata
-        if isinstance(metadata, list):
-            metadata = metadata[0]
-        if isinstance(metadata, dict):  # None during vLLM's memory-profiling run: no caches yet
-            main = metadata[self.main_cache.prefix]
-            tokens = main.num_actual_tokens
-            output[:tokens] = self.attend(
-                query[:tokens], key[:tokens], value[:tokens], index_queries[:tokens], ring_rows[:tokens],
-                None if head_weights is None else head_weights[:tokens], main,
-                metadata[self.indexer.pooled_key_cache.prefix], metadata[self.indexer.open_window_cache.prefix])
+        torch.ops.vllm.hybrid_indexpool_attention(query, key, value, index_queries, ring_rows, head_weights, output,
+                                                  _encode_layer_name(self.prefix))
         output = output.reshape(num_tokens, -1)
         if gate is not None:
             output = output * torch.sigmoid(gate)
@@ -530,3 +535,33 @@ def write_rows(cache: torch.Tensor, metadata: IndexPoolMetadata, rows: torch.Ten
     new = rows[metadata.write_token].to(cache.dtype)[:, None]
     old = cache[metadata.write_block, metadata.write_row]
     cache[metadata.write_block, metadata.write_row] = torch.where(metadata.write_keep[:, None, None], new, old)
+
+
+def hybrid_indexpool_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               index_queries: torch.Tensor, ring_rows: torch.Tensor, head_weights: torch.Tensor | None,
+                               output: torch.Tensor, layer_name: LayerNameType) -> None:
+    """The step of IndexPool layer `layer_name` (`IndexPoolAttention.attend`) into `output [tokens, heads, head_dim]`.
+    A custom op, opaque to `torch.compile`: the compiled model must not keep one step's host values (token count,
+    tiles, window bound), and vLLM splits its piecewise CUDA graphs here (`vllm_config.py`)."""
+    forward_context = get_forward_context()
+    layer = forward_context.no_compile_layers[_resolve_layer_name(layer_name)]
+    metadata = forward_context.attn_metadata
+    if isinstance(metadata, list):
+        metadata = metadata[0]
+    if not isinstance(metadata, dict):  # None during vLLM's memory-profiling run: no caches yet
+        return
+    main = metadata[layer.main_cache.prefix]
+    tokens = main.num_actual_tokens
+    output[:tokens] = layer.attend(
+        query[:tokens], key[:tokens], value[:tokens], index_queries[:tokens], ring_rows[:tokens],
+        None if head_weights is None else head_weights[:tokens], main,
+        metadata[layer.indexer.pooled_key_cache.prefix], metadata[layer.indexer.open_window_cache.prefix])
+
+
+def hybrid_indexpool_attention_fake(query, key, value, index_queries, ring_rows, head_weights, output,
+                                    layer_name) -> None:
+    return None
+
+
+direct_register_custom_op(op_name=ATTENTION_OP.removeprefix("vllm::"), op_func=hybrid_indexpool_attention,
+                          mutates_args=["output"], fake_impl=hybrid_indexpool_attention_fake)

@@ -9,6 +9,9 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 logger = init_logger(__name__)
 
+# The IndexPool layer's step, a custom op (`indexpool_attention.py`); named here, where the compilation settings are.
+ATTENTION_OP = "vllm::hybrid_indexpool_attention"
+
 
 # Settings whose other values (GLM-5.3-Flash's MLA, Kimi Delta Attention, indexer, Sinkhorn streams and MoE) the vLLM
 # model does not implement: the value it serves.
@@ -75,6 +78,12 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
             problems.append(f"dtype = {vllm_config.model_config.dtype} (vLLM's CPU Gated DeltaNet needs bfloat16)")
         if problems:
             raise ValueError("HybridIndexPool in vLLM does not support: " + "; ".join(problems) + ".")
+        compilation = vllm_config.compilation_config
+        if compilation.splitting_ops is None:  # vLLM fills in its own attention ops later: ours go with them
+            compilation.splitting_ops = list(compilation._attention_ops)
+        if ATTENTION_OP not in compilation.splitting_ops:
+            # Piecewise CUDA graphs run the IndexPool step between graphs (a mixed batch's tiles change its shapes).
+            compilation.splitting_ops.append(ATTENTION_OP)
         if cache.mamba_ssm_cache_dtype == "auto":
             cache.mamba_ssm_cache_dtype = "float32"  # our model keeps the Gated DeltaNet recurrent state in float32
         if cache.enable_prefix_caching:

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -85,8 +86,10 @@ class HybridIndexPoolDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+@support_torch_compile
 class HybridIndexPoolModel(nn.Module):
-    """Embedding, decoder layers and final norm. Runs eagerly: the IndexPool layers loop over requests on the host."""
+    """Embedding, decoder layers and final norm, compiled by vLLM (its token mixers are custom ops, opaque to the
+    compiler: vLLM's Gated DeltaNet core and `hybrid_indexpool_attention`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

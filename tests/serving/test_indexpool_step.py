@@ -83,10 +83,12 @@ def build_layer(sink_windows: int = 0, local_windows: int = 0):
     return layer, vllm_config, builders
 
 
-def build_step(layer, builders, contexts: list[int], new_tokens: list[int], padding: int = 0):
+def build_step(layer, builders, contexts: list[int], new_tokens: list[int], padding: int = 0,
+               dummy: tuple[int, ...] = ()):
     """Positions and per-cache metadata of one step: request `i` has `contexts[i]` tokens cached and
     `new_tokens[i]` scheduled; `padding` tokens of no request follow. Request `i` owns blocks `1 + 16 i ..` in the
-    paged caches (block 0 is the null block) and ring block `1 + i`."""
+    paged caches (block 0 is the null block) and ring block `1 + i`; the requests in `dummy` own only the null block,
+    as vLLM's warm-up and graph-capture requests do."""
     import torch
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -97,10 +99,13 @@ def build_step(layer, builders, contexts: list[int], new_tokens: list[int], padd
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, new_tokens)])
     token_request = torch.repeat_interleave(torch.arange(num_requests), query_lens)
     paged = 1 + torch.arange(num_requests)[:, None] * 16 + torch.arange(16)
+    ring_blocks = 1 + torch.arange(num_requests)[:, None]
+    for request in dummy:
+        paged[request], ring_blocks[request] = 0, 0
     main_slots = paged[token_request, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
     num_tokens = len(positions) + padding
     tables = {layer.main_cache.prefix: paged, layer.indexer.pooled_key_cache.prefix: paged,
-              layer.indexer.open_window_cache.prefix: 1 + torch.arange(num_requests)[:, None]}
+              layer.indexer.open_window_cache.prefix: ring_blocks}
     metadata = {}
     for name, builder in builders.items():
         common = CommonAttentionMetadata(
@@ -141,6 +146,8 @@ class HostSyncGuard:
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
+        from hybrid_indexpool.serving import indexpool_attention
+
         guard = self
         self.trace = []
 
@@ -151,7 +158,11 @@ class HostSyncGuard:
                     raise AssertionError(f"host sync in the forward: aten.{name}")
                 if name == "index" and any(index is not None and index.dtype == torch.bool for index in args[1]):
                     raise AssertionError("boolean-mask indexing in the forward")
-                result = func(*args, **(kwargs or {}))
+                if name == "hybrid_indexpool_attention":  # the layer's step: looked into, not run as one op
+                    with self:
+                        result = indexpool_attention.hybrid_indexpool_attention(*args, **(kwargs or {}))
+                else:
+                    result = func(*args, **(kwargs or {}))
                 shapes = [tuple(t.shape) for t in (result if isinstance(result, (tuple, list)) else [result])
                           if isinstance(t, torch.Tensor)]
                 guard.trace.append((name, shapes))
@@ -199,42 +210,76 @@ def check_forward_makes_no_host_sync_and_keeps_its_shapes():
     print(f"operators in a 3-request decode step of one layer: {len(guard.trace)}")
 
 
+def check_padding_and_dummy_requests_write_nothing():
+    import torch
+
+    layer, vllm_config, builders = build_layer()
+    fill_caches(layer, vllm_config, builders, CONTEXTS)
+    caches = [layer.main_cache, layer.indexer.pooled_key_cache, layer.indexer.open_window_cache]
+    before = [owner.kv_cache.clone() for owner in caches]
+    # A real decode and prefill chunk beside a dummy request, then padding: only the real requests' blocks change.
+    positions, metadata = build_step(layer, builders, CONTEXTS, NEW_TOKENS, padding=3, dummy=(2,))
+    run_layer(layer, vllm_config, positions, metadata)
+    for owner, saved in zip(caches, before):
+        assert torch.equal(owner.kv_cache[0], saved[0])  # the null block
+        ring = owner is layer.indexer.open_window_cache
+        assert torch.equal(owner.kv_cache[3 if ring else 33:], saved[3 if ring else 33:])  # the dummy's blocks
+    # A step of dummy requests and padding only (a warm-up or capture run): nothing changes anywhere.
+    before = [owner.kv_cache.clone() for owner in caches]
+    positions, metadata = build_step(layer, builders, [5, 0], [1, 3], padding=2, dummy=(0, 1))
+    run_layer(layer, vllm_config, positions, metadata)
+    for owner, saved in zip(caches, before):
+        assert torch.equal(owner.kv_cache, saved)
+
+
+def test_padding_and_dummy_requests_write_nothing():
+    """Padding tokens and dummy requests (null-block rows, as in vLLM's capture runs) leave the null block and every
+    block they do not own unchanged, in a step with real requests and in one without."""
+    run_in_fresh_process(__file__, "check_padding_and_dummy_requests_write_nothing")
+
+
 def test_forward_makes_no_host_sync_and_keeps_its_shapes():
     """After the builder ran, the whole forward of a mixed step (decodes, a prefill chunk inside windows, padding
     tokens) reads nothing from the device, and runs the same operators with the same shapes at other contexts."""
     run_in_fresh_process(__file__, "check_forward_makes_no_host_sync_and_keeps_its_shapes")
 
 
-def check_compiled_forward_matches_eager(backend: str):
+def check_compiled_step_matches_eager(backend: str):
     import torch
 
     layer, vllm_config, builders = build_layer()
     fill_caches(layer, vllm_config, builders, CONTEXTS)
     positions, metadata = build_step(layer, builders, CONTEXTS, NEW_TOKENS, padding=2)
+    main, pooled, ring = (metadata[owner.prefix] for owner in (
+        layer.main_cache, layer.indexer.pooled_key_cache, layer.indexer.open_window_cache))
+    num_tokens = len(positions)
+    generator = torch.Generator().manual_seed(0)
+    def random(*shape):
+        return torch.randn(num_tokens, *shape, generator=generator).to(torch.bfloat16)
+    inputs = (random(4, 64), random(2, 64), random(2, 64), random(2, 32), random(64),
+              torch.rand(num_tokens, 2, generator=generator))
     caches = [layer.main_cache, layer.indexer.pooled_key_cache, layer.indexer.open_window_cache]
     before = [owner.kv_cache.clone() for owner in caches]
-    eager = run_layer(layer, vllm_config, positions, metadata)
+    with torch.no_grad():
+        eager = layer.attend(*inputs, main, pooled, ring)
     eager_caches = [owner.kv_cache.clone() for owner in caches]
     for owner, saved in zip(caches, before):
         owner.kv_cache.copy_(saved)
-    torch._dynamo.reset()
-    compiled_forward = torch.compile(layer.forward, fullgraph=True, dynamic=False, backend=backend)
-    from vllm.forward_context import set_forward_context
-
-    hidden = torch.randn(len(positions), 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    with torch.no_grad(), set_forward_context(metadata, vllm_config):
-        compiled = compiled_forward(positions, hidden)
+    compiled_step = torch.compile(layer.attend, fullgraph=True, dynamic=False, backend=backend)
+    with torch.no_grad():
+        compiled = compiled_step(*inputs, main, pooled, ring)
     # The same operators (functionalized, the cache writes put back in place): the same bits.
     assert torch.equal(compiled, eager)
     for owner, expected in zip(caches, eager_caches):
         assert torch.equal(owner.kv_cache, expected)
 
 
-def test_compiled_forward_matches_eager():
-    """The layer's forward compiles as one graph (`torch.compile(fullgraph=True)`: Dynamo traces it without a break
-    and AOTAutograd functionalizes its cache writes) and computes what the eager forward does, caches included.
-    (Inductor compiles the same graph too, in minutes on two cores, so the test stops at the traced graph.)"""
-    run_in_fresh_process(__file__, "check_compiled_forward_matches_eager", "aot_eager")
+def test_compiled_step_matches_eager():
+    """The layer's batched step (`IndexPoolAttention.attend`, the body of its custom op) compiles as one graph
+    (`torch.compile(fullgraph=True)`: Dynamo traces it without a break and AOTAutograd functionalizes its cache
+    writes) and computes what the eager step does, caches included. (Inductor compiles the same graph too, in minutes
+    on two cores, so the test stops at the traced graph.)"""
+    run_in_fresh_process(__file__, "check_compiled_step_matches_eager", "aot_eager")
 
 
 def check_selection_matches_reference(sink_windows: int, local_windows: int, tied: bool):

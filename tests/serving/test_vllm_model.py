@@ -87,3 +87,18 @@ def test_mixture_of_experts_matches_transformers(tmp_path_factory, tmp_path):
     finally:
         del llm
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
+
+
+def test_compiled_model_gives_the_eager_tokens(engine, checkpoint):
+    """With vLLM's compilation on (`@support_torch_compile`; on CPU vLLM traces the model once with Dynamo and
+    compiles it with Inductor, the IndexPool step and the Gated DeltaNet core staying custom ops), the same tokens as
+    the eager engine, for a batch beyond the budget with chunked prefill."""
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=False,
+                   max_num_batched_tokens=CHUNK_TOKENS, seed=0)
+    prompts = random_prompts([130, 23, 301], seed=2)
+    try:
+        compiled = generate(llm, prompts, max_tokens=12)
+    finally:
+        del llm
+    assert [request["output"] for request in compiled] == [request["output"] for request in
+                                                           generate(engine, prompts, max_tokens=12)]
