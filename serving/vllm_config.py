@@ -55,8 +55,8 @@ def unsupported_options(config) -> list[str]:
 
 
 class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
-    """vLLM's per-architecture hook (`MODELS_CONFIG_MAP`): refuse what the model cannot serve, turn prefix caching
-    off."""
+    """vLLM's per-architecture hook (`MODELS_CONFIG_MAP`): refuse what the model cannot serve, split piecewise
+    graphs at the IndexPool step, turn prefix caching off."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
