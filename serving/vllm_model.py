@@ -159,14 +159,15 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint weights by name: q/k/v, gate/up and the Gated DeltaNet input projections go into vLLM's
         fused parameters, the fused experts (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) through
-        vLLM's fused-MoE loader, everything else by its own name. An unknown name is an error."""
+        vLLM's fused-MoE loader, everything else by its own name. An unknown name is an error. Multi-token-prediction
+        layers (`model.mtp.*`) are skipped: the plugin serves without speculative decoding."""
         parameters = dict(self.named_parameters())
         loaded = set()
         if self.config.num_experts > 0 and self.config.shared_expert_intermediate_size == 0:
             # vLLM's MoE block always has a shared-expert gate; without a shared expert nothing reads it.
             loaded |= {name for name in parameters if name.endswith(".mlp.shared_expert_gate.weight")}
         for name, tensor in weights:
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
+            if (self.config.tie_word_embeddings and name == "lm_head.weight") or name.startswith("model.mtp."):
                 continue
             if ".mlp.experts." in name:
                 module_name, weight_name = name.split(".mlp.experts.")

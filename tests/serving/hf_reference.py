@@ -18,7 +18,8 @@ def tiny_checkpoint(output_dir: str, experts: str = "") -> None:
     """Two Gated DeltaNet and two IndexPool layers, linear head dim 64 (vLLM's CPU GDN needs 64 or 128), budget 16
     tokens at r = 4, learned pooling with non-zero gates, the byte-level tokenizer; saved in bfloat16. With
     `experts`, a mixture of 4 experts (2 per token) and a shared expert in place of the dense MLPs, with a decisive
-    router (its weights scaled up), so that no expert choice ties within bfloat16 noise."""
+    router (its weights scaled up), so that no expert choice ties within bfloat16 noise, and one MTP layer (which the
+    plugin does not serve: its weights are skipped)."""
     from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
@@ -32,8 +33,8 @@ def tiny_checkpoint(output_dir: str, experts: str = "") -> None:
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         max_position_embeddings=4096, initializer_range=0.05,
-        **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
-           if experts else {}),
+        **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                num_mtp_layers=1) if experts else {}),
     )
     model = HybridIndexPoolForCausalLM(config)
     generator = torch.Generator().manual_seed(1)

@@ -77,9 +77,10 @@ def test_tensor_parallel_2_matches_transformers(checkpoint, tmp_path, monkeypatc
 
 
 def test_mixture_of_experts_matches_transformers(tmp_path_factory, tmp_path):
-    """Routed experts (vLLM's fused MoE, loaded from our fused `gate_up_proj`/`down_proj`) and the shared expert, in a
-    batch within the budget (beyond it the attention is the one the other tests check). Experts amplify bfloat16
-    noise (our own bfloat16 model moves up to ~0.2 nat from float32 here), so the check is the statistical one."""
+    """Routed experts (vLLM's fused MoE, loaded from our fused `gate_up_proj`/`down_proj`) and the shared expert (the
+    checkpoint's MTP layer skipped), in a batch within the budget (beyond it the attention is the one the other tests
+    check). Experts amplify bfloat16 noise (our own bfloat16 model moves up to ~0.2 nat from float32 here), so the
+    check is the statistical one."""
     checkpoint = tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool-moe", experts=True)
     llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True, seed=0)
     try:
