@@ -26,7 +26,7 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
         mtp_logits = mtp_loss = None
-        if getattr(outputs, "mtp_hidden_states", None) is not None:
+        if outputs.mtp_hidden_states is not None:
             mtp_logits = tuple(self.lm_head(states[:, keep, :]) for states in outputs.mtp_hidden_states)
         if mtp_logits is not None and labels is not None:
             # Depth k's position i predicts token i + k + 2: the usual one-place shift, of the labels k + 1 ahead.
