@@ -280,16 +280,18 @@ def check_positions(position_ids, positions, token_is_real) -> None:
         )
 
 
+def joined(tensors: list) -> torch.Tensor:
+    """Pieces of one tensor over consecutive chunks of the grid `[rows, chunk, ...]`, concatenated along the chunks
+    (the piece itself when there is one)."""
+    return torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0]
+
+
 def gather_pieces(pieces: list, layout: TokenLayout | None, record_layout: TokenLayout | None):
     """One model output from the outputs of the stack's passes over consecutive chunks of the grid (one pass unless
     a long prompt was prefilled in chunks), laid back in the input's token order: final states, per-layer states,
     attention weights `[rows, heads, queries, positions]` (one pass only) and router logits flattened to
     `[batch * seq, num_experts]`."""
     first = pieces[0]
-
-    def joined(tensors):
-        return torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0]
-
     hidden_states = joined([piece.last_hidden_state for piece in pieces])
     all_hidden_states = None
     if first.hidden_states is not None:

@@ -40,6 +40,7 @@ from .inputs import (
     check_mtp_inputs,
     columns_of_positions,
     gather_pieces,
+    joined,
     prepare_inputs,
 )
 from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm, HybridIndexPoolRotaryEmbedding
@@ -300,9 +301,8 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                                    output_attentions=output_attentions, output_router_logits=output_router_logits)
                   for start, step in zip(range(0, grid_length, chunk), steps)]
         if output_mtp_hidden_states:  # on the grid, from the whole pass
-            mtp_inputs = [step.final_streams for step in steps] if keep_streams else [
-                piece.last_hidden_state for piece in pieces]
-            mtp_inputs = torch.cat(mtp_inputs, dim=1) if len(mtp_inputs) > 1 else mtp_inputs[0]
+            mtp_inputs = joined([step.final_streams for step in steps] if keep_streams else [
+                piece.last_hidden_state for piece in pieces])
             mtp_hidden_states = self.mtp(mtp_inputs, inputs.inputs_embeds,
                                          self._position_embeddings(mtp_inputs, inputs.step), inputs.step)
         output = gather_pieces(pieces, inputs.layout, record_layout)

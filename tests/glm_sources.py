@@ -3,12 +3,11 @@ with transformers (no downloads): KDA and MLA layers, the pooled indexer, Sinkho
 tower."""
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from qwen_sources import add_shard, save_source
+from qwen_sources import add_mtp_shard, perturb, save_source
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 from transformers.core_model_loading import revert_weight_conversion
 
@@ -98,12 +97,7 @@ def glm_mtp_modules(model: Glm5NextForConditionalGeneration, seed: int = 1) -> t
         "eh_proj": torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False),
         "shared_head.norm": norm(text.hidden_size, text.rms_norm_eps),
     }
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in modules.values():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                if tensor.is_floating_point():
-                    tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    perturb(modules.values(), seed)
     return modules, source
 
 
@@ -128,9 +122,5 @@ def save_glm_source(model: Glm5NextForConditionalGeneration, folder: Path, mtp: 
     if copies:
         tensors[mtp_layer + "embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
         tensors[mtp_layer + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
-    add_shard(folder, tensors, "model-mtp.safetensors")
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
-    config["text_config"]["num_nextn_predict_layers"] = 1
-    config_path.write_text(json.dumps(config, indent=2))
+    add_mtp_shard(folder, tensors, "num_nextn_predict_layers")
     return folder, modules

@@ -31,13 +31,20 @@ def tiny_config(**overrides) -> HybridIndexPoolConfig:
     return HybridIndexPoolConfig(**settings)
 
 
-def randomize_indexer(model: torch.nn.Module, seed: int = 0) -> None:
-    """Give the pooling gates, slot biases and norms non-trivial values (they start at zero)."""
+def randomize_parameters(model: torch.nn.Module, selected, seed: int, std: float) -> None:
+    """Replace every parameter whose name `selected(name)` accepts by seeded normal values of standard deviation
+    `std` (for parts that start at constants, such as zero-centred norms and gates)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(("pool_gate_proj.weight", "pool_slot_bias")) or "norm" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+            if selected(name):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+
+
+def randomize_indexer(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give the pooling gates, slot biases and norms non-trivial values (they start at zero)."""
+    randomize_parameters(model, lambda name: name.endswith(("pool_gate_proj.weight", "pool_slot_bias"))
+                         or "norm" in name, seed, 0.5)
 
 
 def tiny_model(seed: int = 0, **overrides) -> HybridIndexPoolForCausalLM:

@@ -119,11 +119,7 @@ def qwen4_mtp_modules(model: torch.nn.Module, seed: int = 1) -> tuple[dict, int]
         "layers.0": copy.deepcopy(language_model.layers[attention]),
         "hyper_connection_mixer": copy.deepcopy(language_model.hyper_connection_mixer),
     }
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in modules.values():
-            for tensor in module.parameters():
-                tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    perturb(modules.values(), seed)
     return modules, attention
 
 
@@ -144,12 +140,29 @@ def save_qwen4_source(model: torch.nn.Module, folder: Path, mtp: bool = True,
         if name != "layers.0":
             tensors.update({f"mtp.{name}.{key}": tensor.detach().clone()
                             for key, tensor in module.state_dict().items()})
+    add_mtp_shard(folder, tensors, "mtp_num_hidden_layers")
+    return folder, modules
+
+
+def perturb(modules, seed: int, std: float = 0.1) -> None:
+    """Add seeded noise to every floating-point parameter and buffer of `modules` (copies of a source's layers
+    standing in for its MTP layers, so that they differ from the layers they copy)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in modules:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.add_(torch.randn(tensor.shape, generator=generator) * std)
+
+
+def add_mtp_shard(folder: Path, tensors: dict, count_field: str) -> None:
+    """Add one MTP layer's `tensors` to the checkpoint in `folder` as a shard of their own, and declare it in the
+    text config's `count_field`."""
     add_shard(folder, tensors, "model-mtp.safetensors")
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
-    (config["text_config"] if "text_config" in config else config)["mtp_num_hidden_layers"] = 1
+    (config["text_config"] if "text_config" in config else config)[count_field] = 1
     config_path.write_text(json.dumps(config, indent=2))
-    return folder, modules
 
 
 def add_shard(folder: Path, tensors: dict, file_name: str) -> None:

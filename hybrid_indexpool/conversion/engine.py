@@ -103,6 +103,21 @@ class IgnoreRule:
         return re.match(self.pattern, name) is not None
 
 
+def count_mtp_layers(layer_indices: Iterable[int], first: int, declared: int | None, declared_field: str) -> int:
+    """How many multi-token-prediction layers a source holds, from the indices (`first` on) its MTP weights name:
+    ConversionError unless they follow on from `first` without gaps and match the config's `declared_field` when it
+    declares one."""
+    found = sorted(set(layer_indices))
+    if found != list(range(first, first + len(found))):
+        raise ConversionError(f"The source's multi-token-prediction layers are {found}; they count from {first} "
+                              "without gaps.")
+    if declared is not None and declared != len(found):
+        raise ConversionError(f"The source config declares {declared_field} = {declared}, but its weights hold "
+                              f"{len(found)} multi-token-prediction layers; the checkpoint is incomplete or its "
+                              "config.json does not describe it.")
+    return len(found)
+
+
 def rename(source: str, target: str) -> WeightGroup:
     """The one-to-one group: the tensor `source` becomes `target` unchanged."""
     return WeightGroup((source,), (target,), lambda tensors: {target: tensors[source]},

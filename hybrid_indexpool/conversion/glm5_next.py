@@ -17,6 +17,7 @@ from .engine import (
     WeightGroup,
     concatenated,
     convert_checkpoint,
+    count_mtp_layers,
     fuse_experts,
     rename,
     to_multimodal_name,
@@ -166,17 +167,10 @@ def mtp_layout(source: SourceCheckpoint, text) -> tuple[int, list[str]]:
     ConversionError when `num_nextn_predict_layers` disagrees with the weights."""
     layers = re.compile(rf"{re.escape(TEXT_PREFIX)}layers\.(\d+)\.(.*)")
     found = [(int(match.group(1)), match.group(2)) for name in source.weight_names if (match := layers.match(name))]
-    extra = sorted({index for index, _ in found if index >= text.num_hidden_layers})
-    if extra != list(range(text.num_hidden_layers, text.num_hidden_layers + len(extra))):
-        raise ConversionError(f"The source's layers after the decoder are {extra}; next-n layers follow the "
-                              f"{text.num_hidden_layers} decoder layers without gaps.")
-    declared = getattr(text, "num_nextn_predict_layers", None)
-    if declared is not None and declared != len(extra):
-        raise ConversionError(f"The source config declares num_nextn_predict_layers = {declared}, but its weights "
-                              f"hold {len(extra)} layers after the decoder; the checkpoint is incomplete or its "
-                              "config.json does not describe it.")
-    copies = sorted({name for index, name in found if index >= text.num_hidden_layers and name in MTP_COPIES})
-    return len(extra), copies
+    extra = [(index, name) for index, name in found if index >= text.num_hidden_layers]
+    count = count_mtp_layers((index for index, _ in extra), text.num_hidden_layers,
+                             getattr(text, "num_nextn_predict_layers", None), "num_nextn_predict_layers")
+    return count, sorted({name for _, name in extra if name in MTP_COPIES})
 
 
 def shared_with_copies(main: str, copies: list[str], target: str) -> WeightGroup:
@@ -232,8 +226,9 @@ def build_plan(source: SourceCheckpoint, config) -> ConversionPlan:
     norm = zero_centred_norm if text.rms_norm_unit_offset else rename
     mtp_layers = [f"{TEXT_PREFIX}layers.{text.num_hidden_layers + depth}." for depth in range(text.num_mtp_layers)]
     copies = (text.source_config or {}).get(MTP_COPIES_KEY, [])
-    embedding_copies = [layer + name for layer in mtp_layers for name in copies if name == "embed_tokens.weight"]
-    head_copies = [layer + name for layer in mtp_layers for name in copies if name == "shared_head.head.weight"]
+    embedding_copy, head_copy = MTP_COPIES
+    embedding_copies = [layer + embedding_copy for layer in mtp_layers if embedding_copy in copies]
+    head_copies = [layer + head_copy for layer in mtp_layers if head_copy in copies]
     ignore = []
     if text.tie_word_embeddings:  # the head is the embedding, and so are its copies
         embedding_copies += head_copies

@@ -17,6 +17,7 @@ from .engine import (
     IgnoreRule,
     WeightGroup,
     convert_checkpoint,
+    count_mtp_layers,
     rename,
     to_multimodal_name,
 )
@@ -156,10 +157,8 @@ def build_text_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig, kee
     # A final mix writes nothing back; vLLM drops such weights where a checkpoint stores them, and so do we.
     ignore.append(IgnoreRule(rf"(mtp\.|{re.escape(prefix)})hyper_connection_mixer\.block_inject_weight$",
                              "write-back weights of a final mix, which nothing reads"))
-    groups += [
-        rename(f"{prefix}hyper_connection_mixer.{part}", f"model.hyper_connection_mixer.{part}")
-        for part in ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight")
-    ]
+    groups += [rename(f"{prefix}hyper_connection_mixer.{part}", f"model.hyper_connection_mixer.{part}")
+               for part in MIXER]
 
     for index, kind in enumerate(config.layer_types):
         layer_groups, layer_concatenations = decoder_layer_plan(f"{prefix}layers.{index}.", f"model.layers.{index}.",
@@ -240,15 +239,8 @@ def mtp_plan(config: HybridIndexPoolConfig, names, prefix: str) -> list[WeightGr
 def mtp_layer_count(source: SourceCheckpoint, text) -> int:
     """The source's MTP decoder layers (`mtp.layers.N.`); ConversionError when `mtp_num_hidden_layers` disagrees."""
     pattern = re.compile(r"mtp\.layers\.(\d+)\.")
-    found = sorted({int(match.group(1)) for name in source.weight_names if (match := pattern.match(name))})
-    if found != list(range(len(found))):
-        raise ConversionError(f"The source's MTP layers are {found}; they count from 0 without gaps.")
-    declared = getattr(text, "mtp_num_hidden_layers", None)
-    if declared is not None and found and declared != len(found):
-        raise ConversionError(f"The source config declares mtp_num_hidden_layers = {declared}, but its weights hold "
-                              f"{len(found)} MTP layers; the checkpoint is incomplete or its config.json does not "
-                              "describe it.")
-    return len(found)
+    found = (int(match.group(1)) for name in source.weight_names if (match := pattern.match(name)))
+    return count_mtp_layers(found, 0, getattr(text, "mtp_num_hidden_layers", None), "mtp_num_hidden_layers")
 
 
 def indexer_prefixes(config: HybridIndexPoolConfig) -> list[str]:

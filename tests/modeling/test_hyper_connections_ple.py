@@ -3,7 +3,7 @@ Qwen4-Exp modules they reproduce."""
 
 import pytest
 import torch
-from model_factory import tiny_config, tiny_model
+from model_factory import randomize_parameters, tiny_config, tiny_model
 from transformers import Qwen4ExpTextConfig
 from transformers.models.qwen4_exp import modeling_qwen4_exp as qwen4
 
@@ -21,11 +21,7 @@ HC_PLE = dict(hc_count=3, hc_lowrank=8, ple_layers=[0, 2], ple_ngram_size=3, ple
 def hc_ple_model(seed: int = 0, **overrides) -> HybridIndexPoolForCausalLM:
     """A tiny model with every Qwen4-Exp feature on and its zero-initialised parts (norms, PLE convolution) random."""
     model = tiny_model(seed, **{**HC_PLE, **overrides})
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name or "ple.conv1d" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    randomize_parameters(model, lambda name: "norm" in name or "ple.conv1d" in name, seed + 1, 0.3)
     return model
 
 

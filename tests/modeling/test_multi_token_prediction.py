@@ -4,7 +4,7 @@ the loss and its gradients, saving and loading, and the refusals."""
 import pytest
 import torch
 import torch.nn.functional as F
-from model_factory import KIMI_DELTA, MLA, tiny_model
+from model_factory import KIMI_DELTA, MLA, randomize_parameters, tiny_model
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
 from hybrid_indexpool.modeling.inputs import LayerStep
@@ -19,11 +19,7 @@ GLM_MTP = dict(num_mtp_layers=1, hc_type="sinkhorn", hc_count=2, **MLA, **KIMI_D
 def mtp_model(seed=0, **overrides) -> HybridIndexPoolForCausalLM:
     """A tiny MTP model whose norms (zero-centred, so they start as the identity) are random."""
     model = tiny_model(seed, **overrides)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "mtp" in name and "norm" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    randomize_parameters(model, lambda name: "mtp" in name and "norm" in name, seed + 1, 0.3)
     return model
 
 
