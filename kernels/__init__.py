@@ -5,4 +5,24 @@
 - `pooled_index_topk.pooled_index_topk`: pooled index scores and top-k window selection.
 - `sparse_attention.sparse_attention`: attention over the selected windows plus the tail.
 - `weighted_pool.weighted_pool`: weighted pooling of completed indexer windows.
+
+Installed, this folder is `hybrid_indexpool.kernels`. Run from the checkout's root (`python -m ...`, which puts the
+current folder first on `sys.path`), a plain `import kernels` would find this folder before the PyPI package `kernels`
+that transformers imports (its hub-kernel integration): imported under that top-level name, the folder hands the import
+over to that package, or fails as if it were not there.
 """
+
+if __name__ == "kernels":
+    import importlib
+    import os
+    import sys
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _path = sys.path[:]
+    sys.path[:] = [entry for entry in _path if os.path.abspath(entry or os.curdir) != _checkout]
+    del sys.modules[__name__]
+    try:
+        # The import system returns what `sys.modules` holds once this module has run: the PyPI package.
+        importlib.import_module(__name__)
+    finally:
+        sys.path[:] = _path

@@ -37,3 +37,17 @@ def test_the_wheel_ships_every_module_and_data_file(tmp_path):
     # vLLM finds the plugin through this entry point: installing the wheel next to vLLM is all a user does.
     assert "[vllm.general_plugins]\nhybrid_indexpool = hybrid_indexpool.serving:register" in \
         zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_run_from_the_checkout_root_transformers_finds_the_pypi_kernels_package():
+    """`python -m ...` from the checkout's root puts it first on `sys.path`, where the `kernels/` folder would hide the
+    PyPI package `kernels` that transformers imports (its hub-kernel integration): the folder hands the import over,
+    and the package still imports under its own name."""
+    code = ("import importlib.util, transformers.modeling_utils, hybrid_indexpool.kernels as ours\n"
+            "try:\n    import kernels\nexcept ModuleNotFoundError:\n    print('absent', ours.__file__)\n"
+            "else:\n    print(kernels.__file__, ours.__file__)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    pypi_kernels, ours = result.stdout.split()
+    assert Path(ours).resolve() == ROOT / "kernels" / "__init__.py"
+    assert pypi_kernels == "absent" or Path(pypi_kernels).resolve() != Path(ours).resolve()
