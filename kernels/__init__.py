@@ -9,7 +9,7 @@
 Installed, this folder is `hybrid_indexpool.kernels`. Run from the checkout's root (`python -m ...`, which puts the
 current folder first on `sys.path`), a plain `import kernels` would find this folder before the PyPI package `kernels`
 that transformers imports (its hub-kernel integration): imported under that top-level name, the folder hands the import
-over to that package, or fails as if it were not there.
+over to that package where it is installed (and stays an empty package otherwise, as before).
 """
 
 if __name__ == "kernels":
@@ -20,9 +20,11 @@ if __name__ == "kernels":
     _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _path = sys.path[:]
     sys.path[:] = [entry for entry in _path if os.path.abspath(entry or os.curdir) != _checkout]
-    del sys.modules[__name__]
+    _folder = sys.modules.pop(__name__)
     try:
         # The import system returns what `sys.modules` holds once this module has run: the PyPI package.
         importlib.import_module(__name__)
+    except ModuleNotFoundError:
+        sys.modules[__name__] = _folder
     finally:
         sys.path[:] = _path
