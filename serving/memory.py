@@ -7,6 +7,8 @@ The layer's cache owners return these specs to vLLM, so the numbers here are vLL
 import torch
 from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec, MLAAttentionSpec
 
+from .paged_step import pooled_key_width
+
 
 def main_kv_spec(num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype = torch.bfloat16) -> FullAttentionSpec:
@@ -14,11 +16,12 @@ def main_kv_spec(num_kv_heads: int, head_dim: int, block_size: int,
     return FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, dtype=dtype)
 
 
-def pooled_key_spec(index_head_dim: int, pool_size: int, block_size: int,
+def pooled_key_spec(width: int, pool_size: int, block_size: int,
                     dtype: torch.dtype = torch.bfloat16) -> MLAAttentionSpec:
     """One pooled indexer key per `pool_size` tokens, paged with the request's blocks (`block_size // pool_size` keys
-    per block)."""
-    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=index_head_dim, dtype=dtype,
+    per block): `width` elements of `dtype` (the index head dim in the model's dtype, or a packed fp8 key's bytes in
+    uint8)."""
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=width, dtype=dtype,
                             tokens_per_state=pool_size)
 
 
@@ -41,10 +44,13 @@ def indexpool_cache_specs(index_head_dim: int, num_kv_heads: int, head_dim: int,
 
 def bytes_per_token(config, block_size: int, context: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """Cache bytes per token of context of one IndexPool layer of `config`, per component, for one request of
-    `context` tokens (whole blocks, as vLLM allocates them)."""
+    `context` tokens (whole blocks, as vLLM allocates them); pooled keys packed in fp8 with
+    `index_key_cache_dtype = "float8_e4m3fn"`."""
     gate_width = {"learned": config.index_head_dim, "learned_scalar": 1}.get(config.index_pool_weighting, 0)
     specs = indexpool_cache_specs(config.index_head_dim, config.num_key_value_heads, config.head_dim,
                                   config.index_pool_size, gate_width, block_size, dtype)
+    width, pooled_dtype = pooled_key_width(config.index_head_dim, config.index_key_cache_dtype)
+    specs["pooled_keys"] = pooled_key_spec(width, config.index_pool_size, block_size, pooled_dtype or dtype)
     blocks = -(-context // block_size)
     return {
         "main": blocks * specs["main"].page_size_bytes / context,

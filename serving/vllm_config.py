@@ -36,9 +36,6 @@ def unsupported_options(config) -> list[str]:
         problems.append(f"hyper-connections (hc_count = {config.hc_count}; the vLLM model supports hc_count = 1)")
     if config.ple_layers:
         problems.append(f"per-layer n-gram embeddings (ple_layers = {config.ple_layers}; the vLLM model has none)")
-    if config.index_key_cache_dtype != "auto":
-        problems.append(f"index_key_cache_dtype = {config.index_key_cache_dtype!r} (the vLLM model keeps pooled keys "
-                        "in the model's dtype; use 'auto')")
     if "mrope_section" in config.rope_parameters:
         problems.append("multimodal RoPE (rope_parameters['mrope_section']; the multimodal model is not served yet)")
     for name, served in SERVED_VARIANTS.items():

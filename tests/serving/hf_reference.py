@@ -1,11 +1,12 @@
 """The transformers side of the vLLM tests, run with the main environment's Python (transformers 5.24).
 
-    python hf_reference.py checkpoint OUT [experts]  # save the tiny bfloat16 checkpoint the vLLM tests serve
+    python hf_reference.py checkpoint OUT [experts|fp8]  # save the tiny bfloat16 checkpoint the vLLM tests serve
     python hf_reference.py score CKPT IN.json OUT.json
 
 `score` reads `[{"prompt": [ids], "output": [ids]}, ...]` and writes, per request and generated token, the
 log-probability our `HybridIndexPoolForCausalLM` gives that token when teacher-forced along the same tokens, in
-bfloat16 and in float32: `[{"bfloat16": [...], "float32": [...]}, ...]`.
+bfloat16 and in float32: `[{"bfloat16": [...], "float32": [...]}, ...]`. A checkpoint with fp8 pooled index keys is
+scored through its cache (which is where they are packed in fp8).
 """
 
 import json
@@ -14,12 +15,12 @@ import sys
 import torch
 
 
-def tiny_checkpoint(output_dir: str, experts: str = "") -> None:
+def tiny_checkpoint(output_dir: str, variant: str = "") -> None:
     """Two Gated DeltaNet and two IndexPool layers, linear head dim 64 (vLLM's CPU GDN needs 64 or 128), budget 16
     tokens at r = 4, learned pooling with non-zero gates, the byte-level tokenizer; saved in bfloat16. With
     `experts`, a mixture of 4 experts (2 per token) and a shared expert in place of the dense MLPs, with a decisive
     router (its weights scaled up), so that no expert choice ties within bfloat16 noise, and one MTP layer (which the
-    plugin does not serve: its weights are skipped)."""
+    plugin does not serve: its weights are skipped). With `fp8`, pooled index keys cached packed in fp8."""
     from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
@@ -34,7 +35,8 @@ def tiny_checkpoint(output_dir: str, experts: str = "") -> None:
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         max_position_embeddings=4096, initializer_range=0.05,
         **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                num_mtp_layers=1) if experts else {}),
+                num_mtp_layers=1) if variant == "experts" else {}),
+        index_key_cache_dtype="float8_e4m3fn" if variant == "fp8" else "auto",
     )
     model = HybridIndexPoolForCausalLM(config)
     generator = torch.Generator().manual_seed(1)
@@ -59,7 +61,9 @@ def score(checkpoint: str, requests_path: str, output_path: str) -> None:
         with torch.no_grad():
             for request, result in zip(requests, results):
                 prompt, output = request["prompt"], request["output"]
-                logits = model(torch.tensor([prompt + output[:-1]]), use_cache=False).logits[0, len(prompt) - 1:]
+                fp8_index_keys = model.config.index_key_cache_dtype != "auto"
+                logits = model(torch.tensor([prompt + output[:-1]]),
+                               use_cache=fp8_index_keys).logits[0, len(prompt) - 1:]
                 logprobs = logits.float().log_softmax(dim=-1)
                 chosen = logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0]
                 result[str(dtype).removeprefix("torch.")] = chosen.tolist()

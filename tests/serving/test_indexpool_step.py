@@ -21,9 +21,9 @@ CONTEXTS, NEW_TOKENS = [150, 37, 9], [1, 22, 1]
 LATER_CONTEXTS = [230, 110, 61]
 
 
-def build_layer(sink_windows: int = 0, local_windows: int = 0):
-    """A tiny IndexPool layer (budget 16 at r = 4) with random weights and empty paged caches, its vLLM config and
-    the metadata builders of its three caches."""
+def build_layer(sink_windows: int = 0, local_windows: int = 0, fp8_index_keys: bool = False):
+    """A tiny IndexPool layer (budget 16 at r = 4) with random weights and random paged caches (pooled keys packed in
+    fp8 with `fp8_index_keys`), its vLLM config and the metadata builders of its three caches."""
     import socket
     import tempfile
 
@@ -32,6 +32,7 @@ def build_layer(sink_windows: int = 0, local_windows: int = 0):
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     from hybrid_indexpool.configuration import HybridIndexPoolConfig
+    from hybrid_indexpool.kernels.fp8_index_keys import quantize_pooled_keys
     from hybrid_indexpool.serving import register
     from hybrid_indexpool.serving.indexpool_attention import IndexPoolAttention, IndexPoolMetadataBuilder
 
@@ -44,6 +45,7 @@ def build_layer(sink_windows: int = 0, local_windows: int = 0):
         index_pool_weighting="learned", index_sink_windows=sink_windows, index_local_windows=local_windows,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         max_position_embeddings=4096, architectures=["HybridIndexPoolForCausalLM"],
+        index_key_cache_dtype="float8_e4m3fn" if fp8_index_keys else "auto",
     ).save_pretrained(folder)
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=folder, dtype="bfloat16", skip_tokenizer_init=True,
@@ -76,9 +78,11 @@ def build_layer(sink_windows: int = 0, local_windows: int = 0):
         rows = {0: BLOCK_SIZE, 1: BLOCK_SIZE // 4, 2: 4}[len(builders)]
         if owner is layer.main_cache:
             owner.kv_cache = torch.randn(NUM_BLOCKS, spec.num_kv_heads, BLOCK_SIZE, 2 * spec.head_size)
+        elif owner.dtype == torch.uint8:
+            owner.kv_cache = quantize_pooled_keys(torch.randn(NUM_BLOCKS, rows, 1, 32))
         else:
             owner.kv_cache = torch.randn(NUM_BLOCKS, rows, 1, owner.head_size)
-        owner.kv_cache = owner.kv_cache.to(torch.bfloat16)
+        owner.kv_cache = owner.kv_cache.to(owner.dtype)
         builders[owner.prefix] = IndexPoolMetadataBuilder(spec, [owner.prefix], vllm_config, torch.device("cpu"))
     return layer, vllm_config, builders
 
@@ -210,10 +214,10 @@ def check_forward_makes_no_host_sync_and_keeps_its_shapes():
     print(f"operators in a 3-request decode step of one layer: {len(guard.trace)}")
 
 
-def check_padding_and_dummy_requests_write_nothing():
+def check_padding_and_dummy_requests_write_nothing(fp8_index_keys: bool):
     import torch
 
-    layer, vllm_config, builders = build_layer()
+    layer, vllm_config, builders = build_layer(fp8_index_keys=fp8_index_keys)
     fill_caches(layer, vllm_config, builders, CONTEXTS)
     caches = [layer.main_cache, layer.indexer.pooled_key_cache, layer.indexer.open_window_cache]
     before = [owner.kv_cache.clone() for owner in caches]
@@ -232,10 +236,12 @@ def check_padding_and_dummy_requests_write_nothing():
         assert torch.equal(owner.kv_cache, saved)
 
 
-def test_padding_and_dummy_requests_write_nothing():
+@pytest.mark.parametrize("fp8_index_keys", [False, True])
+def test_padding_and_dummy_requests_write_nothing(fp8_index_keys):
     """Padding tokens and dummy requests (null-block rows, as in vLLM's capture runs) leave the null block and every
-    block they do not own unchanged, in a step with real requests and in one without."""
-    run_in_fresh_process(__file__, "check_padding_and_dummy_requests_write_nothing")
+    block they do not own unchanged, in a step with real requests and in one without (pooled keys in the model's
+    dtype or packed in fp8)."""
+    run_in_fresh_process(__file__, "check_padding_and_dummy_requests_write_nothing", fp8_index_keys)
 
 
 def test_forward_makes_no_host_sync_and_keeps_its_shapes():
@@ -257,7 +263,7 @@ def check_compiled_step_matches_eager(backend: str):
     def random(*shape):
         return torch.randn(num_tokens, *shape, generator=generator).to(torch.bfloat16)
     inputs = (random(4, 64), random(2, 64), random(2, 64), random(2, 32), random(64),
-              torch.rand(num_tokens, 2, generator=generator))
+              torch.rand(num_tokens, 2, generator=generator), random(4, 64))
     caches = [layer.main_cache, layer.indexer.pooled_key_cache, layer.indexer.open_window_cache]
     before = [owner.kv_cache.clone() for owner in caches]
     with torch.no_grad():
@@ -282,12 +288,13 @@ def test_compiled_step_matches_eager():
     run_in_fresh_process(__file__, "check_compiled_step_matches_eager", "aot_eager")
 
 
-def check_selection_matches_reference(sink_windows: int, local_windows: int, tied: bool):
+def check_selection_matches_reference(sink_windows: int, local_windows: int, tied: bool, fp8_index_keys: bool):
     import torch
 
     from hybrid_indexpool.kernels.pooled_index_topk.reference import pooled_index_topk_torch
+    from hybrid_indexpool.serving.paged_step import paged_pooled_index_topk
 
-    layer, vllm_config, builders = build_layer(sink_windows, local_windows)
+    layer, vllm_config, builders = build_layer(sink_windows, local_windows, fp8_index_keys)
     fill_caches(layer, vllm_config, builders, CONTEXTS)
     positions, metadata = build_step(layer, builders, CONTEXTS, NEW_TOKENS)
     main = metadata[layer.main_cache.prefix]
@@ -298,8 +305,10 @@ def check_selection_matches_reference(sink_windows: int, local_windows: int, tie
         index_queries = -index_queries.abs()
         layer.indexer.pooled_key_cache.kv_cache.abs_()
     head_weights = torch.rand(len(positions), 2, generator=generator)
-    selected = layer._select(index_queries, head_weights, main, pooled)
     pooled_cache = layer.indexer.pooled_key_cache.kv_cache
+    selected = paged_pooled_index_topk(index_queries, pooled_cache, pooled.block_table, main.tile_tokens,
+                                       main.tile_request, main.token_tile, main.num_visible_windows, main.window_bound,
+                                       4, head_weights, sink_windows=sink_windows, local_windows=local_windows)
     start = 0
     for request, (context, count) in enumerate(zip(CONTEXTS, NEW_TOKENS)):
         windows = torch.arange((context + count) // 4)
@@ -313,8 +322,11 @@ def check_selection_matches_reference(sink_windows: int, local_windows: int, tie
         start += count
 
 
-@pytest.mark.parametrize("sink_windows, local_windows, tied", [(0, 0, False), (1, 1, False), (0, 0, True)])
-def test_selection_matches_reference(sink_windows, local_windows, tied):
-    """The batched selection picks exactly the windows of the reference selection (`pooled_index_topk_torch`,
-    fixed-shape path), with forced sink and local windows and with every score tied."""
-    run_in_fresh_process(__file__, "check_selection_matches_reference", sink_windows, local_windows, tied)
+@pytest.mark.parametrize("sink_windows, local_windows, tied, fp8_index_keys",
+                         [(0, 0, False, False), (1, 1, False, False), (0, 0, True, False), (0, 0, False, True)])
+def test_selection_matches_reference(sink_windows, local_windows, tied, fp8_index_keys):
+    """The batched selection over the paged pooled keys picks exactly the windows of the reference selection over the
+    request's keys laid out in order (`pooled_index_topk_torch`, fixed-shape path), with forced sink and local
+    windows, with every score tied, and on packed fp8 keys."""
+    run_in_fresh_process(__file__, "check_selection_matches_reference", sink_windows, local_windows, tied,
+                         fp8_index_keys)

@@ -20,7 +20,6 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("change, named", [
     ({"hc_count": 2}, "hc_count"),
     ({"ple_layers": [0], "eos_token_id": 2}, "ple_layers"),
-    ({"index_key_cache_dtype": "float8_e4m3fn"}, "index_key_cache_dtype"),
 ])
 def test_unsupported_checkpoint_option_is_refused_at_start(checkpoint, tmp_path, change, named):
     changed = tmp_path / "changed"

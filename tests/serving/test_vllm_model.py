@@ -90,6 +90,21 @@ def test_mixture_of_experts_matches_transformers(tmp_path_factory, tmp_path):
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
 
 
+def test_fp8_pooled_keys_match_transformers(tmp_path_factory, tmp_path):
+    """`index_key_cache_dtype = "float8_e4m3fn"`: vLLM's pooled-key cache holds packed fp8 keys (rotated, fp8 bytes
+    and a power-of-two float32 scale), written when windows complete and scored from the pages; as close to our
+    transformers model with the same fp8 cache as the bfloat16 checks require, for a batch beyond the budget with
+    prefills chunked inside windows."""
+    checkpoint = tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool-fp8", fp8_index_keys=True)
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
+                   max_num_batched_tokens=CHUNK_TOKENS, seed=0)
+    try:
+        requests = generate(llm, random_prompts([70, 23, 130, 250], seed=6), max_tokens=16)
+    finally:
+        del llm
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
+
+
 def test_compiled_model_gives_the_eager_tokens(engine, checkpoint):
     """With vLLM's compilation on (`@support_torch_compile`; on CPU vLLM traces the model once with Dynamo and
     compiles it with Inductor, the IndexPool step and the Gated DeltaNet core staying custom ops), the same tokens as

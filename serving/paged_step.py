@@ -1,0 +1,392 @@
+"""The IndexPool layer's batched step over paged caches, in plain tensors: nothing here imports vLLM.
+
+The vLLM plugin (`indexpool_attention.py`) wraps these in vLLM's classes; `scripts/check_gpu.py` runs them on a GPU
+machine where vLLM is not installed, and the main test suite runs them on CPU.
+
+Three caches per IndexPool layer, in vLLM's layouts (each a cache layer of its own in vLLM's memory model):
+
+- main keys/values `[blocks, kv_heads, block_size, 2 * head_dim]` (key, then value, per slot), one row per token;
+- pooled indexer keys `[blocks, block_size // r, 1, width]`, one row per window of `r` tokens, paged with the
+  request's blocks: `width = index_head_dim` in the model's dtype, or `index_head_dim + 4` bytes (uint8) of packed fp8
+  keys (`kernels/fp8_index_keys`);
+- the open-window ring `[ring blocks, r, 1, index_head_dim + gate_width]`: each request's last `r` raw indexer keys
+  and pooling-gate logits (one block per request), token `p` at row `p % r`.
+
+A step is any mix of prefill chunks and decodes. `PagedMetadataBuilder.build` runs once per step and cache and puts
+everything that needs the host (token -> request, positions, write destinations, the selection's tiles and window
+bound) into persistent device buffers; `indexpool_step` is then one batched computation over all the step's tokens
+whose shapes depend on the token count, the tiles and the budget only, and which reads nothing back from the device:
+it can be compiled whole and captured in a CUDA graph.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.fp8_index_keys import (
+    dequantize_pooled_keys,
+    is_packed,
+    packed_width,
+    quantize_pooled_keys,
+    rotate_queries,
+)
+from ..kernels.pooled_index_topk.reference import scaled_head_weights, selection_keys, window_ids_of
+from ..kernels.sparse_attention.reference import masked_softmax
+from ..kernels.weighted_pool.reference import weighted_pool_torch
+
+# Queries of one request scored together against its pooled keys (one tile); decode tokens are tiles of one query.
+QUERY_TILE = 64
+# Fewest windows scored per query: the builder rounds the longest scheduled context up to a power of two, at least
+# this, so that the shapes of a step change only when the longest context crosses a power of two.
+MIN_WINDOW_BOUND = 64
+CACHE_KINDS = ("main", "pooled_keys", "open_window")
+
+
+@dataclass
+class PagedCacheMetadata:
+    """Per-step metadata of one of an IndexPool layer's caches, in device tensors the step reads without syncing.
+
+    Padding tokens (beyond the scheduled ones, or of dummy requests whose blocks are the null block) take every
+    per-token field of the step's last real token, so their writes repeat its writes bit for bit; `write_keep` is
+    False only in a step without any real token, whose writes put back what the destinations hold.
+    """
+
+    num_actual_tokens: int
+    block_table: torch.Tensor  # [requests, blocks] of this cache
+    token_request: torch.Tensor  # [tokens] int64
+    token_position: torch.Tensor  # [tokens] int64
+    write_token: torch.Tensor  # [tokens] int64: whose data each token writes
+    write_block: torch.Tensor  # [tokens] int64
+    write_row: torch.Tensor  # [tokens] int64: offset in the block (main), window row (pooled keys), ring row
+    write_keep: torch.Tensor  # [tokens] bool
+    # Main cache only: the selection's tiles and bound.
+    num_visible_windows: torch.Tensor | None = None  # [tokens] int64: complete windows each token sees
+    window_bound: int = 0  # windows scored per query, >= every request's complete windows
+    tile_tokens: torch.Tensor | None = None  # [tiles, tile width] int64: each tile's queries (repeated at the end)
+    tile_request: torch.Tensor | None = None  # [tiles] int64
+    token_tile: torch.Tensor | None = None  # [tokens] int64: tile * tile width + row of each token
+    # Open-window ring only: where the rows of each token's window come from.
+    window_token: torch.Tensor | None = None  # [tokens, r] int64: this step's token holding each row, or -1
+    window_ring_block: torch.Tensor | None = None  # [tokens] int64
+
+
+class PagedMetadataBuilder:
+    """Everything the step needs from the host for one cache (`kind`: `main`, `pooled_keys` or `open_window`),
+    computed once per step into persistent buffers of `max_num_tokens` tokens and `max_num_requests` requests.
+
+    Reads on the host only what an engine holds there anyway (the query start offsets, the longest query and
+    context); the rest is device work. With `full_graphs` (CUDA graphs of whole uniform decode steps) the window bound
+    is fixed by `max_model_len`, so a replay keeps the captured shapes.
+    """
+
+    def __init__(self, kind: str, pool_size: int, block_size: int, max_model_len: int, max_num_tokens: int,
+                 max_num_requests: int, device: torch.device, full_graphs: bool = False,
+                 metadata_class: type = PagedCacheMetadata):
+        if kind not in CACHE_KINDS:
+            raise ValueError(f"kind must be one of {CACHE_KINDS}, got {kind!r}")
+        if block_size % pool_size:
+            raise ValueError(f"The block size ({block_size}) must be a multiple of the pool size ({pool_size}).")
+        self.kind, self.pool_size, self.block_size, self.device = kind, pool_size, block_size, device
+        self.metadata_class = metadata_class
+        self.max_windows = -(-max_model_len // pool_size)
+        self.fixed_window_bound = self.max_windows if full_graphs else None
+        buffer = functools.partial(torch.empty, dtype=torch.long, device=device)
+        self.token_buffers = {name: buffer(max_num_tokens) for name in (
+            "token_request", "token_position", "write_token", "write_block", "write_row", "num_visible_windows",
+            "token_tile", "window_ring_block")}
+        self.write_keep_buffer = torch.empty(max_num_tokens, dtype=torch.bool, device=device)
+        self.window_token_buffer = buffer(max_num_tokens, pool_size)
+        self.tile_tokens_buffer = buffer(max_num_tokens + max_num_requests * QUERY_TILE)
+        self.tile_request_buffer = buffer(max_num_tokens + max_num_requests)
+
+    def build(self, num_tokens: int, num_requests: int, query_start_loc_cpu: torch.Tensor,
+              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+              slot_mapping: torch.Tensor, max_query_len: int, max_seq_len: int) -> PagedCacheMetadata:
+        """The metadata of a step of `num_tokens` tokens (scheduled ones first, then padding) of `num_requests`
+        requests: `query_start_loc[_cpu] [requests + 1]` their token offsets (device and host copies),
+        `seq_lens [requests]` their lengths after the step, `block_table [requests, blocks]` this cache's blocks,
+        `slot_mapping [tokens]` the main cache's slot of each token (read for `main` only)."""
+        r = self.pool_size
+        starts_cpu = query_start_loc_cpu[: num_requests + 1]
+        query_lens_cpu = (starts_cpu[1:] - starts_cpu[:-1]).long()
+        num_scheduled = int(starts_cpu[-1])
+        out = {name: buffer[:num_tokens] for name, buffer in self.token_buffers.items()}
+
+        # Token -> request from the host copy (requests of zero tokens own none); tokens beyond them are padding.
+        token_request = torch.repeat_interleave(torch.arange(num_requests), query_lens_cpu)
+        token_request = torch.cat([token_request, token_request.new_full((num_tokens - num_scheduled,),
+                                                                          max(num_requests - 1, 0))])
+        request = out["token_request"].copy_(token_request, non_blocking=True)
+        tokens = torch.arange(num_tokens, device=self.device)
+        starts = query_start_loc.long()
+        first_token, end_token = starts[request], starts[request + 1]
+        position = seq_lens.long()[request] - (end_token - first_token) + tokens - first_token
+        column = 0 if self.kind == "open_window" else (position // self.block_size).clamp(0, block_table.shape[1] - 1)
+        # Dummy requests (warm-up and capture runs) have null-block rows: their tokens are padding too.
+        real = (tokens < num_scheduled) & (position >= 0) & (block_table[request, column] > 0)
+        last_real = torch.where(real, tokens, -1).amax() if num_tokens else tokens.new_tensor(-1)
+        source = torch.where(real, tokens, last_real.clamp(min=0))
+        request, position = out["token_request"].copy_(request[source]), position[source]
+        first_token, end_token = first_token[source], end_token[source]
+        out["token_position"].copy_(position)
+        keep = self.write_keep_buffer[:num_tokens].copy_((last_real >= 0).expand(num_tokens))
+
+        metadata = dict(num_actual_tokens=num_tokens, block_table=block_table, write_keep=keep)
+        if self.kind == "main":
+            slot = slot_mapping[:num_tokens].long()[source]
+            write_token, block, row = source, slot // self.block_size, slot % self.block_size
+            out["num_visible_windows"].copy_((position + 1) // r)
+            metadata.update(self._tiles(query_lens_cpu, starts_cpu, num_tokens, num_scheduled, max_query_len,
+                                        max_seq_len, out["token_tile"]))
+            metadata["num_visible_windows"] = out["num_visible_windows"]
+        elif self.kind == "pooled_keys":
+            # Every token writes the pooled key of its window, computed at the window's last token of the step:
+            # a complete window's key, or one a later step overwrites before any query sees the window.
+            write_token = torch.minimum(source + (r - 1) - position % r, end_token - 1)
+            window = position // r
+            column = (window * r // self.block_size).clamp(max=block_table.shape[1] - 1)
+            block, row = block_table[request, column].long(), window % (self.block_size // r)
+        else:
+            # Of the step's tokens sharing a ring row, the last one's row stays: every earlier token writes it too.
+            last_token = end_token - 1
+            write_token = source + r * ((last_token - source) // r)
+            block, row = block_table[request, 0].long(), position % r
+            # The r rows of each token's window: this step's tokens, the earlier ones from the ring.
+            rows = (position // r * r)[:, None] + torch.arange(r, device=self.device)
+            step_start = position - (source - first_token)
+            from_step = rows >= step_start[:, None]
+            window_token = torch.minimum(first_token[:, None] + rows - step_start[:, None], last_token[:, None])
+            metadata["window_token"] = self.window_token_buffer[:num_tokens].copy_(
+                torch.where(from_step, window_token, -1))
+            metadata["window_ring_block"] = out["window_ring_block"].copy_(block)
+        no_write = ~keep
+        metadata.update(
+            token_request=request, token_position=out["token_position"],
+            write_token=out["write_token"].copy_(write_token),
+            write_block=out["write_block"].copy_(block.masked_fill(no_write, 0)),
+            write_row=out["write_row"].copy_(row.masked_fill(no_write, 0)),
+        )
+        return self.metadata_class(**metadata)
+
+    def _tiles(self, query_lens_cpu, starts_cpu, num_tokens, num_scheduled, max_query_len, max_seq_len, token_tile):
+        """Split each request's queries into tiles of `min(QUERY_TILE, max_query_len)` (host arithmetic on the
+        host copies); every request has at least one tile, so a decode batch has one per request."""
+        width = max(1, min(QUERY_TILE, max_query_len))
+        tiles_per_request = ((query_lens_cpu + width - 1) // width).clamp(min=1)
+        tile_request = torch.repeat_interleave(torch.arange(len(query_lens_cpu)), tiles_per_request)
+        tile_start = torch.cumsum(tiles_per_request, 0) - tiles_per_request
+        tile_in_request = torch.arange(len(tile_request)) - tile_start[tile_request]
+        first = starts_cpu[:-1].long()[tile_request] + tile_in_request * width
+        last = (starts_cpu[1:].long()[tile_request] - 1).clamp(min=0)
+        tile_tokens = torch.minimum(first[:, None] + torch.arange(width), last[:, None])
+        tile_tokens = tile_tokens.clamp(max=max(num_tokens - 1, 0))
+        # Each scheduled token's place in the tiles; padding tokens read the first place (their output is unused).
+        places = torch.zeros(num_tokens, dtype=torch.long)
+        owner = first[:, None] + torch.arange(width)
+        valid = owner <= last[:, None]
+        valid &= owner < num_scheduled
+        places[owner[valid]] = torch.arange(tile_tokens.numel()).view_as(tile_tokens)[valid]
+        num_tiles = len(tile_request)
+        if self.fixed_window_bound is not None:
+            window_bound = self.fixed_window_bound
+        else:
+            needed = max(1, -(-max_seq_len // self.pool_size))
+            window_bound = min(self.max_windows, max(MIN_WINDOW_BOUND, 1 << (needed - 1).bit_length()))
+        return dict(
+            window_bound=window_bound,
+            tile_tokens=self.tile_tokens_buffer[: num_tiles * width].view(num_tiles, width).copy_(
+                tile_tokens, non_blocking=True),
+            tile_request=self.tile_request_buffer[:num_tiles].copy_(tile_request, non_blocking=True),
+            token_tile=token_tile.copy_(places, non_blocking=True),
+        )
+
+
+@dataclass
+class PagedCaches:
+    """One IndexPool layer's three paged caches (layouts in the module's docstring)."""
+
+    main: torch.Tensor
+    pooled_keys: torch.Tensor
+    open_window: torch.Tensor
+
+
+@dataclass
+class IndexPoolStepSettings:
+    """The layer's sizes and the parameters its step reads besides the projections' outputs."""
+
+    pool_size: int
+    topk_windows: int  # windows selected per query
+    sink_windows: int
+    local_windows: int
+    scaling: float  # of the main attention's scores
+    weighting: str  # the indexer's pooling: `learned`, `learned_scalar`, `mean` or `prenorm_mean`
+    key_norm_weight: torch.Tensor  # [index_head_dim]: the pooled key's RMSNorm (1 + weight)
+    key_norm_eps: float
+    pool_slot_bias: torch.Tensor | None  # [r, gate_width] with learned pooling
+    cos_sin_cache: torch.Tensor  # [max_positions, rotary_dim]: cosines then sines, the pooled keys' RoPE
+
+
+def pooled_key_width(index_head_dim: int, index_key_cache_dtype: str) -> tuple[int, torch.dtype | None]:
+    """(row width, dtype or None for the model's) of the pooled-key cache: packed fp8 rows of `index_head_dim + 4`
+    bytes, or keys in the model's dtype."""
+    if index_key_cache_dtype == "float8_e4m3fn":
+        return packed_width(index_head_dim), torch.uint8
+    return index_head_dim, None
+
+
+def step_working_memory_bytes(query: torch.Tensor, key: torch.Tensor, index_queries: torch.Tensor,
+                              settings: IndexPoolStepSettings) -> int:
+    """An upper bound of the temporary memory of a step with these inputs' shapes, beyond the inputs and the output:
+    the larger of the attention's gathers for one chunk of queries (keys and values of their windows, float32 copies,
+    scores and probabilities) and the selection's chunk of scores."""
+    num_tokens, num_heads, head_dim = query.shape
+    queries = min(num_tokens, QUERY_CHUNK)
+    slots = settings.topk_windows * settings.pool_size + settings.pool_size - 1
+    gathered = queries * slots * key.shape[1] * head_dim * 2 * (query.element_size() + 4)
+    scores = 2 * queries * num_heads * slots * 4
+    return max(gathered + scores, SCORE_CHUNK_BYTES)
+
+
+def write_rows(cache: torch.Tensor, metadata: PagedCacheMetadata, rows: torch.Tensor) -> None:
+    """Write each token's `rows[write_token]` `[tokens, ...]` at `(write_block, write_row)` of a `[blocks, rows,
+    ...]` cache (the main cache seen slot-major). Tokens sharing a destination write the same bits; in a step without
+    a real token, each destination gets back what it holds."""
+    new = rows[metadata.write_token].to(cache.dtype)
+    old = cache[metadata.write_block, metadata.write_row]
+    keep = metadata.write_keep.view(-1, *[1] * (new.dim() - 1))
+    cache[metadata.write_block, metadata.write_row] = torch.where(keep, new, old)
+
+
+def indexpool_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, index_queries: torch.Tensor,
+                   ring_rows: torch.Tensor, head_weights: torch.Tensor | None, output_gate: torch.Tensor | None,
+                   caches: PagedCaches, main: PagedCacheMetadata, pooled: PagedCacheMetadata,
+                   ring: PagedCacheMetadata, settings: IndexPoolStepSettings) -> torch.Tensor:
+    """One IndexPool step of every request at once: write the new keys/values, pool every token's window into the
+    pooled-key cache (complete windows are final, an open one is overwritten by a later step before any query sees
+    it), keep the last `r` tokens in the ring, select each query's windows and attend to them and to its open window.
+
+    `query [tokens, heads, head_dim]`, `key`/`value [tokens, kv_heads, head_dim]` (normed and rotated),
+    `index_queries [tokens, index_heads, index_head_dim]` (rotated), `ring_rows [tokens, index_head_dim +
+    gate_width]` (raw indexer keys and gate logits), `head_weights [tokens, index_heads]` float32 or None,
+    `output_gate [tokens, heads, head_dim]` (sigmoid gate logits) or None -> `[tokens, heads, head_dim]`.
+    """
+    head_dim = query.shape[-1]
+    write_rows(caches.main.transpose(1, 2), main, torch.cat([key, value], dim=-1))
+    write_pooled_keys(
+        caches.pooled_keys, ring_rows, caches.open_window, ring.window_token, ring.window_ring_block,
+        ring.token_position // settings.pool_size * settings.pool_size, settings.cos_sin_cache,
+        settings.key_norm_weight, settings.key_norm_eps, settings.pool_slot_bias, settings.weighting,
+        pooled.write_token, pooled.write_block, pooled.write_row, pooled.write_keep)
+    # The ring is written after the pooling, which read its rows of earlier steps.
+    write_rows(caches.open_window[:, :, 0], ring, ring_rows)
+    selected = paged_pooled_index_topk(
+        index_queries, caches.pooled_keys, pooled.block_table, main.tile_tokens, main.tile_request, main.token_tile,
+        main.num_visible_windows, main.window_bound, settings.topk_windows, head_weights,
+        sink_windows=settings.sink_windows, local_windows=settings.local_windows)
+    return paged_sparse_attention(
+        query, caches.main[..., :head_dim], caches.main[..., head_dim:], main.block_table, main.token_request,
+        selected, main.token_position, settings.pool_size, settings.scaling, output_gate)
+
+
+# The step's PyTorch computations (to move into the kernel folders beside their paged Triton kernels).
+QUERY_CHUNK = 256
+SCORE_CHUNK_BYTES = 64 << 20
+
+
+def gemma_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + 1.0)).to(x.dtype)
+
+
+def neox_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_sin.to(x.dtype).chunk(2, dim=-1)
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rotary_dim = 2 * cos.shape[-1]
+    first, second = x[..., : rotary_dim // 2], x[..., rotary_dim // 2: rotary_dim]
+    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+
+
+def write_pooled_keys(pooled_key_cache, step_rows, ring_cache, window_token, window_ring_block, window_start,
+                      cos_sin_cache, norm_weight, norm_eps, slot_bias, weighting, write_token, write_block, write_row,
+                      write_keep):
+    head_dim = norm_weight.shape[0]
+    from_step = window_token >= 0
+    rows = torch.where(from_step[..., None], step_rows[window_token.clamp(min=0)],
+                       ring_cache[window_ring_block, :, 0].to(step_rows.dtype))
+    keys = rows[..., :head_dim]
+    if weighting == "prenorm_mean":
+        pooled = weighted_pool_torch(gemma_rms_norm(keys, norm_weight, norm_eps), None).to(keys.dtype)
+    else:
+        logits = None
+        if slot_bias is not None:
+            logits = rows[..., head_dim:].float() + slot_bias.float()
+        pooled = gemma_rms_norm(weighted_pool_torch(keys, logits).to(keys.dtype), norm_weight, norm_eps)
+    pooled = neox_rotary(pooled, cos_sin_cache.index_select(0, window_start))
+    new = pooled[write_token]
+    new = quantize_pooled_keys(new) if is_packed(pooled_key_cache) else new.to(pooled_key_cache.dtype)
+    old = pooled_key_cache[write_block, write_row, 0]
+    pooled_key_cache[write_block, write_row, 0] = torch.where(write_keep[:, None], new, old)
+
+
+def paged_pooled_index_topk(index_queries, pooled_cache, block_table, tile_tokens, tile_request, token_tile,
+                            num_visible_windows, window_bound, topk, head_weights=None, sink_windows=0,
+                            local_windows=0):
+    num_tiles, width = tile_tokens.shape
+    num_windows, num_heads, head_dim = window_bound, index_queries.shape[1], index_queries.shape[2]
+    windows_per_block = pooled_cache.shape[1]
+    windows = torch.arange(num_windows, device=index_queries.device)
+    columns = (windows // windows_per_block).clamp(max=block_table.shape[1] - 1)
+    weights = scaled_head_weights(index_queries[None], None if head_weights is None else head_weights[None])[0]
+    packed = is_packed(pooled_cache)
+    if packed:
+        index_queries = rotate_queries(index_queries)
+    tiles_per_chunk = max(1, SCORE_CHUNK_BYTES // (width * num_windows * (4 * num_heads + 12)
+                                                   + num_windows * head_dim * 4))
+    selected = []
+    for start in range(0, num_tiles, tiles_per_chunk):
+        tokens = tile_tokens[start:start + tiles_per_chunk]
+        blocks = block_table[tile_request[start:start + tiles_per_chunk]][:, columns].long()
+        keys = pooled_cache[blocks, windows % windows_per_block, 0]
+        keys = dequantize_pooled_keys(keys) if packed else keys.float()
+        per_head = torch.einsum("tqhd,twd->tqhw", index_queries[tokens].float(), keys).relu_()
+        scores = (per_head * weights[tokens][..., None]).sum(dim=2)
+        keys = selection_keys(scores, 0, num_visible_windows[tokens][..., None],
+                              sink_windows=sink_windows, local_windows=local_windows)
+        if num_windows > topk:
+            keys = keys.topk(topk, dim=-1, sorted=False).values
+        selected.append(window_ids_of(keys, topk))
+    return torch.cat(selected).flatten(0, 1)[token_tile]
+
+
+def paged_sparse_attention(query, key_cache, value_cache, block_table, token_request, selected, positions, r,
+                           scaling, output_gate=None):
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    block_size = key_cache.shape[2]
+    output = torch.empty_like(query)
+    window_offsets = torch.arange(r, device=query.device)
+    open_offsets = torch.arange(r - 1, device=query.device)
+    for start in range(0, query.shape[0], QUERY_CHUNK):
+        end = min(start + QUERY_CHUNK, query.shape[0])
+        windows, chunk_positions = selected[start:end], positions[start:end]
+        window_slots = (windows[..., None] * r + window_offsets).flatten(-2)
+        window_valid = (windows >= 0).repeat_interleave(r, dim=-1)
+        open_slots = ((chunk_positions + 1) // r * r)[:, None] + open_offsets
+        open_valid = open_slots <= chunk_positions[:, None]
+        valid = torch.cat([window_valid, open_valid], dim=-1)
+        slots = torch.cat([window_slots, open_slots], dim=-1).masked_fill(~valid, 0)
+        blocks = block_table[token_request[start:end][:, None], slots // block_size].long()
+        key = key_cache[blocks, :, slots % block_size]
+        value = value_cache[blocks, :, slots % block_size]
+        chunk_query = query[start:end].view(end - start, num_kv_heads, group, head_dim).float()
+        scores = torch.einsum("tkgd,tskd->tkgs", chunk_query, key.float()) * scaling
+        probs = masked_softmax(scores, valid[:, None, None])
+        chunk_output = torch.einsum("tkgs,tskd->tkgd", probs, value.float())
+        output[start:end] = chunk_output.reshape(end - start, num_heads, head_dim).to(query.dtype)
+    if output_gate is not None:
+        output = output * torch.sigmoid(output_gate)
+    return output
