@@ -38,6 +38,12 @@ def register_with_transformers() -> None:
         setattr(transformers, model_class.__name__, model_class)
 
 
+# transformers' server loads the model (and serves, with --api-server-count) in processes it spawns, where
+# multiprocessing imports this script as `__mp_main__` and runs nothing else of it: the classes must be known there.
+if __name__ == "__mp_main__":
+    register_with_transformers()
+
+
 def check_checkpoint(checkpoint: str, trust_remote_code: bool = False) -> None:
     """Refuse, before the server starts, a checkpoint that is not a HybridIndexPool model."""
     from transformers import AutoConfig

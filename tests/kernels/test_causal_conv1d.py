@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fresh_process import run_in_fresh_process
+from hub_kernel_stand_ins import run_stand_in_on_cpu
 
 
 def inputs(seq=7, channels=6, kernel=4):
@@ -45,6 +46,7 @@ def check_the_kernel_runs_only_for_a_prefill_from_no_state():
     package.causal_conv1d_fn = lambda x, weight, bias=None, activation=None, **kwargs: calls.append(activation) or (
         torch.full_like(x, 5.0))
     sys.modules["causal_conv1d"] = package
+    run_stand_in_on_cpu("causal_conv1d")
     from hybrid_indexpool.kernels import causal_conv1d as conv  # imported only now: the helper looks it up then
 
     sequence, weight, state = inputs()

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 from fresh_process import run_in_fresh_process
+from hub_kernel_stand_ins import run_stand_in_on_cpu
 
 
 def delta_rule_inputs(key_heads=2, value_heads=4, seq=6, dim=8, per_channel_decay=False):
@@ -64,6 +65,7 @@ def install_recording_fla(calls: list) -> None:
 def check_fla_kernels_are_called_on_the_fast_path_only():
     calls = []
     install_recording_fla(calls)
+    run_stand_in_on_cpu("fla")
     from hybrid_indexpool.kernels import gated_delta_rule as gdn
     from hybrid_indexpool.kernels import kimi_delta_rule as kda
 
