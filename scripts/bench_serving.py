@@ -14,8 +14,16 @@ vLLM reports how many tokens its KV cache holds in `VLLM_CPU_KVCACHE_SPACE` GiB;
 engine on the same model with r = 1 (mean pooling in both, so the pooling weights take no room) to read that number
 too, and asks the plugin's specs for the bytes per token of each cache component.
 
+`--against-qwen3-next` measures the plugin against vLLM's own Qwen3-Next at the same widths: a random Qwen3-Next
+checkpoint (the same Gated DeltaNet layers and mixtures of experts, `QWEN3_NEXT_EXPERTS`: vLLM's Qwen3-Next has no
+dense-MLP form; dense gated attention) is saved and converted into ours
+(`convert_qwen3_next`, mean pooling, budget `--budget`), and vLLM serves each, the native model and the plugin's,
+the same requests.
+
     python -m hybrid_indexpool.scripts.bench_serving --vllm-python .venv-vllm/bin/python \\
         --json docs/results/bench_serving.json
+    python -m hybrid_indexpool.scripts.bench_serving --vllm-python .venv-vllm/bin/python --against-qwen3-next \\
+        --budget 1024 --min-prompt 2048 --max-prompt 8192 --skip-transformers
 """
 
 import argparse
@@ -42,7 +50,10 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
              head_dim=128, partial_rotary_factor=0.25, index_n_heads=4, index_head_dim=64, index_topk=256,
              linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-             max_position_embeddings=8192)
+             max_position_embeddings=16384)
+# The mixture of experts of the Qwen3-Next comparison (vLLM's Qwen3-Next model needs one), in both models.
+QWEN3_NEXT_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                          shared_expert_intermediate_size=512)
 KV_BYTES_SCRIPT = """
 import json, sys
 from hybrid_indexpool.configuration import HybridIndexPoolConfig
@@ -52,7 +63,7 @@ print(json.dumps(bytes_per_token(config, block_size=int(sys.argv[2]), context=in
 """
 
 
-def save_checkpoint(folder: Path, pool_size: int, weighting: str) -> None:
+def save_checkpoint(folder: Path, pool_size: int, weighting: str, budget: int = MODEL["index_topk"]) -> None:
     from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
@@ -60,9 +71,42 @@ def save_checkpoint(folder: Path, pool_size: int, weighting: str) -> None:
     tokenizer = byte_level_tokenizer()
     config = HybridIndexPoolConfig(vocab_size=len(tokenizer), index_pool_size=pool_size,
                                    index_pool_weighting=weighting, pad_token_id=tokenizer.pad_token_id,
-                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=None, **MODEL)
+                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=None,
+                                   **{**MODEL, "index_topk": budget})
     HybridIndexPoolForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def save_qwen3_next_pair(folder: Path, pool_size: int, budget: int) -> tuple[Path, Path]:
+    """A random bfloat16 Qwen3-Next checkpoint at `MODEL`'s widths (full attention where ours has IndexPool layers)
+    and its conversion into ours with a mean-pooled indexer of budget `budget`; returns (Qwen3-Next, ours)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from hybrid_indexpool import HybridIndexPoolConfig
+    from hybrid_indexpool.conversion import IndexerSettings, convert_qwen3_next
+    from hybrid_indexpool.tokenization import byte_level_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = byte_level_tokenizer()
+    ours = HybridIndexPoolConfig(**MODEL)
+    config = Qwen3NextConfig(
+        vocab_size=len(tokenizer), hidden_size=ours.hidden_size, intermediate_size=ours.intermediate_size,
+        num_hidden_layers=ours.num_hidden_layers, num_attention_heads=ours.num_attention_heads,
+        num_key_value_heads=ours.num_key_value_heads, head_dim=ours.head_dim,
+        layer_types=["full_attention" if kind == "indexpool_attention" else kind for kind in ours.layer_types],
+        linear_num_key_heads=ours.linear_num_key_heads, linear_num_value_heads=ours.linear_num_value_heads,
+        linear_key_head_dim=ours.linear_key_head_dim, linear_value_head_dim=ours.linear_value_head_dim,
+        rope_parameters=dict(ours.rope_parameters), max_position_embeddings=ours.max_position_embeddings,
+        **QWEN3_NEXT_EXPERTS, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=None)
+    source, converted = folder / "qwen3_next", folder / "qwen3_next_indexpool"
+    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    convert_qwen3_next(source, converted, IndexerSettings(n_heads=ours.index_n_heads, head_dim=ours.index_head_dim,
+                                                          topk=budget, pool_size=pool_size, pool_weighting="mean"),
+                       progress=False, log=lambda *args: None)
+    tokenizer.save_pretrained(converted)
+    return source, converted
 
 
 def free_port() -> int:
@@ -153,6 +197,19 @@ def package_at(ref: str, folder: Path) -> Path:
     return root
 
 
+def machine_description() -> dict:
+    """The machine a measurement ran on: processor, cores, torch."""
+    import platform
+
+    processor = platform.processor()
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        processor = re.search(r"model name\s*:\s*(.*)", cpuinfo).group(1)
+    except (OSError, AttributeError):
+        pass
+    return {"processor": processor, "cores": os.cpu_count(), "torch": torch.__version__}
+
+
 def kv_cache_tokens(log: str) -> int:
     """The tokens vLLM's KV cache holds, from its start-up log."""
     return int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
@@ -185,6 +242,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-prompt", type=int, default=300)
     parser.add_argument("--max-prompt", type=int, default=1000)
     parser.add_argument("--pool-size", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=MODEL["index_topk"], help="index_topk: the token budget")
+    parser.add_argument("--against-qwen3-next", action="store_true",
+                        help="serve a random Qwen3-Next checkpoint with vLLM's own model and its conversion into ours "
+                             "with the plugin, side by side (the plugin's numbers are then the converted model's)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of the vLLM engines")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--baseline-ref", help="also serve the same requests with the vLLM plugin as of this git "
@@ -204,14 +265,25 @@ def main(argv=None) -> dict:
     prompts = ["".join(generator.choices(string.ascii_letters + " ", k=generator.randint(args.min_prompt,
                                                                                        args.max_prompt)))
                for _ in range(args.requests)]
+    model = {**MODEL, "index_topk": args.budget}
     results = {"requests": args.requests, "new_tokens": args.new_tokens, "prompt_tokens": [len(p) for p in prompts],
-               "model": MODEL, "pool_size": args.pool_size, "threads": args.threads, "kv_cache_gib": args.kv_cache_gib,
-               "compile": args.compile}
+               "model": model, "pool_size": args.pool_size, "threads": args.threads, "kv_cache_gib": args.kv_cache_gib,
+               "compile": args.compile, "machine": machine_description()}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         checkpoint, unpooled = scratch / "pooled", scratch / "unpooled"
-        save_checkpoint(checkpoint, args.pool_size, "mean")
-        save_checkpoint(unpooled, 1, "mean")
+        if args.against_qwen3_next:
+            qwen3_next, checkpoint = save_qwen3_next_pair(scratch, args.pool_size, args.budget)
+            results["model"] = {**model, **QWEN3_NEXT_EXPERTS}
+            server = vllm_server(args.vllm_python, qwen3_next, args, scratch / "vllm_qwen3_next.log")
+            try:
+                results["vllm_qwen3_next"] = serve_concurrently(server.url, str(qwen3_next), prompts,
+                                                                args.new_tokens, ignore_eos=True)
+            finally:
+                server.close()
+        else:
+            save_checkpoint(checkpoint, args.pool_size, "mean", args.budget)
+        save_checkpoint(unpooled, 1, "mean", args.budget)
 
         server = vllm_server(args.vllm_python, checkpoint, args, scratch / "vllm.log")
         try:
@@ -245,11 +317,11 @@ def main(argv=None) -> dict:
 
     context = args.max_prompt + args.new_tokens
     for name, pool_size in (("kv_bytes_per_token", args.pool_size), ("kv_bytes_per_token_r1", 1)):
-        config = {**MODEL, "index_pool_size": pool_size, "index_pool_weighting": "learned"}
+        config = {**model, "index_pool_size": pool_size, "index_pool_weighting": "learned"}
         output = subprocess.run([args.vllm_python, "-c", KV_BYTES_SCRIPT, json.dumps(config), "256", str(context)],
                                 check=True, capture_output=True, text=True).stdout
         results[name] = json.loads(output.strip().splitlines()[-1])
-    for name in ("vllm", "vllm_baseline", "serve_py", "generate"):
+    for name in ("vllm", "vllm_baseline", "vllm_qwen3_next", "serve_py", "generate"):
         if name not in results:
             continue
         print(f"{name:13s} {results[name]['tokens_per_second']:8.1f} tokens/s "

@@ -26,3 +26,18 @@ def test_bench_serving_compares_the_three_servers_and_the_caches(tmp_path):
     assert pooled["pooled_keys"] * 4 == pytest.approx(unpooled["pooled_keys"])
     assert pooled["main"] == unpooled["main"]
     assert results["vllm"]["kv_cache_tokens"] > results["vllm_r1_kv_cache_tokens"]
+
+
+def test_bench_serving_against_vllms_own_qwen3_next(tmp_path):
+    """`--against-qwen3-next`: vLLM's native Qwen3-Next and the plugin serve the same requests, the plugin on the
+    conversion of that very Qwen3-Next checkpoint (prompts beyond the budget)."""
+    output = tmp_path / "bench.json"
+    subprocess.run([REFERENCE_PYTHON, "-m", "hybrid_indexpool.scripts.bench_serving", "--vllm-python", sys.executable,
+                    "--requests", "2", "--new-tokens", "3", "--min-prompt", "40", "--max-prompt", "60",
+                    "--budget", "16", "--against-qwen3-next", "--skip-transformers", "--json", str(output)],
+                   check=True, cwd=REPO)
+    results = json.loads(output.read_text())
+    for name in ("vllm", "vllm_qwen3_next"):
+        assert results[name]["generated_tokens"] == 2 * 3
+        assert results[name]["tokens_per_second"] > 0
+    assert results["model"]["index_topk"] == 16 and results["machine"]["cores"] >= 1
