@@ -8,6 +8,9 @@
   the loss is the language-model loss plus `indexer_loss_weight` times the KL over the selected windows. The indexer
   reads a detached input, so the language-model loss never reaches it.
 
+With `freeze_pooling` neither stage trains the learned pooling weights (`pool_gate_proj`, `pool_slot_bias`): a model
+converted from Qwen4-Exp keeps pooling by the mean, which is all Qwen4-Exp's format can express.
+
 The KL is logged per logging step as `indexer_kl` (and the language-model part of the loss as `lm_loss`).
 """
 
@@ -27,10 +30,14 @@ from .training import (
     ModelDataArguments,
     TrainingInputError,
     check_output_dir,
+    freeze_pooling,
+    is_pooling_parameter,
     language_model_collator,
     load_datasets,
     load_model,
     load_tokenizer,
+    save_tokenizer_and_processor,
+    without_cache,
 )
 
 logger = logging.get_logger(__name__)
@@ -69,11 +76,12 @@ def is_indexer_parameter(name: str) -> bool:
     return ".indexer." in f".{name}"
 
 
-def freeze_all_but_indexer(model: torch.nn.Module) -> list[str]:
-    """Let only the indexer parameters train; returns their names. Raises when the model has none."""
+def freeze_all_but_indexer(model: torch.nn.Module, keep_pooling: bool = False) -> list[str]:
+    """Let only the indexer parameters train (without the learned pooling weights when `keep_pooling`); returns
+    their names. Raises when the model has none."""
     trainable = []
     for name, parameter in model.named_parameters():
-        parameter.requires_grad_(is_indexer_parameter(name))
+        parameter.requires_grad_(is_indexer_parameter(name) and not (keep_pooling and is_pooling_parameter(name)))
         if parameter.requires_grad:
             trainable.append(name)
     if not trainable:
@@ -114,7 +122,7 @@ class IndexerTrainer(Trainer):
         if model.training:
             self._logged_sums["indexer_kl"] += outputs.indexer_loss.item()
             if self.indexer_loss == "sparse":
-                weight = self.accelerator.unwrap_model(model).config.indexer_loss_weight
+                weight = self.accelerator.unwrap_model(model).config.get_text_config().indexer_loss_weight
                 self._logged_sums["lm_loss"] += (outputs.loss - weight * outputs.indexer_loss).item()
             self._logged_count += 1
         return (loss, outputs) if return_outputs else loss
@@ -130,16 +138,19 @@ class IndexerTrainer(Trainer):
 
 
 def train_indexer_stage(model, stage: str, train_dataset, training_args: TrainingArguments, data_collator,
-                        eval_dataset=None, processing_class=None) -> IndexerTrainer:
+                        eval_dataset=None, processing_class=None, keep_pooling: bool = False) -> IndexerTrainer:
     """Run one stage (`"warmup"` or `"sparse"`) on `model` in place for `training_args.max_steps` steps.
 
-    The warm-up freezes everything but the indexer for its duration; afterwards every parameter is trainable again.
-    Returns the trainer (its `state.log_history` holds the logged `indexer_kl`).
+    The warm-up freezes everything but the indexer for its duration, and `keep_pooling` the learned pooling weights
+    in either stage; afterwards every parameter is trainable again. Returns the trainer (its `state.log_history`
+    holds the logged `indexer_kl`).
     """
     if stage not in STAGES:
         raise ValueError(f"stage is {stage!r}; use one of {list(STAGES)}.")
     if stage == "warmup":
-        freeze_all_but_indexer(model)
+        freeze_all_but_indexer(model, keep_pooling)
+    elif keep_pooling:
+        freeze_pooling(model)
     trainer = IndexerTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=data_collator, processing_class=processing_class, indexer_loss=STAGE_LOSS[stage],
@@ -191,7 +202,8 @@ def kl_summary(log_history: list[dict]) -> tuple[float, float] | None:
 
 
 def run_indexer_training(args: IndexerTrainingArguments, training_args: TrainingArguments) -> dict:
-    """Run the chosen stages, save the model (with its remote code) and tokenizer, return per-stage metrics."""
+    """Run the chosen stages, save the model (with its remote code), the tokenizer and the processor files, return
+    per-stage metrics."""
     stages = check_indexer_arguments(args, training_args)
     check_output_dir(args, training_args)
     if training_args.ddp_find_unused_parameters is None:
@@ -199,11 +211,12 @@ def run_indexer_training(args: IndexerTrainingArguments, training_args: Training
         training_args.ddp_find_unused_parameters = True
     tokenizer = load_tokenizer(args)
     model = load_model(args, tokenizer)
+    text_config = model.config.get_text_config()  # a multimodal model's settings are its text model's
     if args.indexer_loss_weight is not None:
-        model.config.indexer_loss_weight = args.indexer_loss_weight
-    if args.block_size <= model.config.index_topk + model.config.index_pool_size - 1:
+        text_config.indexer_loss_weight = args.indexer_loss_weight
+    if args.block_size <= text_config.index_topk + text_config.index_pool_size - 1:
         logger.warning(
-            f"--block_size {args.block_size} is within the token budget ({model.config.index_topk}): every window is "
+            f"--block_size {args.block_size} is within the token budget ({text_config.index_topk}): every window is "
             "selected, so the sparse stage is dense attention. Use blocks longer than index_topk to train the "
             "selection."
         )
@@ -211,23 +224,24 @@ def run_indexer_training(args: IndexerTrainingArguments, training_args: Training
     collator = language_model_collator(tokenizer, args.packing)
 
     metrics = {}
-    for stage in stages:
-        trainer = train_indexer_stage(
-            model, stage, train_dataset, stage_training_arguments(args, training_args, stage), collator,
-            eval_dataset=eval_dataset, processing_class=tokenizer,
-        )
-        stage_metrics = {"steps": trainer.state.global_step, "log_history": trainer.state.log_history}
-        if eval_dataset is not None:
-            stage_metrics.update(trainer.evaluate())
-        summary = kl_summary(trainer.state.log_history)
-        if summary is not None and trainer.is_world_process_zero():
-            print(f"train_indexer: {stage} stage, {trainer.state.global_step} steps, indexer KL "
-                  f"{summary[0]:.4f} -> {summary[1]:.4f}", flush=True)
-        metrics[stage] = stage_metrics
+    with without_cache(model):
+        for stage in stages:
+            trainer = train_indexer_stage(
+                model, stage, train_dataset, stage_training_arguments(args, training_args, stage), collator,
+                eval_dataset=eval_dataset, processing_class=tokenizer, keep_pooling=args.freeze_pooling,
+            )
+            stage_metrics = {"steps": trainer.state.global_step, "log_history": trainer.state.log_history}
+            if eval_dataset is not None:
+                stage_metrics.update(trainer.evaluate())
+            summary = kl_summary(trainer.state.log_history)
+            if summary is not None and trainer.is_world_process_zero():
+                print(f"train_indexer: {stage} stage, {trainer.state.global_step} steps, indexer KL "
+                      f"{summary[0]:.4f} -> {summary[1]:.4f}", flush=True)
+            metrics[stage] = stage_metrics
 
     if trainer.is_world_process_zero():
         model.save_pretrained(training_args.output_dir)
-        tokenizer.save_pretrained(training_args.output_dir)
+        save_tokenizer_and_processor(args, tokenizer, training_args.output_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     return metrics

@@ -1,13 +1,15 @@
 """Causal-LM fine-tuning with `transformers.Trainer` on local text or JSON files (the library behind
-`scripts/finetune.py`).
+`scripts/finetune.py`). A multimodal checkpoint (vision tower kept) trains on text and is saved whole.
 
 Works on one process or under `accelerate launch` (DDP, FSDP, DeepSpeed: the Trainer reads the launcher's setup),
 with packing or padding, gradient checkpointing, resuming, and LoRA through `peft`.
 """
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -15,7 +17,9 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     HfArgumentParser,
@@ -25,10 +29,11 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
+from transformers.utils import cached_file
 
 from .command_line import exit_with_error
-from .configuration import HybridIndexPoolConfig
-from .modeling import HybridIndexPoolForCausalLM
+from .configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
+from .modeling import HybridIndexPoolForCausalLM, HybridIndexPoolForConditionalGeneration
 from .tokenization import byte_level_tokenizer
 
 # Linear layers LoRA adapts by default. IndexPool attention: q/k/v/o projections (the indexer's q_proj/k_proj match
@@ -87,6 +92,12 @@ class ModelDataArguments:
     )
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Allow writing into a non-empty --output_dir (never needed to resume)."}
+    )
+    freeze_pooling: bool = field(
+        default=False,
+        metadata={"help": "Keep the indexers' learned pooling weights (pool_gate_proj, pool_slot_bias) as they are: "
+                          "a model converted from Qwen4-Exp then still pools by the mean and exports back to "
+                          "Qwen4-Exp's format (scripts/export_qwen4_exp.py), whose QSA cannot express other pooling."},
     )
 
 
@@ -255,11 +266,39 @@ def load_datasets(args: ModelDataArguments, tokenizer):
     return train_dataset, eval_dataset
 
 
-def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) -> HybridIndexPoolForCausalLM:
+def is_pooling_parameter(name: str) -> bool:
+    """Whether a parameter is an indexer's learned pooling weight (its gate projection or slot bias), which
+    `--freeze_pooling` keeps as it is."""
+    return ".indexer.pool_" in f".{name}"
+
+
+def freeze_pooling(model: torch.nn.Module) -> list[str]:
+    """Stop the indexers' learned pooling weights from training; returns their names (none without learned
+    pooling)."""
+    frozen = []
+    for name, parameter in model.named_parameters():
+        if is_pooling_parameter(name):
+            parameter.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
+def pretrained_model_class(name_or_path: str, **options):
+    """The Auto class that loads the checkpoint `name_or_path` of ours: `AutoModelForImageTextToText` for a
+    multimodal one (a GLM-5.3-Flash or multimodal Qwen4-Exp conversion with its vision tower, which
+    `AutoModelForCausalLM` does not know), else `AutoModelForCausalLM`."""
+    config = AutoConfig.from_pretrained(name_or_path, **options)
+    return AutoModelForImageTextToText if isinstance(config, HybridIndexPoolMultimodalConfig) else AutoModelForCausalLM
+
+
+def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) \
+        -> HybridIndexPoolForCausalLM | HybridIndexPoolForConditionalGeneration:
     """Load the checkpoint, or build a fresh model from `--init_config` sized for the tokenizer.
 
-    With a transformers `DistributedConfig`, the model is sharded by transformers (its TP/FSDP plans) as it loads; a
-    fresh model is built on every process from the same seed and then sharded the same way.
+    A multimodal checkpoint loads with its vision tower (`HybridIndexPoolForConditionalGeneration`): training reads
+    text only, and the saved result keeps the tower, so that it exports back to its source's format. With a
+    transformers `DistributedConfig`, the model is sharded by transformers (its TP/FSDP plans) as it loads; a fresh
+    model is built on every process from the same seed and then sharded the same way.
     """
     if (args.model_name_or_path is None) == (args.init_config is None):
         raise TrainingInputError("Give exactly one of --model_name_or_path (fine-tune a checkpoint) or --init_config "
@@ -269,8 +308,9 @@ def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) -> 
         # DeltaNet's `A_log`/`dt_bias` are float32 next to half-precision projections in a half-precision model.
         dtype = {} if distributed_config is None else {"dtype": torch.float32}
         try:
-            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path,
-                                                         distributed_config=distributed_config, **dtype)
+            auto_class = pretrained_model_class(args.model_name_or_path)
+            model = auto_class.from_pretrained(args.model_name_or_path, distributed_config=distributed_config,
+                                               **dtype)
         except (OSError, ValueError) as error:  # no such folder, no weights, an architecture not ours
             raise TrainingInputError(f"--model_name_or_path {args.model_name_or_path}: {error}") from error
     else:
@@ -287,18 +327,55 @@ def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) -> 
         if distributed_config is not None:
             distributed_config, _, mesh_manager = model.prepare_distribute_model(distributed_config)
             model = model.maybe_distribute_model(model, distributed_config, mesh_manager)
-    if model.config.vocab_size < len(tokenizer):
+    text_config = model.config.get_text_config()
+    if text_config.vocab_size < len(tokenizer):
         raise TrainingInputError(
-            f"The tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size} "
+            f"The tokenizer has {len(tokenizer)} tokens but the model only {text_config.vocab_size} "
             "embeddings; use the checkpoint's tokenizer."
         )
-    if args.block_size > model.config.max_position_embeddings:
+    if args.block_size > text_config.max_position_embeddings:
         warnings.warn(
             f"--block_size {args.block_size} is beyond the model's max_position_embeddings "
-            f"({model.config.max_position_embeddings}): positions past it were never trained; lower --block_size or "
+            f"({text_config.max_position_embeddings}): positions past it were never trained; lower --block_size or "
             "use a scaled rope_type.", stacklevel=2,
         )
     return model
+
+
+@contextlib.contextmanager
+def without_cache(model):
+    """Within the block, forwards of `model` build no cache (`use_cache` False in its text config), as training
+    wants: the multimodal model builds its cache up front (it keeps the images' position offsets) and would then
+    refuse the packed blocks, whose positions restart inside a row. The setting is restored for saving."""
+    text_config = model.config.get_text_config()
+    use_cache, text_config.use_cache = text_config.use_cache, False
+    try:
+        yield
+    finally:
+        text_config.use_cache = use_cache
+
+
+# A multimodal checkpoint's processor files (images and video), which the tokenizer's `save_pretrained` does not
+# write: carried from the checkpoint trained to the trained one, so that AutoProcessor reads it there and the export
+# ships it.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def save_tokenizer_and_processor(args: ModelDataArguments, tokenizer, output_dir: str) -> None:
+    """Save the tokenizer into `output_dir`, and copy the processor files of the checkpoint trained
+    (`--model_name_or_path`, a folder or a Hub id) that are not there yet."""
+    tokenizer.save_pretrained(output_dir)
+    if args.model_name_or_path is None:
+        return
+    for file_name in PROCESSOR_FILES:
+        target = Path(output_dir) / file_name
+        if target.exists():  # written by the tokenizer (its chat template): that one is current
+            continue
+        found = cached_file(args.model_name_or_path, file_name, _raise_exceptions_for_missing_entries=False,
+                            _raise_exceptions_for_connection_errors=False)
+        if found is not None:
+            shutil.copyfile(found, target)
 
 
 def build_model(args: FinetuneArguments, tokenizer):
@@ -322,6 +399,8 @@ def build_model(args: FinetuneArguments, tokenizer):
             )
         distributed_config = DistributedConfig(fsdp_size=args.fsdp_size)
     model = load_model(args, tokenizer, distributed_config)
+    if args.freeze_pooling:
+        freeze_pooling(model)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -359,7 +438,8 @@ def check_output_dir(args: ModelDataArguments, training_args: TrainingArguments)
 
 
 def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> dict:
-    """Train, save the final model (LoRA merged unless `--merge_lora False`) and tokenizer, return the metrics."""
+    """Train, save the final model (LoRA merged unless `--merge_lora False`), the tokenizer and the processor files,
+    return the metrics."""
     check_output_dir(args, training_args)
     if training_args.ddp_find_unused_parameters is None:
         # Within the token budget the indexer's scores are not needed, so its parameters get no gradient.
@@ -371,10 +451,11 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
     # A fresh model starts from the run's seed: the same weights in every process and in a one-process run.
     set_seed(training_args.seed)
     model = build_model(args, tokenizer)
-    output_router_logits = model.config.output_router_logits
-    if model.config.num_experts > 0:
+    text_config = model.config.get_text_config()
+    output_router_logits = text_config.output_router_logits
+    if text_config.num_experts > 0:
         # Without router logits a MoE model trains with no load-balancing loss, and its routing may collapse.
-        model.config.output_router_logits = args.router_aux_loss
+        text_config.output_router_logits = args.router_aux_loss
     train_dataset, eval_dataset = load_datasets(args, tokenizer)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -383,13 +464,14 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
     resume = training_args.resume_from_checkpoint
     if resume == "last":
         resume = last_complete_checkpoint(training_args.output_dir)
-    result = trainer.train(resume_from_checkpoint=resume)
-    metrics = dict(result.metrics)
-    metrics["log_history"] = trainer.state.log_history
-    if eval_dataset is not None:
-        metrics.update(trainer.evaluate())
+    with without_cache(model):
+        result = trainer.train(resume_from_checkpoint=resume)
+        metrics = dict(result.metrics)
+        metrics["log_history"] = trainer.state.log_history
+        if eval_dataset is not None:
+            metrics.update(trainer.evaluate())
     # The router logits were for the loss: the final model returns them only when the model it started from did.
-    model.config.output_router_logits = output_router_logits
+    text_config.output_router_logits = output_router_logits
 
     sharding = sharding_name(trainer)
     if sharding is not None and not (args.lora and args.merge_lora):
@@ -403,7 +485,8 @@ def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> d
             final = final.merge_and_unload()
         if trainer.is_world_process_zero():
             final.save_pretrained(training_args.output_dir)
-            tokenizer.save_pretrained(training_args.output_dir)
+    if trainer.is_world_process_zero():
+        save_tokenizer_and_processor(args, tokenizer, training_args.output_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     rank = int(os.environ.get("RANK", 0))

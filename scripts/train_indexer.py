@@ -4,10 +4,12 @@
 Stage 1, dense warm-up (`--stage warmup`): only the indexer and pooling parameters train, on the KL divergence between
 their window scores and the dense attention. Stage 2, sparse training (`--stage sparse`): every parameter trains on
 the language-model loss plus `indexer_loss_weight` times the KL over the selected windows. `--stage both` runs one
-after the other. The KL is logged as `indexer_kl` every `--logging_steps` (default 1). Works on a saved checkpoint
-(`--model_name_or_path`, e.g. a converted one) or a new model (`--init_config`); the result is saved with
-`save_pretrained` (weights, config, remote code, model card) plus the tokenizer. Every `TrainingArguments` option is
-accepted except `--max_steps` (each stage has its own step count). Example:
+after the other; `--freeze_pooling` keeps the learned pooling weights as they are in both stages (a model converted
+from Qwen4-Exp then still exports back to it). The KL is logged as `indexer_kl` every `--logging_steps` (default 1).
+Works on a saved checkpoint (`--model_name_or_path`, e.g. a converted one, multimodal ones included: they train on
+text and keep their vision tower) or a new model (`--init_config`); the result is saved with `save_pretrained`
+(weights, config, remote code, model card) plus the tokenizer and the checkpoint's processor files. Every
+`TrainingArguments` option is accepted except `--max_steps` (each stage has its own step count). Example:
 
     python -m hybrid_indexpool.scripts.train_indexer --model_name_or_path ckpt --train_files data.txt \\
         --block_size 8192 --output_dir out --stage both --dense_warmup_steps 1000 --sparse_steps 1000 \\

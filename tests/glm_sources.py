@@ -63,11 +63,12 @@ VARIANTS = (
 )
 
 
-def tiny_glm_source(variant: GlmVariant = VARIANTS[0], seed: int = 0) -> Glm5NextForConditionalGeneration:
-    """A random float32 `Glm5NextForConditionalGeneration`; parameters that start at constants (norms, biases, the
-    streams' base and scale, the pooling gate and slot bias, routers and their score correction) get random values."""
+def tiny_glm_source(variant: GlmVariant = VARIANTS[0], seed: int = 0, **overrides) -> Glm5NextForConditionalGeneration:
+    """A random float32 `Glm5NextForConditionalGeneration` (text config fields in `overrides` replace the variant's);
+    parameters that start at constants (norms, biases, the streams' base and scale, the pooling gate and slot bias,
+    routers and their score correction) get random values."""
     torch.manual_seed(seed)
-    config = Glm5NextConfig(text_config=variant.text_config(), vision_config=VISION, **VISION_TOKENS)
+    config = Glm5NextConfig(text_config={**variant.text_config(), **overrides}, vision_config=VISION, **VISION_TOKENS)
     model = Glm5NextForConditionalGeneration(config)
     with torch.no_grad():
         for name, parameter in model.named_parameters():

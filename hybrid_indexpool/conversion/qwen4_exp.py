@@ -381,8 +381,9 @@ def mean_pooling_checks(config) -> list[WeightGroup]:
                 raise ConversionError(
                     f"The learned pooling of {indexer} (index_pool_weighting = {text.index_pool_weighting!r}, "
                     "pool_gate_proj / pool_slot_bias) has moved from the mean; Qwen4-Exp's QSA pools by the mean and "
-                    "cannot express it. Export to a format with learned pools, or keep the pooling at the mean "
-                    "(train with the pooling weights frozen)."
+                    "cannot express it. Train from the converted checkpoint with the pooling weights frozen "
+                    "(--freeze_pooling of scripts/train_indexer.py and scripts/finetune.py: the warm-up trains them "
+                    "otherwise), or keep this model in our format, which has learned pools."
                 )
             return {}
 

@@ -39,7 +39,8 @@ def test_help_lists_the_stage_options(capsys):
         train_indexer.main(["--help"])
     printed = capsys.readouterr().out
     for option in ("--stage", "--dense_warmup_steps", "--sparse_steps", "--dense_warmup_learning_rate",
-                   "--indexer_loss_weight", "--init_config", "--overwrite_output_dir", "--learning_rate"):
+                   "--indexer_loss_weight", "--init_config", "--overwrite_output_dir", "--learning_rate",
+                   "--freeze_pooling"):
         assert option in printed
 
 
