@@ -28,6 +28,7 @@ from .engine import (
     to_multimodal_name,
 )
 from .errors import ConversionError
+from .export import ExportWarning
 from .glm5_next import convert_glm5_next, export_glm5_next
 from .qwen import (
     qwen_attention_parts,
@@ -47,6 +48,7 @@ __all__ = [
     "ConversionError",
     "ConversionPlan",
     "ConversionReport",
+    "ExportWarning",
     "IgnoreRule",
     "IndexerSettings",
     "SourceCheckpoint",

@@ -40,6 +40,21 @@ CONVERTER_SCRIPTS = {
 
 
 
+@dataclass(frozen=True)
+class FolderRole:
+    """What a command reads a checkpoint folder as, for its messages: how they name the folder (`label`) and what a
+    user should pass instead of a wrong one (`wanted`)."""
+
+    label: str
+    wanted: str
+
+
+# A converter reads a downloaded checkpoint of a source family; an export reads one of ours.
+CONVERTED = FolderRole("Source folder", "pass the folder of a downloaded checkpoint")
+EXPORTED = FolderRole("Folder to export", "pass the folder of one of our checkpoints (a converter's output, or a "
+                                          "model trained here from one)")
+
+
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes of a tensor's elements."""
     return tensor.numel() * tensor.element_size()
@@ -89,14 +104,22 @@ class SourceCheckpoint:
     shard_sizes: dict[str, int]  # shard file -> bytes of its tensors
 
     @classmethod
-    def open(cls, folder: str | os.PathLike) -> "SourceCheckpoint":
-        """Read the config and the weight layout of `folder`; ConversionError naming whatever is missing."""
+    def open(cls, folder: str | os.PathLike, role: FolderRole = CONVERTED) -> "SourceCheckpoint":
+        """Read the config and the weight layout of `folder`; ConversionError naming whatever is missing, worded
+        for what the command reads the folder as (`role`)."""
         folder = Path(folder)
+        label = role.label
+        if folder.is_file():
+            raise ConversionError(
+                f"{label} {folder} is a file, not a folder; {role.wanted}: the folder that holds its config.json and "
+                f"safetensors files (this file's folder is {folder.parent})."
+            )
         if not folder.is_dir():
-            raise ConversionError(f"Source folder {folder} does not exist; pass the folder of a downloaded checkpoint.")
+            raise ConversionError(f"{label} {folder} does not exist; {role.wanted}.")
         config_path = folder / "config.json"
         if not config_path.is_file():
-            raise ConversionError(f"Source folder {folder} has no config.json; it is not a transformers checkpoint.")
+            raise ConversionError(f"{label} {folder} has no config.json; it is not a transformers checkpoint: "
+                                  f"{role.wanted}.")
         config = json.loads(config_path.read_text(encoding="utf-8"))
         if (folder / SAFETENSORS_INDEX_FILE).is_file():
             weight_map = json.loads((folder / SAFETENSORS_INDEX_FILE).read_text(encoding="utf-8")).get("weight_map")
@@ -109,14 +132,14 @@ class SourceCheckpoint:
             weight_map, shards = None, [SAFETENSORS_SINGLE_FILE]
         else:
             raise ConversionError(
-                f"Source folder {folder} has neither {SAFETENSORS_SINGLE_FILE} nor {SAFETENSORS_INDEX_FILE}; only "
-                "safetensors checkpoints are converted (re-save a .bin checkpoint with "
+                f"{label} {folder} has neither {SAFETENSORS_SINGLE_FILE} nor {SAFETENSORS_INDEX_FILE}; only "
+                "safetensors checkpoints are read (re-save a .bin checkpoint with "
                 "`save_pretrained(..., safe_serialization=True)`)."
             )
         missing = [shard for shard in shards if not (folder / shard).is_file()]
         if missing:
             raise ConversionError(
-                f"Source folder {folder} lacks the shard file(s) {names_preview(missing)} listed in "
+                f"{label} {folder} lacks the shard file(s) {names_preview(missing)} listed in "
                 f"{SAFETENSORS_INDEX_FILE}; "
                 "the download is incomplete: fetch the missing files."
             )

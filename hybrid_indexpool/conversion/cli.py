@@ -3,6 +3,8 @@ the refusal's message and exit status."""
 
 import argparse
 import signal
+import sys
+import warnings
 from collections.abc import Callable
 
 from ..command_line import exit_with_error
@@ -22,10 +24,19 @@ def conversion_argument_parser(description: str, source_help: str) -> argparse.A
     return parser
 
 
+def show_warning_plainly(message, category, filename, lineno, file=None, line=None) -> None:
+    """Print a warning as a command line shows its messages, `warning: ...` on standard error, without the source
+    line Python shows for a library's warning."""
+    print(f"warning: {message}", file=sys.stderr if file is None else file, flush=True)
+
+
 def run_conversion_command(parser: argparse.ArgumentParser, convert: Callable[[], "ConversionReport"]):
-    """Run a converter from its command line: print the report, or exit with status 2 and the refusal's message."""
+    """Run a converter from its command line: print the report, or exit with status 2 and the refusal's message;
+    warnings along the way are printed as `warning: ...` lines."""
     try:
-        report = convert()
+        with warnings.catch_warnings():
+            warnings.showwarning = show_warning_plainly
+            report = convert()
     except ConversionError as error:
         exit_with_error(str(error))
     except Terminated as stop:

@@ -6,7 +6,10 @@ config describes (its weight names as transformers' `save_pretrained` of that fa
 so a converted checkpoint exported unchanged gives back the source's tensors bit for bit.
 """
 
+import json
+import re
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +18,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 
-from .checkpoint_io import SourceCheckpoint
+from .checkpoint_io import EXPORTED, SourceCheckpoint
 from .engine import (
     COPIED_FILES,
     CheckpointTarget,
@@ -24,7 +27,7 @@ from .engine import (
     convert_checkpoint,
     expected_weights,
 )
-from .errors import ConversionError
+from .errors import ConversionError, names_preview
 
 OUR_MODEL_TYPES = ("hybrid_indexpool", "hybrid_indexpool_multimodal")
 
@@ -61,23 +64,96 @@ def weights_beyond_the_class(plan: ConversionPlan, expected: Mapping[str, torch.
     return shapes
 
 
+# Weight names of PEFT's LoRA layers (`q_proj.base_layer.weight`, `q_proj.lora_A.default.weight`, ...): a model saved
+# with them in place (`peft_model.base_model.model.save_pretrained`) holds each adapted weight split in parts.
+LORA_WEIGHT = re.compile(r"\.(base_layer|lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)(\.|$)")
+
+
+def auto_class_name(model_type: str | None) -> str | None:
+    """The transformers Auto class that loads a checkpoint of ours of `model_type` (None for another type)."""
+    return {"hybrid_indexpool": "AutoModelForCausalLM",
+            "hybrid_indexpool_multimodal": "AutoModelForImageTextToText"}.get(model_type)
+
+
+def merge_command(base: str, adapters: str, model_type: str | None) -> str:
+    """The Python line that merges LoRA `adapters` into the model `base` (of `model_type`, when known) and saves the
+    merged model: what a refusal tells the user to run."""
+    auto_class = auto_class_name(model_type)
+    command = (f"`PeftModel.from_pretrained({auto_class or 'AutoModelForCausalLM'}.from_pretrained('{base}', "
+               f"trust_remote_code=True), '{adapters}').merge_and_unload().save_pretrained(merged)`")
+    if auto_class is None:  # the base is not at hand: both of our classes, and when each applies
+        command += (" (with AutoModelForImageTextToText for a multimodal base: every GLM-5.3-Flash conversion and a "
+                    "Qwen4-Exp one converted with its vision tower)")
+    return command
+
+
+def local_model_type(folder) -> str | None:
+    """The `model_type` of the checkpoint in a local `folder`, or None when there is none there (a Hub id, a folder
+    gone): only read to name the right class in a message."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def open_our_checkpoint(folder) -> tuple[SourceCheckpoint, PretrainedConfig]:
-    """Our checkpoint in `folder` and its config; ConversionError for LoRA adapters and for other architectures."""
+    """Our checkpoint in `folder` and its config; ConversionError for LoRA adapters (alone or still in a saved
+    model: they must be merged) and for other architectures."""
     folder = Path(folder)
     if (folder / "adapter_config.json").is_file():
+        try:
+            base = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
+        except (OSError, ValueError, TypeError, KeyError):
+            base = None
         raise ConversionError(
-            f"{folder} holds LoRA adapters, not a model. Merge them into the base model first: "
-            "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, trust_remote_code=True), "
-            f"'{folder}').merge_and_unload().save_pretrained(merged)` (the fine-tune script merges by default, "
-            "--merge_lora True), then export the merged folder."
+            f"{folder} holds LoRA adapters, not a model. Merge them into their base model first: "
+            f"{merge_command(base or 'base', str(folder), local_model_type(base) if base else None)} (the fine-tune "
+            "script merges by default, --merge_lora True), then export the merged folder."
         )
-    checkpoint = SourceCheckpoint.open(folder)
+    checkpoint = SourceCheckpoint.open(folder, role=EXPORTED)
     if checkpoint.model_type not in OUR_MODEL_TYPES:
         raise ConversionError(
             f"{folder} holds a model_type {checkpoint.model_type!r} checkpoint; the export reads HybridIndexPool "
             f"checkpoints ({list(OUR_MODEL_TYPES)}), such as a converter's output or a model fine-tuned from one."
         )
-    return checkpoint, AutoConfig.from_pretrained(folder)
+    lora = [name for name in checkpoint.weight_names if LORA_WEIGHT.search(name)]
+    if lora:
+        raise ConversionError(
+            f"{folder} holds a model saved with its LoRA layers in place ({names_preview(lora, 3)}); the export needs "
+            "them merged into the weights. Save the merged model from the training session "
+            "(`peft_model.merge_and_unload().save_pretrained(merged)`; the fine-tune script does, --merge_lora "
+            "True), or save the adapters alone (`peft_model.save_pretrained(adapters)`) and merge them into the "
+            f"base: {merge_command('base', 'adapters', checkpoint.model_type)}; then export the merged folder."
+        )
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except ValueError as error:  # our config's checks name the setting
+        raise ConversionError(f"The config.json of {folder} is not a valid model config: {error}") from error
+    return checkpoint, config
+
+
+class ExportWarning(UserWarning):
+    """An export that goes ahead without something the target format ships (its tokenizer or processor files)."""
+
+
+# Files a checkpoint of the source families ships besides its weights: the tokenizer (its settings, and its
+# vocabulary in one of the other files) and, for a multimodal one, the processor that turns images and video into
+# patches. The export copies them from our checkpoint, where the converter put them.
+TOKENIZER_SETTINGS = "tokenizer_config.json"
+TOKENIZER_VOCABULARIES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+PROCESSOR_SETTINGS = ("preprocessor_config.json", "processor_config.json")
+
+
+def missing_shipped_files(folder: Path, multimodal: bool) -> list[str]:
+    """What the export of `folder` would lack of the files the target format ships: one message per missing kind
+    (the tokenizer, the processor of a `multimodal` target)."""
+    missing = []
+    if not (folder / TOKENIZER_SETTINGS).is_file() or not any((folder / name).is_file()
+                                                               for name in TOKENIZER_VOCABULARIES):
+        missing.append(f"tokenizer files ({TOKENIZER_SETTINGS} with one of {', '.join(TOKENIZER_VOCABULARIES)})")
+    if multimodal and not any((folder / name).is_file() for name in PROCESSOR_SETTINGS):
+        missing.append(f"processor files ({' or '.join(PROCESSOR_SETTINGS)}), which images and video need")
+    return missing
 
 
 def export_checkpoint(
@@ -99,8 +175,16 @@ def export_checkpoint(
     `build_plan(layout, our_config)` is the family's conversion plan; it runs backwards. `checks` are weight groups
     that read our weights the source format has no place for and write nothing: each raises ConversionError unless
     its weights are neutral (e.g. learned pooling still at the mean). Output safety is the conversion's: an existing
-    folder is refused unless `overwrite`, and the result appears only once complete.
+    folder is refused unless `overwrite`, and the result appears only once complete. A folder without the tokenizer
+    files, or without the processor files of a multimodal model, exports with an `ExportWarning`.
     """
+    for missing in missing_shipped_files(checkpoint.folder, hasattr(source_config, "vision_config")):
+        # Not an error: the weights export all the same, and the files can be added afterwards.
+        warnings.warn(
+            f"{checkpoint.folder} has no {missing}; the export is written without them, and the engines serving it "
+            f"need them: copy them from the checkpoint this model was converted from into {output_dir}.",
+            ExportWarning, stacklevel=3,
+        )
     expected = saved_weight_shapes(source_model_class, source_config)
     layout = SourceLayout(list(expected), source_config.model_type)
     forward_plan = build_plan(layout, our_config)

@@ -285,6 +285,8 @@ def glm_config_from_ours(config) -> Glm5NextConfig:
                               "this model has none; export a model converted without --text_only.")
     different = [f"{name} = {getattr(text, name)!r} (GLM: {value!r})" for name, value in GLM_VARIANT.items()
                  if getattr(text, name) != value]
+    if text.num_mtp_layers and text.mtp_type != "deepseek":
+        different.append(f"mtp_type = {text.mtp_type!r} (GLM: 'deepseek', next-n layers)")
     if text.shared_expert_intermediate_size % text.moe_intermediate_size:
         different.append(f"shared_expert_intermediate_size = {text.shared_expert_intermediate_size} (GLM: a "
                          f"multiple of moe_intermediate_size, {text.moe_intermediate_size})")

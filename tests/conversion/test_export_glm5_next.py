@@ -3,13 +3,16 @@ included) and its config, and a
 model changed here loads in transformers' `Glm5NextForConditionalGeneration` with our logits; what GLM's format
 cannot express is refused."""
 
+import warnings
+
 import pytest
 import torch
 from checkpoint_files import config_dict, differing_tensors, saved_tensors
 from glm_sources import VARIANTS, save_glm_source, tiny_glm_source
 from transformers import AutoModelForImageTextToText, Glm5NextForConditionalGeneration
+from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
 
-from hybrid_indexpool.conversion import ConversionError, convert_glm5_next, export_glm5_next
+from hybrid_indexpool.conversion import ConversionError, ExportWarning, convert_glm5_next, export_glm5_next
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 QUIET = dict(progress=False, log=lambda message: None)
@@ -24,8 +27,13 @@ def round_trip(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"export-{variant.name}")
     # With an MTP layer: DeepSeek's layout (copies of the embedding and head in it) for the first variant only.
     save_glm_source(tiny_glm_source(variant), folder / "source", copies=variant == VARIANTS[0])
+    Glm5NextImageProcessorPil(patch_size=14, merge_size=2).save_pretrained(folder / "source")
     convert_glm5_next(folder / "source", folder / "ours", max_shard_size="60KB", **QUIET)
-    export_glm5_next(folder / "ours", folder / "back", max_shard_size="60KB", **QUIET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_glm5_next(folder / "ours", folder / "back", max_shard_size="60KB", **QUIET)
+    # Nothing is missing: the tokenizer and the processor went through the conversion and back.
+    assert [str(warning.message) for warning in caught if warning.category is ExportWarning] == []
     return variant, folder
 
 
@@ -33,8 +41,9 @@ def test_source_to_ours_to_source_gives_the_same_tensors_names_and_config(round_
     _, folder = round_trip
     assert differing_tensors(folder / "source", folder / "back") == []
     assert config_dict(folder / "back") == config_dict(folder / "source")
-    for file_name in ("tokenizer.json", "tokenizer_config.json"):
+    for file_name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
         assert (folder / "back" / file_name).read_bytes() == (folder / "source" / file_name).read_bytes()
+    assert Glm5NextImageProcessorPil.from_pretrained(folder / "back").patch_size == 14
 
 
 def test_a_model_trained_here_loads_in_glms_class_with_our_logits(round_trip, tmp_path):

@@ -2,16 +2,22 @@
 multimodal, hyper-connections, PLE with split n-gram tables, MoE, the MTP head), and a model changed here loads in
 transformers' Qwen4-Exp classes with our logits; learned pooling that left the mean is refused."""
 
+import json
+import warnings
+
 import pytest
 import torch
 from checkpoint_files import config_dict, differing_tensors, saved_tensors
 from qwen_sources import save_qwen4_source, save_source, tiny_qwen4_source
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from hybrid_indexpool.conversion import ConversionError, convert_qwen4_exp, export_qwen4_exp
+from hybrid_indexpool.conversion import ConversionError, ExportWarning, convert_qwen4_exp, export_qwen4_exp
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 QUIET = dict(progress=False, log=lambda message: None)
+# A multimodal Qwen4-Exp's image processor settings (Qwen3-VL's processor), as its preprocessor_config.json holds them.
+PROCESSOR = {"processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
+             "merge_size": 2, "temporal_patch_size": 2}
 
 
 @pytest.fixture(scope="module", params=["text", "multimodal"])
@@ -21,15 +27,25 @@ def round_trip(request, tmp_path_factory):
     # 32 index heads: with few, ReLU scores tie at zero, and the two implementations break ties differently.
     source = tiny_qwen4_source(multimodal=request.param == "multimodal", indexer_n_heads=32)
     save_qwen4_source(source, folder / "source")  # with an MTP head
+    if request.param == "multimodal":  # its processor, as the released checkpoint ships it
+        (folder / "source" / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
     convert_qwen4_exp(folder / "source", folder / "ours", max_shard_size="40KB", **QUIET)
-    export_qwen4_exp(folder / "ours", folder / "back", max_shard_size="40KB", **QUIET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_qwen4_exp(folder / "ours", folder / "back", max_shard_size="40KB", **QUIET)
+    # Nothing is missing: the tokenizer (and the processor) went through the conversion and back.
+    assert [str(warning.message) for warning in caught if warning.category is ExportWarning] == []
     return request.param, folder
 
 
 def test_source_to_ours_to_source_gives_the_same_tensors_names_and_config(round_trip):
-    _, folder = round_trip
+    kind, folder = round_trip
     assert differing_tensors(folder / "source", folder / "back") == []
     assert config_dict(folder / "back") == config_dict(folder / "source")
+    shipped = ["tokenizer.json", "tokenizer_config.json"] + (["preprocessor_config.json"] if kind == "multimodal"
+                                                               else [])
+    for file_name in shipped:
+        assert (folder / "back" / file_name).read_bytes() == (folder / "source" / file_name).read_bytes()
 
 
 def train_indexer_projections(ours, steps: int = 3, learning_rate: float = 0.005) -> None:
