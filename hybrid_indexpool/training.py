@@ -404,9 +404,13 @@ def build_model(args: FinetuneArguments, tokenizer):
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
+        # A multimodal model trains on text here: adapters in its vision tower (GLM's has gate/up/down projections
+        # too) would get no gradient, so they go on the language model only.
+        multimodal = isinstance(model.config, HybridIndexPoolMultimodalConfig)
         lora_config = LoraConfig(
             r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
             target_modules=args.lora_target_modules, task_type="CAUSAL_LM",
+            exclude_modules=r".*\bvisual\b.*" if multimodal else None,
         )
         model = get_peft_model(model, lora_config)
     return model

@@ -62,6 +62,13 @@ def test_glm_convert_train_the_indexer_export_and_load_in_glms_class(tmp_path):
         assert (tmp_path / "glm" / file_name).is_file(), file_name
     assert Glm5NextImageProcessorPil.from_pretrained(tmp_path / "glm").patch_size == 14
 
+    # LoRA (the fine-tune script's --lora) adapts the language model only: the vision tower does not train on text.
+    adapted = build_model(FinetuneArguments(model_name_or_path=str(tmp_path / "ours"), lora=True),
+                          byte_level_tokenizer())
+    lora_layers = [name for name, _ in adapted.named_modules() if name.endswith(".lora_A")]
+    assert lora_layers and all(".visual." not in name for name in lora_layers)
+    assert any(".language_model." in name and "mlp" in name for name in lora_layers)
+
     glm = Glm5NextForConditionalGeneration.from_pretrained(tmp_path / "glm").eval()
     ours = AutoModelForImageTextToText.from_pretrained(tmp_path / "trained").eval()
     trained, original = glm.state_dict(), source.state_dict()
