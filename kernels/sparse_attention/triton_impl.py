@@ -96,6 +96,36 @@ def sparse_attention_triton(query, key, value, selected_windows, query_positions
     return output
 
 
+def paged_sparse_attention_triton(query, key_cache, value_cache, block_table, token_request, selected_windows,
+                                  query_positions, pool_size, scaling, output_gate=None, num_splits=None):
+    """Triton version of `paged_sparse_attention_torch` (inference): output `[tokens, heads, head_dim]` of a step's
+    flattened tokens over keys and values in vLLM's pages `[num_blocks, kv_heads, block_size, head_dim]` (any views
+    whose last dimension is contiguous; `block_size` any integer that `pool_size` divides or not).
+
+    The forward kernel runs with paged addressing (a token's request from `token_request`, each key/value row
+    through `block_table`) on the query as a `[1, heads, tokens, dim]` view; `output_gate` `[tokens, heads, dim]` is
+    applied in the store of the kernel that writes the output. `num_splits` as in `sparse_attention_triton`; by
+    default set by the shapes only (tokens, heads, topk, multiprocessors). Nothing is read back to the host and every
+    allocation has a shape fixed by the arguments' shapes, so a step can be captured in a CUDA graph.
+    """
+    query, key_cache, value_cache = (_last_dim_contiguous(t) for t in (query, key_cache, value_cache))
+    if output_gate is not None:
+        output_gate = _last_dim_contiguous(output_gate)
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    # The batch of one is a stride-0 dimension: its stride never changes with the token count (one compilation).
+    batched_query = query.transpose(0, 1).expand(1, -1, -1, -1)  # [1, heads, tokens, dim]
+    selected = selected_windows.expand(1, -1, -1)
+    positions = query_positions.expand(1, -1)
+    if num_splits is None:
+        num_splits = decode_splits(batched_query, key_cache, selected, pool_size, multiprocessor_count(query.device))
+    launches, output, _ = plan_forward(batched_query, key_cache, value_cache, selected, positions, pool_size,
+                                       scaling, num_splits, (block_table, token_request, key_cache.shape[2]),
+                                       output_gate)
+    _run(launches)
+    return output[0]
+
+
 def aot_launches(sizes) -> list[tuple[str, Launch]]:
     """Every attention kernel's launch at `sizes` (an `aot.ModelSizes`), on meta tensors. Decode: one query per row
     against a cache of `context` positions, split for `sizes.multiprocessors`; prefill: `queries` queries with the
