@@ -40,7 +40,10 @@ def _combine_splits_kernel(partial_ptr, partial_lse_ptr, out_ptr, num_splits, nu
         row_max = new_max
     output = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     if GATED:
-        gate_rows = rows // HEADS * stride_gt + rows % HEADS * stride_gh
+        # Token and head from int32 row ids (token x heads < 2^31): an int64 pair kept across the loop made ptxas
+        # spill on sm_90.
+        rows32 = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        gate_rows = (rows32 // HEADS).to(tl.int64) * stride_gt + (rows32 % HEADS) * stride_gh
         gate = tl.load(gate_ptr + gate_rows[:, None] + dims[None, :], mask=mask, other=0.0)
         output = _gated(output, gate, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], output.to(out_ptr.dtype.element_ty), mask=mask)

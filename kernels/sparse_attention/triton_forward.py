@@ -13,7 +13,9 @@ except ImportError as error:  # Triton is optional; the package falls back to th
     raise ImportError("Triton is not installed") from error
 
 
-@triton.jit(do_not_specialize=["num_queries", "num_selected", "windows_per_split", "block_size"])
+# Not specialised: the sizes that change from call to call (one compilation for every batch size and split count), and
+# vLLM's block size and block-table width (any integers; the table is read one id per position).
+@triton.jit(do_not_specialize=["num_queries", "num_selected", "windows_per_split", "stride_table", "block_size"])
 def _sparse_attention_forward_kernel(
     query_ptr, key_ptr, value_ptr, selected_ptr, position_ptr, out_ptr, lse_ptr,
     num_queries, num_selected, windows_per_split, scale,

@@ -113,17 +113,31 @@ def paged_sparse_attention_triton(query, key_cache, value_cache, block_table, to
         output_gate = _last_dim_contiguous(output_gate)
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    # The batch of one is a stride-0 dimension: its stride never changes with the token count (one compilation).
-    batched_query = query.transpose(0, 1).expand(1, -1, -1, -1)  # [1, heads, tokens, dim]
-    selected = selected_windows.expand(1, -1, -1)
-    positions = query_positions.expand(1, -1)
+    launches, output = plan_paged_forward(query, key_cache, value_cache, block_table, token_request,
+                                          selected_windows, query_positions, pool_size, scaling, output_gate,
+                                          num_splits, multiprocessor_count(query.device))
+    _run(launches)
+    return output
+
+
+def _batch_of_one(tensor):
+    """`tensor` with a leading batch dimension of one whose stride is 0: never the token count, which would make the
+    kernel's specialisation depend on it (equal to 1, divisible by 16) as `unsqueeze` or `expand` would."""
+    return tensor.as_strided((1, *tensor.shape), (0, *tensor.stride()))
+
+
+def plan_paged_forward(query, key_cache, value_cache, block_table, token_request, selected_windows, query_positions,
+                       pool_size, scaling, output_gate, num_splits, multiprocessors):
+    """(launches, output `[tokens, heads, head_dim]`) of `paged_sparse_attention_triton` (shapes as there; `num_splits`
+    None: `decode_splits` for `multiprocessors`)."""
+    batched_query = _batch_of_one(query.transpose(0, 1))  # [1, heads, tokens, dim]
+    selected, positions = _batch_of_one(selected_windows), _batch_of_one(query_positions)
     if num_splits is None:
-        num_splits = decode_splits(batched_query, key_cache, selected, pool_size, multiprocessor_count(query.device))
+        num_splits = decode_splits(batched_query, key_cache, selected, pool_size, multiprocessors)
     launches, output, _ = plan_forward(batched_query, key_cache, value_cache, selected, positions, pool_size,
                                        scaling, num_splits, (block_table, token_request, key_cache.shape[2]),
                                        output_gate)
-    _run(launches)
-    return output[0]
+    return launches, output[0]
 
 
 def aot_launches(sizes) -> list[tuple[str, Launch]]:
@@ -134,6 +148,15 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
         return []
     if sizes.latent_dim:
         return _latent_aot_launches(sizes)
+    paged = _paged_aot_launches(sizes)
+    if sizes.kernels == "paged":
+        return paged
+    return _unpaged_aot_launches(sizes) + paged
+
+
+def _unpaged_aot_launches(sizes) -> list[tuple[str, Launch]]:
+    """The GQA kernels' launches at `sizes` on per-row caches: the decode forward (and combine), or the prefill's
+    forward and backward."""
     meta = dict(device="meta", dtype=sizes.dtype)
     num_queries = 1 if sizes.mode == "decode" else sizes.queries
     batch_size = sizes.batch if sizes.mode == "decode" else 1
@@ -157,6 +180,34 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
                                  entries, entries, offsets)
     return list(zip(names[:1], launches)) + list(zip(("sparse_attention_backward_dq",
                                                       "sparse_attention_backward_dkv"), backward))
+
+
+# Rows per page of the paged launches' caches. The block size is a runtime argument the kernel does not specialise on
+# (nor on the block table's row stride), so any value compiles the same; this one is not a power of two.
+AOT_BLOCK_SIZE = 528
+
+
+def _paged_aot_launches(sizes) -> list[tuple[str, Launch]]:
+    """The paged kernels' launches as the vLLM plugin runs them at `sizes`: a step's flattened tokens (decode: `batch`
+    requests of one token over `context` positions, split for `sizes.multiprocessors`; prefill: `queries` tokens of
+    one request, unsplit), keys and values the two halves of one `[blocks, kv_heads, block_size, 2 * head_dim]`
+    cache, an int32 block table, and the output gate (the second half of each head's query projection)."""
+    meta = dict(device="meta", dtype=sizes.dtype)
+    decode = sizes.mode == "decode"
+    num_tokens, num_requests = (sizes.batch, sizes.batch) if decode else (sizes.queries, 1)
+    pages_per_request = -(-(sizes.context if decode else sizes.queries) // AOT_BLOCK_SIZE)
+    heads, head_dim = sizes.kv_heads * sizes.group, sizes.head_dim
+    query = torch.empty(num_tokens, heads, head_dim, **meta)
+    gate = torch.empty(num_tokens, heads, 2 * head_dim, **meta)[..., head_dim:]
+    cache = torch.empty(num_requests * pages_per_request + 1, sizes.kv_heads, AOT_BLOCK_SIZE, 2 * head_dim, **meta)
+    block_table = torch.empty(num_requests, pages_per_request, dtype=torch.int32, device="meta")
+    token_request = torch.empty(num_tokens, dtype=torch.int64, device="meta")
+    selected = torch.empty(num_tokens, sizes.budget // sizes.pool_size, dtype=torch.int64, device="meta")
+    positions = torch.empty(num_tokens, dtype=torch.int64, device="meta")
+    launches, _ = plan_paged_forward(query, cache[..., :head_dim], cache[..., head_dim:], block_table, token_request,
+                                     selected, positions, sizes.pool_size, 0.1, gate, None if decode else 1,
+                                     sizes.multiprocessors)
+    return list(zip(("paged_sparse_attention_forward", "paged_combine_splits"), launches))
 
 
 def _latent_aot_launches(sizes) -> list[tuple[str, Launch]]:
