@@ -1,5 +1,6 @@
-"""IndexPool sparse attention (selected windows plus tail) behind one entry point per shape: GQA heads, and MLA's
-absorbed form (every query head over one latent that is both key and value)."""
+"""IndexPool sparse attention (selected windows plus tail) behind one entry point per shape: GQA heads, MLA's
+absorbed form (every query head over one latent that is both key and value), and GQA heads over keys and values in
+vLLM's pages (a serving step's flattened tokens)."""
 
 import torch
 

@@ -15,6 +15,10 @@ keys over those queries and writes them once.
 
 Every offset that can pass 2^31 (batch, position and query strides at long contexts) is computed in int64.
 
+The paged entry (vLLM's cache) runs the same forward and combine kernels under constexprs (`PAGED`: each key/value
+row through the block table; `GATED`: the model's sigmoid output gate in the store that writes the output), on the
+step's flattened tokens as a batch of one; off, they compile as before.
+
 The kernels live by concern: `triton_shared` (the list walk's `@triton.jit` helpers, the pipeline stages, the size
 helpers), `triton_forward`, `triton_decode` (the split count and the combine kernel), `triton_backward` and
 `triton_latent` (MLA's absorbed form). This module holds the entry points, the autograd Function and
