@@ -292,5 +292,7 @@ def paged_sparse_attention_torch(
         chunk_output = torch.einsum("tkgs,tskd->tkgd", probs, value.float())
         output[start:end] = chunk_output.reshape(end - start, num_heads, head_dim).to(query.dtype)
     if output_gate is not None:
-        output = (output * torch.sigmoid(output_gate)).to(query.dtype)
+        # Contiguous as the layer's `[tokens, heads * head_dim]` gate (a copy of the query projection's half): ATen's
+        # CPU sigmoid rounds strided float32 inputs differently (1 ulp).
+        output = (output * torch.sigmoid(output_gate.contiguous())).to(query.dtype)
     return output
