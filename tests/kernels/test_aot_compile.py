@@ -26,14 +26,22 @@ def spill_allowance(row) -> int:
     3.9; docs/kernels.md): the float32 key-major backward at head dim 256 (three tf32 products of rows
     256 wide; 40-54 words) and at head dim 64 with a group of 16 (2), the dq pass in some 16-bit and float32
     configurations (2-10), and the float32 forward with a group of 16 at head dim 256 (2, on sm_90). Every decode and
-    forward kernel in 16-bit spills nothing. An allowance is a bound, so a regression still fails."""
+    forward kernel in 16-bit spills nothing. The paged forward (its part of the matrix alone: 468 compilations)
+    spills on sm_90 only: 2-6 words at 72 registers in 16-bit at head dim 64 with groups 1-4, and 2-4 in
+    float32 at head dim 256 with groups 8 and 16; none at Qwen3.8-Flash-Next's widths nor in the default subset. An
+    allowance is a bound, so a regression still fails."""
     if row.kernel == "sparse_attention_backward_dkv" and row.config.startswith("fp32"):
         return 64 if "HEAD_DIM=256" in row.config else 4
     if row.kernel == "sparse_attention_backward_dq":
         return 16
-    if row.kernel in ("sparse_attention_forward", "paged_sparse_attention_forward") and row.config.startswith(
-            "fp32") and "GROUP=16 HEAD_DIM=256" in row.config:
+    if row.kernel == "sparse_attention_forward" and row.config.startswith("fp32") and "GROUP=16 HEAD_DIM=256" in \
+            row.config:
         return 4
+    if row.kernel == "paged_sparse_attention_forward" and row.capability == 90:
+        if row.config.startswith("fp32") and "HEAD_DIM=256" in row.config:
+            return 4
+        if not row.config.startswith("fp32") and "HEAD_DIM=64" in row.config:
+            return 8
     return 0
 
 
