@@ -39,8 +39,9 @@ from .launch import Launch
 SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
 CAPABILITIES = (90, 80)
 # The kernel modules compiled here (their `aot_launches` plan each kernel's launch on meta tensors).
-KERNEL_MODULES = ("hybrid_indexpool.kernels.pooled_index_topk.triton_impl",
-                  "hybrid_indexpool.kernels.sparse_attention.triton_impl")
+INDEX_MODULE = "hybrid_indexpool.kernels.pooled_index_topk.triton_impl"
+ATTENTION_MODULE = "hybrid_indexpool.kernels.sparse_attention.triton_impl"
+KERNEL_MODULES = (INDEX_MODULE, ATTENTION_MODULE)
 # Environment variables of Triton that are not code-generation settings and may stay while compiling.
 _KEPT_VARIABLES = ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DEFAULT_FP_FUSION", "TRITON_PTXAS_PATH",
                    "TRITON_CUOBJDUMP_PATH", "TRITON_LIBDEVICE_PATH")
@@ -146,7 +147,8 @@ def launch_resources(name: str, mode: str, launch: Launch, capability: int) -> K
 class ModelSizes:
     """One configuration of the kernels' sizes (Qwen3.8-Flash-Next ranges). `mode` is `decode` (one query per row
     against `context` positions, `batch` rows) or `prefill` (`queries` queries, with the attention's backward);
-    `kernels` is `index`, `attention` or `all`; `index_keys` is the pooled keys' storage, `float` (the dtype's) or
+    `kernels` is `index`, `attention` (per-row caches and vLLM's paged one), `paged` (the paged attention only: the
+    vLLM plugin's) or `all`; `index_keys` is the pooled keys' storage, `float` (the dtype's) or
     `fp8` (packed fp8 keys with their scales). `latent_dim > 0` makes the attention MLA's absorbed form: `kv_heads *
     group` query heads on one latent of that width (keys and values at once; `head_dim` unused)."""
 
@@ -170,7 +172,7 @@ class ModelSizes:
     def label(self) -> str:
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
         parts = [self.mode, dtype]
-        if self.kernels != "attention":
+        if self.kernels not in ("attention", "paged"):
             parts.append(f"H={self.index_heads} dI={self.index_head_dim}")
             if self.index_keys == "fp8":
                 parts.append("fp8 keys")
@@ -178,6 +180,8 @@ class ModelSizes:
             parts.append(f"r={self.pool_size} MLA heads={self.kv_heads * self.group} c={self.latent_dim}")
         elif self.kernels != "index":
             parts.append(f"r={self.pool_size} d={self.head_dim} g={self.group}")
+        if self.kernels == "paged":
+            parts.append("paged")
         return " ".join(parts)
 
 
@@ -186,7 +190,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def default_sizes() -> list[ModelSizes]:
     """A representative subset, about two minutes on 2 CPU cores: every kernel in decode and prefill, each dtype,
-    the extreme sizes (index heads 64 at dim 128; attention head dim 256 with group 16, r = 1 with group 1)."""
+    the extreme sizes (index heads 64 at dim 128; attention head dim 256 with group 16, r = 1 with group 1), and the
+    paged attention at Qwen3.8-Flash-Next's widths (16 heads on 2 key/value heads of 256, r = 4)."""
     return [
         ModelSizes("decode", torch.bfloat16, 64, 128, 4, head_dim=256, group=16),
         ModelSizes("decode", torch.float16, 4, 64, 1, head_dim=64, group=1),
@@ -196,6 +201,8 @@ def default_sizes() -> list[ModelSizes]:
         ModelSizes("prefill", torch.float32, 16, 128, 8, head_dim=64, group=8),
         ModelSizes("decode", torch.bfloat16, 64, 128, kernels="index", index_keys="fp8"),
         ModelSizes("prefill", torch.bfloat16, 64, 128, kernels="index", index_keys="fp8"),
+        ModelSizes("decode", torch.bfloat16, pool_size=4, head_dim=256, group=8, kernels="paged"),
+        ModelSizes("prefill", torch.bfloat16, pool_size=4, head_dim=256, group=8, kernels="paged"),
     ]
 
 
@@ -233,7 +240,7 @@ def size_launches(sizes: ModelSizes) -> list[tuple[str, Launch]]:
     import importlib
 
     launches = []
-    for name in KERNEL_MODULES:
+    for name in KERNEL_MODULES if sizes.kernels != "paged" else (ATTENTION_MODULE,):
         launches += importlib.import_module(name).aot_launches(sizes)
     return launches
 

@@ -1,15 +1,22 @@
-"""IndexPool sparse attention (selected windows plus tail) behind one entry point per shape: GQA heads, and MLA's
-absorbed form (every query head over one latent that is both key and value)."""
+"""IndexPool sparse attention (selected windows plus tail) behind one entry point per shape: GQA heads, MLA's
+absorbed form (every query head over one latent that is both key and value), and GQA heads over keys and values in
+vLLM's pages (a serving step's flattened tokens)."""
 
 import torch
 
 from ..dispatch import use_fast_path
-from .reference import attention_slots, masked_softmax, sparse_attention_torch, sparse_latent_attention_torch
+from .reference import (
+    attention_slots,
+    masked_softmax,
+    paged_sparse_attention_torch,
+    sparse_attention_torch,
+    sparse_latent_attention_torch,
+)
 
 try:
-    from .triton_impl import sparse_attention_triton, sparse_latent_attention_triton
+    from .triton_impl import paged_sparse_attention_triton, sparse_attention_triton, sparse_latent_attention_triton
 except ImportError:  # no Triton: the PyTorch path serves every device
-    sparse_attention_triton = sparse_latent_attention_triton = None
+    sparse_attention_triton = sparse_latent_attention_triton = paged_sparse_attention_triton = None
 
 
 def sparse_attention(query, key, value, selected_windows, query_positions, pool_size, scaling, dropout=0.0,
@@ -43,5 +50,22 @@ def sparse_latent_attention(query, latents, selected_windows, query_positions, p
                                          dropout, training, return_weights)
 
 
+def paged_sparse_attention(query, key_cache, value_cache, block_table, token_request, selected_windows,
+                           query_positions, pool_size, scaling, output_gate=None, num_splits=None):
+    """Sparse attention of a step's flattened tokens over keys and values in vLLM's pages (the vLLM plugin's entry);
+    see `paged_sparse_attention_torch` for shapes. Output `[tokens, heads, head_dim]`.
+
+    Triton on CUDA (`num_splits` overrides its split count, for tests), PyTorch elsewhere. Inference only; neither
+    path reads a value back to the host.
+    """
+    if paged_sparse_attention_triton is not None and use_fast_path(query, key_cache, value_cache):
+        return paged_sparse_attention_triton(query, key_cache, value_cache, block_table, token_request,
+                                             selected_windows, query_positions, pool_size, scaling, output_gate,
+                                             num_splits)
+    return paged_sparse_attention_torch(query, key_cache, value_cache, block_table, token_request, selected_windows,
+                                        query_positions, pool_size, scaling, output_gate)
+
+
 __all__ = ["sparse_attention", "sparse_attention_torch", "sparse_attention_triton", "sparse_latent_attention",
-           "sparse_latent_attention_torch", "sparse_latent_attention_triton", "attention_slots", "masked_softmax"]
+           "sparse_latent_attention_torch", "sparse_latent_attention_triton", "paged_sparse_attention",
+           "paged_sparse_attention_torch", "paged_sparse_attention_triton", "attention_slots", "masked_softmax"]

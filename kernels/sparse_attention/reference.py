@@ -224,3 +224,75 @@ def sparse_latent_attention_torch(
             probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
         outputs.append(torch.matmul(probs, gathered).to(query.dtype))
     return torch.cat(outputs, dim=1), None
+
+
+# Queries of a paged step attended at once (the vLLM layer's chunk): bounds the gathered keys/values to
+# `PAGED_QUERY_CHUNK x (topk * pool_size + pool_size - 1)` rows, whatever the step's token count.
+PAGED_QUERY_CHUNK = 256
+
+
+def paged_sparse_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_request: torch.Tensor,
+    selected_windows: torch.Tensor,
+    query_positions: torch.Tensor,
+    pool_size: int,
+    scaling: float,
+    output_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sparse attention of a step's flattened tokens (any mix of requests, prefill chunks and decodes) over keys and
+    values in vLLM's pages: what the vLLM layer computed in PyTorch, `PAGED_QUERY_CHUNK` queries at a time.
+
+    Position `s` of request `q` lives in page `block_table[q, s // block_size]`, row `s % block_size`. A token attends
+    to every position of its selected windows and to its open window up to itself, as `sparse_attention_torch`;
+    float32 inside, no host read, shapes set by the token count and `topk` only.
+
+    Args:
+        query: `[tokens, heads, head_dim]`.
+        key_cache, value_cache: `[num_blocks, kv_heads, block_size, head_dim]`, any views whose last dimension is
+            contiguous (vLLM's keys and values are the two halves `kv[..., :d]`, `kv[..., d:]` of one cache).
+        block_table: `[requests, max_blocks]` (int32 or int64) pages of each request.
+        token_request: `[tokens]` request of each token (a row of `block_table`).
+        selected_windows: `[tokens, topk]` window ids, ascending, `-1` for none (after the last).
+        query_positions: `[tokens]` (int64) position of each token in its request.
+        pool_size: tokens per window `r`.
+        scaling: multiplier of the dot products.
+        output_gate: optional `[tokens, heads, head_dim]`: the output is multiplied by its sigmoid (the model's
+            output gate), in the output dtype.
+
+    Returns:
+        Output `[tokens, heads, head_dim]` in the query's dtype; zeros for a token with nothing to attend to.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    r = pool_size
+    output = torch.empty_like(query)
+    window_offsets = torch.arange(r, device=query.device)
+    open_offsets = torch.arange(r - 1, device=query.device)
+    for start in range(0, num_tokens, PAGED_QUERY_CHUNK):
+        end = min(start + PAGED_QUERY_CHUNK, num_tokens)
+        windows, positions = selected_windows[start:end], query_positions[start:end]
+        window_slots = (windows[..., None] * r + window_offsets).flatten(-2)
+        window_valid = (windows >= 0).repeat_interleave(r, dim=-1)
+        open_slots = ((positions + 1) // r * r)[:, None] + open_offsets
+        open_valid = open_slots <= positions[:, None]
+        valid = torch.cat([window_valid, open_valid], dim=-1)
+        slots = torch.cat([window_slots, open_slots], dim=-1).masked_fill(~valid, 0)  # [chunk, slots]
+        blocks = block_table[token_request[start:end, None], slots // block_size].long()
+        rows = slots % block_size
+        key = key_cache[blocks, :, rows]  # [chunk, slots, kv_heads, head_dim]
+        value = value_cache[blocks, :, rows]
+        chunk_query = query[start:end].reshape(end - start, num_kv_heads, group, head_dim).float()
+        scores = torch.einsum("tkgd,tskd->tkgs", chunk_query, key.float()) * scaling
+        probs = masked_softmax(scores, valid[:, None, None])
+        chunk_output = torch.einsum("tkgs,tskd->tkgd", probs, value.float())
+        output[start:end] = chunk_output.reshape(end - start, num_heads, head_dim).to(query.dtype)
+    if output_gate is not None:
+        # Contiguous as the layer's `[tokens, heads * head_dim]` gate (a copy of the query projection's half): ATen's
+        # CPU sigmoid rounds strided float32 inputs differently (1 ulp).
+        output = (output * torch.sigmoid(output_gate.contiguous())).to(query.dtype)
+    return output

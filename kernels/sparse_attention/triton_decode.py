@@ -2,7 +2,7 @@
 log-sum-exp (for the GQA and the latent forward alike)."""
 
 from ..launch import PROGRAMS_PER_SM, Launch
-from .triton_shared import _block_n
+from .triton_shared import _block_n, _gated
 
 try:
     import triton
@@ -16,9 +16,11 @@ MIN_SPLIT_POSITIONS = 128
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_rows"])
-def _combine_splits_kernel(partial_ptr, partial_lse_ptr, out_ptr, num_splits, num_rows, HEAD_DIM: tl.constexpr,
-                           DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Merge the splits' partial outputs `[split, row, dim]` (rows: token x head) by their log-sum-exp."""
+def _combine_splits_kernel(partial_ptr, partial_lse_ptr, out_ptr, num_splits, num_rows, gate_ptr, stride_gt,
+                           stride_gh, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                           GATED: tl.constexpr = False, HEADS: tl.constexpr = 1):
+    """Merge the splits' partial outputs `[split, row, dim]` (rows: token x head) by their log-sum-exp. `GATED`: the
+    output times the sigmoid of `gate_ptr` `[token, head, dim]` (`HEADS` heads per token; None when off)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     dims = tl.arange(0, DIM_PAD)
     mask = (rows < num_rows)[:, None] & (dims < HEAD_DIM)[None, :]
@@ -37,18 +39,30 @@ def _combine_splits_kernel(partial_ptr, partial_lse_ptr, out_ptr, num_splits, nu
         row_sum = row_sum * correction + weight
         row_max = new_max
     output = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    if GATED:
+        # Token and head from int32 row ids (token x heads < 2^31): an int64 pair kept across the loop made ptxas
+        # spill on sm_90.
+        rows32 = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        gate_rows = (rows32 // HEADS).to(tl.int64) * stride_gt + (rows32 % HEADS) * stride_gh
+        gate = tl.load(gate_ptr + gate_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+        output = _gated(output, gate, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], output.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def combine_launch(partial, partial_lse, output, num_splits: int, num_rows: int, head_dim: int,
-                   dim_pad: int) -> Launch:
+                   dim_pad: int, gate=None) -> Launch:
     """The combine kernel's launch: `num_splits` partial outputs `[split, row, head_dim]` and their log-sum-exp
-    `[split, row]` into `output` (rows: token x head)."""
+    `[split, row]` into `output` (rows: token x head), times the sigmoid of `gate` `[tokens, heads, head_dim]` (last
+    dimension contiguous) when given."""
     block_r = max(1, 2048 // dim_pad)
+    options = dict(HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_R=block_r, num_warps=4, num_stages=1)
+    gate_args = (None, None, None)
+    if gate is not None:
+        gate_args = (gate, *gate.stride()[:2])
+        options.update(GATED=True, HEADS=gate.shape[1])
     return Launch(
         _combine_splits_kernel, (triton.cdiv(num_rows, block_r),),
-        (partial, partial_lse, output, num_splits, num_rows),
-        dict(HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_R=block_r, num_warps=4, num_stages=1),
+        (partial, partial_lse, output, num_splits, num_rows, *gate_args), options,
     )
 
 

@@ -45,6 +45,14 @@ def _query_rows(token, num_queries, kv_head, GROUP: tl.constexpr, GROUP_PAD: tl.
     return token // num_queries, token % num_queries, heads, tl.arange(0, GROUP_PAD) < GROUP, dims, dims < HEAD_DIM
 
 
+@triton.jit
+def _gated(output, gate, OUT_DTYPE: tl.constexpr):
+    """`output * sigmoid(gate)` (float32, to be stored as `OUT_DTYPE`) rounded as the model's gate computes it in its
+    dtype: the attention output in `OUT_DTYPE`, the sigmoid in the gate's dtype, then their product."""
+    sigmoid = tl.sigmoid(gate.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    return output.to(OUT_DTYPE).to(tl.float32) * sigmoid
+
+
 def _sizes(query, key, pool_size) -> dict:
     """Constexprs every attention kernel shares: the GQA group (rows of the products, padded only to a power of
     two), head dim and pool size, and the arithmetic (float32 in the interpreter and for float32 inputs)."""

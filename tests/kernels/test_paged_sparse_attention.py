@@ -1,0 +1,266 @@
+"""Paged IndexPool sparse attention (the vLLM plugin's keys and values in vLLM's pages): the PyTorch reference against
+the unpaged reference on the same keys/values laid out contiguously per request, the Triton kernel (in the
+interpreter on CPU, float32) against the reference, and neither reading a value back to the host.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybrid_indexpool.kernels.sparse_attention import (
+    paged_sparse_attention,
+    paged_sparse_attention_torch,
+    paged_sparse_attention_triton,
+    sparse_attention_torch,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(paged_sparse_attention_triton is None, reason="Triton is not installed")
+
+
+def paged_step(lengths, new_tokens, kv_heads, group, head_dim, pool_size, block_size, topk, seed, dtype=torch.float32,
+               order=None):
+    """One step of several requests: request `q` holds `lengths[q]` positions, the last `new_tokens[q]` of them this
+    step's tokens (1: a decode, more: a prefill chunk), flattened in request order `order`.
+
+    Keys and values are laid out contiguously per request (`[requests, kv_heads, max_length, dim]`) and scattered over
+    shuffled pages of one `[blocks, kv_heads, block_size, 2 * dim]` cache (keys, then values, as vLLM's), block 0
+    unused (vLLM's null block, also the padding of the block table), unused rows holding noise. Each token selects up
+    to `topk` of its complete windows at random (ascending, -1 after the last); a request whose length is a multiple
+    of `r` gives its last token no window, so that it has nothing to attend to.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    num_requests, max_length = len(lengths), max(lengths)
+    pages_per_request = [-(-length // block_size) for length in lengths]
+    num_blocks = 1 + sum(pages_per_request) + 2  # the null block, the requests' pages, two spare ones
+    contiguous_key = torch.randn(num_requests, kv_heads, max_length, head_dim, generator=generator)
+    contiguous_value = torch.randn(num_requests, kv_heads, max_length, head_dim, generator=generator)
+    cache = torch.randn(num_blocks, kv_heads, block_size, 2 * head_dim, generator=generator)
+    block_table = torch.zeros(num_requests, max(pages_per_request) + 1, dtype=torch.int64)
+    pages = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    for request, length in enumerate(lengths):
+        for column in range(pages_per_request[request]):
+            page = pages.pop()
+            block_table[request, column] = page
+            positions = slice(column * block_size, min(length, (column + 1) * block_size))
+            rows = positions.stop - positions.start
+            cache[page, :, :rows, :head_dim] = contiguous_key[request, :, positions]
+            cache[page, :, :rows, head_dim:] = contiguous_value[request, :, positions]
+    # The pages really are shuffled: no request's positions follow the blocks' order.
+    assert any(torch.any(row[:count].diff() != 1) for row, count in zip(block_table, pages_per_request) if count > 1)
+
+    token_request, query_positions = [], []
+    for request in order or range(num_requests):
+        token_request += [request] * new_tokens[request]
+        query_positions += range(lengths[request] - new_tokens[request], lengths[request])
+    token_request, query_positions = torch.tensor(token_request), torch.tensor(query_positions)
+    num_tokens, heads = len(token_request), kv_heads * group
+    selected = torch.full((num_tokens, topk), -1, dtype=torch.int64)
+    for token, position in enumerate(query_positions.tolist()):
+        visible = (position + 1) // pool_size
+        count = min(topk, visible) - (token % 3 == 1)  # some tokens select fewer windows than they could
+        selected[token, : max(count, 0)] = torch.randperm(visible, generator=generator)[: max(count, 0)].sort().values
+    empty = [token for token, position in enumerate(query_positions.tolist())
+             if (position + 1) % pool_size == 0 and token_request[token] == 0 and position == lengths[0] - 1]
+    selected[empty] = -1
+    query = torch.randn(num_tokens, heads, head_dim, generator=generator)
+    # The model's gate: the second half of each head's query projection, a strided view.
+    gate = torch.randn(num_tokens, heads, 2 * head_dim, generator=generator).chunk(2, dim=-1)[1]
+    return dict(query=query.to(dtype), cache=cache.to(dtype), block_table=block_table, token_request=token_request,
+                selected=selected, positions=query_positions, gate=gate.to(dtype), empty=empty,
+                contiguous=(contiguous_key.to(dtype), contiguous_value.to(dtype)))
+
+
+def paged_args(step, block_table=None):
+    """The entry points' arguments but `pool_size`, `scaling` and the gate: vLLM's key and value views of one cache."""
+    head_dim = step["query"].shape[-1]
+    cache = step["cache"]
+    return (step["query"], cache[..., :head_dim], cache[..., head_dim:],
+            step["block_table"] if block_table is None else block_table, step["token_request"], step["selected"],
+            step["positions"])
+
+
+def unpaged_expected(step, pool_size, scaling, gated):
+    """The unpaged reference, request by request, on the contiguous keys/values."""
+    query, token_request = step["query"], step["token_request"]
+    contiguous_key, contiguous_value = step["contiguous"]
+    output = torch.zeros_like(query)
+    for request in range(contiguous_key.shape[0]):
+        tokens = (token_request == request).nonzero().flatten()
+        if len(tokens) == 0:
+            continue
+        result, _ = sparse_attention_torch(query[tokens].transpose(0, 1)[None], contiguous_key[request: request + 1],
+                                           contiguous_value[request: request + 1], step["selected"][tokens][None],
+                                           step["positions"][tokens][None], pool_size, scaling)
+        output[tokens] = result[0]
+    return output * torch.sigmoid(step["gate"]) if gated else output
+
+
+STEP = dict(lengths=[36, 23, 61, 5], new_tokens=[1, 7, 1, 5], order=[2, 0, 1, 3])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("block_size", [16, 12])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("pool_size", [1, 4])
+def test_reference_matches_unpaged_attention_on_contiguous_keys(pool_size, group, block_size, gated):
+    """Decodes and prefill chunks of four requests over shuffled pages; a request's keys in a page count not a power
+    of two (12); selections padded with -1; a token with nothing to attend to outputs zeros."""
+    step = paged_step(**STEP, kv_heads=2, group=group, head_dim=8, pool_size=pool_size, block_size=block_size, topk=5,
+                      seed=pool_size * 100 + group * 10 + block_size)
+    scaling = 8**-0.5
+    gate = step["gate"] if gated else None
+    got = paged_sparse_attention_torch(*paged_args(step), pool_size, scaling, gate)
+    expected = unpaged_expected(step, pool_size, scaling, gated)
+    assert got.shape == step["query"].shape and got.dtype == step["query"].dtype
+    torch.testing.assert_close(got, expected)
+    assert step["empty"] and torch.all(got[step["empty"]] == 0)
+    assert got.abs().sum(dim=(1, 2)).gt(0).sum() == len(got) - len(step["empty"])
+    # Read in the blocks' order instead of through the table, the same cache gives another result.
+    in_order = torch.arange(step["block_table"].numel()).view_as(step["block_table"]) + 1
+    in_order = in_order.clamp(max=step["cache"].shape[0] - 1)
+    wrong = paged_sparse_attention_torch(*paged_args(step, in_order), pool_size, scaling, gate)
+    assert not torch.allclose(wrong, expected, atol=1e-3)
+
+
+def test_reference_bounds_memory_by_its_query_chunk(monkeypatch):
+    """Chunks of queries give the same result as one chunk (the reference gathers `PAGED_QUERY_CHUNK` tokens at a
+    time), and the dispatching entry takes the reference on CPU tensors."""
+    from hybrid_indexpool.kernels.sparse_attention import reference
+
+    step = paged_step(**STEP, kv_heads=1, group=2, head_dim=8, pool_size=4, block_size=12, topk=4, seed=3)
+    whole = paged_sparse_attention_torch(*paged_args(step), 4, 0.3, step["gate"])
+    monkeypatch.setattr(reference, "PAGED_QUERY_CHUNK", 3)
+    chunked = paged_sparse_attention_torch(*paged_args(step), 4, 0.3, step["gate"])
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+    torch.testing.assert_close(paged_sparse_attention(*paged_args(step), 4, 0.3, step["gate"]), whole, rtol=0, atol=0)
+
+
+def run_triton(step, pool_size, scaling, gated, num_splits=None, int32_table=False):
+    args = [None if t is None else t.to(DEVICE) for t in paged_args(step)]
+    if int32_table:
+        args[3] = args[3].int()
+    gate = step["gate"].to(DEVICE) if gated else None
+    return paged_sparse_attention_triton(*args, pool_size, scaling, gate, num_splits).cpu()
+
+
+def recorded_launches(monkeypatch):
+    """The kernels each Triton call runs, with their grids."""
+    from hybrid_indexpool.kernels.sparse_attention import triton_impl
+
+    launches, run = [], triton_impl._run
+    monkeypatch.setattr(triton_impl, "_run", lambda planned: (launches.append(planned), run(planned)))
+    return launches
+
+
+@needs_triton
+@pytest.mark.parametrize("gated", [False, True])
+def test_triton_decode_with_splits_matches_reference(monkeypatch, gated):
+    """Decodes of three requests (48-row pages, 36 windows: the list spans three splits of 16 windows, merged by the
+    combine kernel, some splits seeing nothing), the gate in the combine's store."""
+    step = paged_step(lengths=[164, 150, 133], new_tokens=[1, 1, 1], kv_heads=2, group=2, head_dim=16, pool_size=4,
+                      block_size=48, topk=36, seed=11, order=[1, 2, 0])
+    scaling = 0.25
+    expected = paged_sparse_attention_torch(*paged_args(step), 4, scaling, step["gate"] if gated else None)
+    launches = recorded_launches(monkeypatch)
+    got = run_triton(step, 4, scaling, gated, num_splits=3, int32_table=True)
+    [(forward, combine)] = launches
+    assert forward.grid == (3, 2, 3) and combine.kernel.__name__ == "_combine_splits_kernel"
+    assert combine.options.get("GATED", False) == gated and not forward.options.get("GATED", False)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # One split: another schedule of the same sums.
+    torch.testing.assert_close(run_triton(step, 4, scaling, gated, num_splits=1), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("pool_size, group", [(4, 4), (1, 1)])
+def test_triton_prefill_matches_reference(monkeypatch, pool_size, group, gated):
+    """A mixed step (decodes and prefill chunks, a token with nothing to attend to) over 12-row pages, unsplit: the
+    gate in the forward's store."""
+    step = paged_step(**STEP, kv_heads=2, group=group, head_dim=16, pool_size=pool_size, block_size=12, topk=5,
+                      seed=pool_size + group)
+    scaling = 0.25
+    expected = paged_sparse_attention_torch(*paged_args(step), pool_size, scaling, step["gate"] if gated else None)
+    launches = recorded_launches(monkeypatch)
+    got = run_triton(step, pool_size, scaling, gated)
+    [(forward,)] = launches
+    assert forward.grid[2] == 1 and forward.options["PAGED"] and forward.options.get("GATED", False) == gated
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.all(got[step["empty"]] == 0)
+
+
+class HostSyncGuard:
+    """Raises on anything that reads a tensor's value on the host or sizes a tensor by its values (`.item()`,
+    `.tolist()`, `.cpu()`, `.numpy()`, `bool`/`int`/`float`/`index` of a tensor, `nonzero`, boolean-mask indexing,
+    and the operators all of these reach); records each operator with its output shapes."""
+
+    PATCHED = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+    SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "masked_scatter")
+
+    def __enter__(self):
+        guard, self.trace = self, []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in guard.SYNC_OPS:
+                    raise AssertionError(f"host sync: aten.{name}")
+                if name == "index" and any(index is not None and index.dtype == torch.bool for index in args[1]):
+                    raise AssertionError("boolean-mask indexing")
+                result = func(*args, **(kwargs or {}))
+                outputs = result if isinstance(result, (tuple, list)) else [result]
+                guard.trace.append((name, [tuple(t.shape) for t in outputs if isinstance(t, torch.Tensor)]))
+                return result
+
+        self.originals = {name: getattr(torch.Tensor, name) for name in self.PATCHED}
+        self.original_nonzero = torch.nonzero
+        for name in self.PATCHED:
+            setattr(torch.Tensor, name, self._raiser(name))
+        torch.nonzero = self._raiser("torch.nonzero")
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    @staticmethod
+    def _raiser(name):
+        def raise_sync(*args, **kwargs):
+            raise AssertionError(f"host sync: {name}")
+        return raise_sync
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for name, original in self.originals.items():
+            setattr(torch.Tensor, name, original)
+        torch.nonzero = self.original_nonzero
+
+
+def test_the_guard_catches_host_reads():
+    tensor = torch.ones(3)
+    for read in (lambda: tensor.sum().item(), lambda: bool(tensor[0]), lambda: tensor[tensor > 0],
+                 lambda: torch.nonzero(tensor), lambda: tensor.tolist()):
+        with pytest.raises(AssertionError, match="host sync|boolean-mask"), HostSyncGuard():
+            read()
+
+
+@pytest.mark.parametrize("path", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_no_host_sync_and_shapes_independent_of_values(path):
+    """After its inputs are built, a call reads nothing back from the device (the Triton entry: its planning, split
+    count and allocations), and runs the same operators with the same shapes for other positions, selections and
+    pages: it can be captured in a CUDA graph."""
+    traces = []
+    for seed, lengths in ((5, [30, 23, 61, 5]), (6, [35, 14, 70, 12])):  # the same page counts
+        step = paged_step(lengths=lengths, new_tokens=[1, 7, 1, 5], kv_heads=2, group=2, head_dim=16, pool_size=4,
+                          block_size=12, topk=3, seed=seed)
+        args = [t.to(DEVICE) for t in paged_args(step)]
+        gate = step["gate"].to(DEVICE)
+        for num_splits in (None, 2):
+            with HostSyncGuard() as guard:
+                if path == "triton":
+                    output = paged_sparse_attention_triton(*args, 4, 0.25, gate, num_splits)
+                else:
+                    output = paged_sparse_attention(*args, 4, 0.25, gate)
+            assert output.shape == step["query"].shape
+            traces.append(guard.trace)
+    assert traces[0] and all(trace == traces[0] for trace in traces[1:] if path == "reference")
+    assert traces[0] == traces[2] and traces[1] == traces[3]
