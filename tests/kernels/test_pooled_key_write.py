@@ -182,6 +182,16 @@ def _serving_functions():
     return namespace
 
 
+def vllm_gemma_rms_norm(x, weight, eps):
+    """vLLM's `GemmaRMSNorm.forward_static` (without a residual), transcribed: the serving layer's key norm."""
+    orig_dtype = x.dtype
+    x = x.float()
+    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    x = x * (1.0 + weight.float())
+    return x.to(orig_dtype)
+
+
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 def test_the_reference_is_the_serving_computation_bit_for_bit_in_bfloat16(weighting):
     serving = _serving_functions()
@@ -191,7 +201,7 @@ def test_the_reference_is_the_serving_computation_bit_for_bit_in_bfloat16(weight
     indexer = types.SimpleNamespace(head_dim=HEAD_DIM, weighting=weighting, gate_width=gate_width_of(weighting,
                                                                                                      HEAD_DIM),
                                     pool_slot_bias=step.slot_bias,
-                                    k_norm=lambda x: gemma_rms_norm(x, step.norm_weight, 1e-6))
+                                    k_norm=lambda x: vllm_gemma_rms_norm(x, step.norm_weight, 1e-6))
     # IndexPoolAttention.attend's pooled-key part.
     from_step = step.window_token >= 0
     window_rows = torch.where(from_step[..., None], step.step_rows[step.window_token.clamp(min=0)],
@@ -204,6 +214,8 @@ def test_the_reference_is_the_serving_computation_bit_for_bit_in_bfloat16(weight
     assert torch.equal(reference_cache(step), expected)
     x, cos_sin = torch.randn(5, 3, HEAD_DIM).bfloat16(), torch.randn(5, ROTARY_DIM).bfloat16()
     assert torch.equal(neox_rotary(x, cos_sin), serving["apply_neox_rotary"](x, cos_sin))
+    weight = torch.randn(HEAD_DIM)
+    assert torch.equal(gemma_rms_norm(x, weight, 1e-6), vllm_gemma_rms_norm(x, weight, 1e-6))
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["float_cache", "fp8_cache"])
