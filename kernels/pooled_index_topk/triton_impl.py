@@ -130,7 +130,7 @@ def _pooled_index_scores_kernel(
 
 
 def _tiles_and_splits(num_queries, num_heads, head_dim, dtype, num_rows, num_windows, num_splits, multiprocessors,
-                      device):
+                      device, packed_block_w=None):
     """(block_q, block_w, heads_pad, num_warps, query programs, splits, windows per split) of a score launch over
     `num_rows` rows of `num_queries` queries: from shapes only (and the GPU's size), never from data."""
     heads_pad = triton.next_power_of_2(num_heads)
@@ -139,6 +139,8 @@ def _tiles_and_splits(num_queries, num_heads, head_dim, dtype, num_rows, num_win
     wide = dtype == torch.float32
     block_q = max(1, min(triton.next_power_of_2(num_queries), (TILE_ROWS_FP32 if wide else TILE_ROWS) // heads_pad))
     block_w = 32 if wide or head_dim > 128 else 64
+    if packed_block_w is not None:
+        block_w = min(block_w, packed_block_w)
     query_tiles = num_rows * triton.cdiv(num_queries, block_q)
     if num_splits is None:
         multiprocessors = multiprocessors or multiprocessor_count(device)
@@ -157,6 +159,11 @@ def _constexprs(num_heads, heads_pad, head_dim, block_q, block_w, head_weights, 
                 HAS_WEIGHTS=head_weights is not None, FP32=fp32, PRECISION=precision, PACKED_FP8=packed,
                 num_warps=num_warps, num_stages=2)
 
+
+# Windows per block of a paged launch over packed fp8 keys with tiles of several queries: each key row's address is its
+# own 64-bit pointer (its page is data), and widening 64 rows at once beside a tile of 128 (query, head) rows spilled
+# on sm_80 (16 index heads x 128, prefill: 128 registers, 2 words). Decode tiles keep 64 (no spill).
+PAGED_FP8_BLOCK_W = 32
 
 # The paged addressing's arguments of an unpaged launch: None, so that they are constexprs, not parameters.
 _UNPAGED = (None,) * 7
@@ -197,7 +204,7 @@ def plan_paged_scores(index_queries, pooled_key_cache, block_table, tile_tokens,
     keys = pooled_key_cache[:, :, 0]  # [blocks, windows per block, width]
     block_q, block_w, heads_pad, num_warps, query_tiles, num_splits, windows_per_split = _tiles_and_splits(
         width, num_heads, head_dim, index_queries.dtype, num_tiles, num_windows, num_splits, multiprocessors,
-        index_queries.device)
+        index_queries.device, packed_block_w=PAGED_FP8_BLOCK_W if is_packed(pooled_key_cache) and width > 1 else None)
     weights = head_weights if head_weights is not None else scores  # unread placeholder
     weight_strides = (0, *head_weights.stride()) if head_weights is not None else (0, 0, 0)
     return Launch(
@@ -318,9 +325,16 @@ def paged_pooled_index_topk_triton(
     return torch.cat(selected).flatten(0, 1)[token_tile]
 
 
+# Queries per tile of a serving step (the serving layer's `QUERY_TILE`, which this module cannot import: vLLM) and the
+# paged cache's block size the compiled launches are planned with (a runtime value: any block size compiles the same).
+AOT_TILE_WIDTH = 64
+AOT_BLOCK_SIZE = 64
+
+
 def aot_launches(sizes) -> list[tuple[str, Launch]]:
-    """The score kernel's launch at `sizes` (an `aot.ModelSizes`), on meta tensors: decode is one query per row
-    over a full context, prefill a chunk of queries."""
+    """The score kernel's launches at `sizes` (an `aot.ModelSizes`), on meta tensors: decode is one query per row
+    over a full context, prefill a chunk of queries; unpaged, and paged as a serving step has them (decode: a tile
+    of one query per request; prefill: tiles of `AOT_TILE_WIDTH` queries of one request)."""
     if sizes.kernels == "attention":
         return []
     meta = dict(device="meta", dtype=sizes.dtype)
@@ -328,15 +342,31 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
     num_queries = 1 if sizes.mode == "decode" else sizes.queries
     batch_size = sizes.batch if sizes.mode == "decode" else 1
     index_queries = torch.empty(batch_size, num_queries, sizes.index_heads, sizes.index_head_dim, **meta)
-    if sizes.index_keys == "fp8":
-        keys = torch.empty(batch_size, num_windows, packed_width(sizes.index_head_dim), dtype=torch.uint8,
-                           device="meta")
-    else:
-        keys = torch.empty(batch_size, num_windows, sizes.index_head_dim, **meta)
+    key_width = packed_width(sizes.index_head_dim) if sizes.index_keys == "fp8" else sizes.index_head_dim
+    key_dtype = torch.uint8 if sizes.index_keys == "fp8" else sizes.dtype
+    keys = torch.empty(batch_size, num_windows, key_width, dtype=key_dtype, device="meta")
     visible = torch.empty(batch_size, num_queries, dtype=torch.int64, device="meta")
     weights = torch.empty(batch_size, num_queries, sizes.index_heads, device="meta")
     chunk = max(1, min(num_queries, SCRATCH_ELEMENTS // (batch_size * num_windows)))
     scores = torch.empty(batch_size, chunk, num_windows, device="meta")
-    return [("pooled_index_scores",
-             plan_scores(index_queries[:, :chunk], keys, visible[:, :chunk], weights[:, :chunk], scores,
-                         multiprocessors=sizes.multiprocessors))]
+    launches = [("pooled_index_scores",
+                 plan_scores(index_queries[:, :chunk], keys, visible[:, :chunk], weights[:, :chunk], scores,
+                             multiprocessors=sizes.multiprocessors))]
+
+    num_tokens = batch_size * num_queries
+    width = 1 if sizes.mode == "decode" else AOT_TILE_WIDTH
+    num_tiles = batch_size if sizes.mode == "decode" else triton.cdiv(num_queries, width)
+    windows_per_block = AOT_BLOCK_SIZE // sizes.pool_size
+    max_blocks = triton.cdiv(num_windows, windows_per_block)
+    cache = torch.empty(batch_size * max_blocks + 1, windows_per_block, 1, key_width, dtype=key_dtype, device="meta")
+    block_table = torch.empty(batch_size, max_blocks, dtype=torch.int32, device="meta")
+    tile_tokens = torch.empty(num_tiles, width, dtype=torch.int64, device="meta")
+    tile_request = torch.empty(num_tiles, dtype=torch.int64, device="meta")
+    token_visible = torch.empty(num_tokens, dtype=torch.int64, device="meta")
+    tiles_per_chunk = max(1, SCRATCH_ELEMENTS // (width * num_windows))
+    paged_scores = torch.empty(min(num_tiles, tiles_per_chunk), width, num_windows, device="meta")
+    launches.append(("paged_pooled_index_scores",
+                     plan_paged_scores(index_queries.flatten(0, 1), cache, block_table,
+                                       tile_tokens[:tiles_per_chunk], tile_request[:tiles_per_chunk], token_visible,
+                                       weights.flatten(0, 1), paged_scores, multiprocessors=sizes.multiprocessors)))
+    return launches

@@ -5,23 +5,28 @@ A program holds `BLOCK_T` tokens. Token `t` computes the pooled key of `write_to
 the step) and stores it at `(write_block[t], write_row[t])` where `write_keep[t]`. The window's `r` rows are gathered
 one at a time, each from the step's rows (`window_token >= 0`) or from the ring block of the request; the pooling
 weights (softmax over the window of the gate logits plus the slot bias, or `1 / r`) are computed in float32 per
-channel. The key's channels are held in three tiles, the two halves of the rotary channels and the rest, so that
-the rotation pairs channel `i` with `i + rotary_dim / 2` without moving data between lanes; the norm sums the squares
-of all three.
+channel (per token for one logit per token, once for all channels). The window is walked by runtime loops (three
+passes for the softmax: maximum, sum, weighted keys; the rows are re-read from cache), not unrolled: unrolled at
+r = 16 the loads of every row were hoisted and spilled. The key's channels are held in three tiles, the two halves of
+the rotary channels and the rest, so that the rotation pairs channel `i` with `i + rotary_dim / 2` without moving data
+between lanes; the norm sums the squares of all three.
 
 Rounding follows the reference step by step: the pooled key is rounded to the rows' dtype before the norm, the normed
 key after it, and every product and sum of the RoPE is rounded to the dtype as PyTorch's elementwise operators round
 them. Divisions and the square root are IEEE-rounded (`div_rn`, `sqrt_rn`), as PyTorch's on a CPU.
 
-fp8 packing (`PACKED_FP8`): the rotated key `H k` (the orthonormal Walsh-Hadamard matrix, built in registers from
-the parity of `i & j`) is one matrix product per channel tile, exact in float32 for 16-bit keys whenever the sums
-are (the usual case); the power-of-two scale and the float32 -> fp8 e4m3 rounding (to nearest, ties to even) are
-integer arithmetic, so sm_80, which has no fp8 conversion, packs the same bytes as `quantize_pooled_keys`.
+fp8 packing (`PACKED_FP8`): the rotated key `H k` (the orthonormal Walsh-Hadamard matrix, built in registers from the
+parity of `i & j`, `ROTATION_CHUNK` columns at a time) is one matrix product per channel tile, exact in float32 for
+16-bit keys whenever the sums are (the usual case); the power-of-two scale and the float32 -> fp8 e4m3 rounding (to
+nearest, ties to even) are integer arithmetic, so sm_80, which has no fp8 conversion, packs the same bytes as
+`quantize_pooled_keys`.
 """
+
+import torch
 
 from ..fp8_index_keys import is_packed
 from ..launch import Launch, dot_precision
-from .reference import WEIGHTINGS, check_write_arguments
+from .reference import WEIGHTINGS, check_write_arguments, gate_width_of
 
 try:
     import triton
@@ -31,7 +36,8 @@ except ImportError as error:  # Triton is optional; the package falls back to th
 
 # Tokens per program: the rows of the Hadamard products (tl.dot needs 16).
 BLOCK_TOKENS = 16
-FP8_MAX = 448.0
+# Columns of the rotated key computed at once when packing fp8 (see `_store_packed`).
+ROTATION_CHUNK = tl.constexpr(32)
 
 
 @triton.jit
@@ -63,44 +69,82 @@ def _gate_logits(step_ptr, stride_step, step_token, ring_row, bias_ptr, stride_b
 
 
 @triton.jit
+def _token_logit(step_ptr, stride_step, step_token, ring_row, bias_ptr, stride_bias, slot, token_mask,
+                 HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """float32 `[BLOCK_T]` gate logit (one per token) of window row `slot`, plus the slot's bias."""
+    from_step = step_token >= 0
+    fresh = tl.load(step_ptr + tl.maximum(step_token, 0) * stride_step + HEAD_DIM, mask=token_mask & from_step,
+                    other=0.0)
+    kept = tl.load(ring_row + HEAD_DIM, mask=token_mask & ~from_step, other=0.0)
+    logit = tl.where(from_step, fresh.to(tl.float32), _round(kept.to(tl.float32), DTYPE))
+    return logit + tl.load(bias_ptr + slot * stride_bias).to(tl.float32)
+
+
+@triton.jit
+def _token_softmax(step_ptr, stride_step, window_rows, ring_base, stride_ring_row, bias_ptr, stride_bias, token_mask,
+                   HEAD_DIM: tl.constexpr, POOL: tl.constexpr, BLOCK_T: tl.constexpr, DTYPE: tl.constexpr):
+    """(maximum, sum of the exponentials in window order), `[BLOCK_T]` each, of one gate logit per token over its
+    window: the weight of row `j` is then `exp(logit_j - maximum) / sum`, as PyTorch's softmax computes it."""
+    largest = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+    for slot in range(POOL):
+        step_token = tl.load(window_rows + slot, mask=token_mask, other=0)
+        largest = tl.maximum(largest, _token_logit(step_ptr, stride_step, step_token,
+                                                   ring_base + slot * stride_ring_row, bias_ptr, stride_bias, slot,
+                                                   token_mask, HEAD_DIM, DTYPE))
+    total = tl.zeros((BLOCK_T,), tl.float32)
+    for slot in range(POOL):
+        step_token = tl.load(window_rows + slot, mask=token_mask, other=0)
+        total += tl.exp(_token_logit(step_ptr, stride_step, step_token, ring_base + slot * stride_ring_row, bias_ptr,
+                                     stride_bias, slot, token_mask, HEAD_DIM, DTYPE) - largest)
+    return largest, total
+
+
+@triton.jit
 def _pool_channels(step_ptr, stride_step, window_rows, ring_base, stride_ring_row, bias_ptr, stride_bias, channels,
-                   channel_mask, token_mask, HEAD_DIM: tl.constexpr, POOL: tl.constexpr, GATES: tl.constexpr,
-                   BLOCK_T: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr):
+                   channel_mask, token_mask, token_largest, token_total, HEAD_DIM: tl.constexpr,
+                   POOL: tl.constexpr, GATES: tl.constexpr, BLOCK_T: tl.constexpr, WIDTH: tl.constexpr,
+                   DTYPE: tl.constexpr):
     """Pooled keys `[BLOCK_T, WIDTH]` at `channels`, rounded to the dtype: the softmax over the window of the gate
-    logits (`GATES` = 1: one per token; else one per channel) times the keys, summed in window order; without
-    gates (`GATES` = 0) the mean."""
+    logits (`GATES` = 1: one per token, its softmax's maximum and sum from `_token_softmax`; else one per channel)
+    times the
+    keys, summed in window order; without gates (`GATES` = 0) the mean."""
     accumulator = tl.zeros((BLOCK_T, WIDTH), tl.float32)
     if GATES == 0:
-        for slot in tl.static_range(POOL):
+        for slot in range(POOL):
             step_token = tl.load(window_rows + slot, mask=token_mask, other=0)
             accumulator += _window_row(step_ptr, stride_step, step_token, ring_base + slot * stride_ring_row,
                                        channels, channel_mask, token_mask, DTYPE)
         accumulator = tl.math.div_rn(accumulator, tl.full((BLOCK_T, WIDTH), POOL, tl.float32))
+    elif GATES == 1:  # the softmax's maximum and sum per token computed once (`token_largest`, `token_total`)
+        for slot in range(POOL):
+            step_token = tl.load(window_rows + slot, mask=token_mask, other=0)
+            ring_row = ring_base + slot * stride_ring_row
+            weight = tl.math.div_rn(tl.exp(_token_logit(step_ptr, stride_step, step_token, ring_row, bias_ptr,
+                                                        stride_bias, slot, token_mask, HEAD_DIM, DTYPE)
+                                           - token_largest), token_total)
+            accumulator += weight[:, None] * _window_row(step_ptr, stride_step, step_token, ring_row, channels,
+                                                         channel_mask, token_mask, DTYPE)
     else:
-        if GATES > 1:
-            gates = channels
-        else:  # one logit per token: every channel reads column 0 of the gates
-            gates = channels * 0
         # Three passes over the window (the logits are re-read from cache): the maximum, the sum of the
         # exponentials, then the weights exp / sum times the keys, as PyTorch's softmax and sum compute them.
         largest = tl.full((BLOCK_T, WIDTH), float("-inf"), tl.float32)
-        for slot in tl.static_range(POOL):
+        for slot in range(POOL):
             step_token = tl.load(window_rows + slot, mask=token_mask, other=0)
             largest = tl.maximum(largest, _gate_logits(step_ptr, stride_step, step_token,
                                                        ring_base + slot * stride_ring_row, bias_ptr, stride_bias,
-                                                       slot, gates, channel_mask, token_mask, HEAD_DIM, DTYPE))
+                                                       slot, channels, channel_mask, token_mask, HEAD_DIM, DTYPE))
         total = tl.zeros((BLOCK_T, WIDTH), tl.float32)
-        for slot in tl.static_range(POOL):
+        for slot in range(POOL):
             step_token = tl.load(window_rows + slot, mask=token_mask, other=0)
             total += tl.exp(_gate_logits(step_ptr, stride_step, step_token, ring_base + slot * stride_ring_row,
-                                         bias_ptr, stride_bias, slot, gates, channel_mask, token_mask, HEAD_DIM,
+                                         bias_ptr, stride_bias, slot, channels, channel_mask, token_mask, HEAD_DIM,
                                          DTYPE) - largest)
-        for slot in tl.static_range(POOL):
+        for slot in range(POOL):
             step_token = tl.load(window_rows + slot, mask=token_mask, other=0)
             ring_row = ring_base + slot * stride_ring_row
             weight = tl.math.div_rn(tl.exp(_gate_logits(step_ptr, stride_step, step_token, ring_row, bias_ptr,
-                                                        stride_bias, slot, gates, channel_mask, token_mask, HEAD_DIM,
-                                                        DTYPE) - largest), total)
+                                                        stride_bias, slot, channels, channel_mask, token_mask,
+                                                        HEAD_DIM, DTYPE) - largest), total)
             accumulator += weight * _window_row(step_ptr, stride_step, step_token, ring_row, channels, channel_mask,
                                                 token_mask, DTYPE)
     return _round(accumulator, DTYPE)
@@ -146,12 +190,11 @@ def _float32_to_fp8_e4m3(x):
 
 
 @triton.jit
-def _store_packed(destination, keep, first, second, rest, first_channels, first_mask, rest_channels, rest_mask,
-                  HALF: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, FP32: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Pack the keys (three channel tiles, float32 holding dtype values) as `quantize_pooled_keys` does and store the
-    `HEAD_DIM` fp8 bytes and the float32 scale at `destination` `[BLOCK_T]` where `keep`."""
-    columns = tl.arange(0, HEAD_DIM)
+def _rotated_columns(first, second, rest, first_channels, first_mask, rest_channels, rest_mask, columns,
+                     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, FP32: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """Columns `columns` of the rotated keys `(k H) / sqrt(d)`, float32 `[BLOCK_T, len(columns)]`: one product per
+    channel tile with the matching rows of `H`."""
     operand = tl.float32 if FP32 else DTYPE  # 16-bit keys and +-1 are exact operands of a tensor-core product
     rotated = tl.dot(first.to(operand), _hadamard_rows(first_channels, first_mask, columns).to(operand),
                      input_precision=PRECISION)
@@ -159,16 +202,36 @@ def _store_packed(destination, keep, first, second, rest, first_channels, first_
                      acc=rotated, input_precision=PRECISION)
     rotated = tl.dot(rest.to(operand), _hadamard_rows(rest_channels, rest_mask, columns).to(operand), acc=rotated,
                      input_precision=PRECISION)
-    rotated = rotated * HEAD_DIM**-0.5  # [BLOCK_T, HEAD_DIM]
+    return rotated * HEAD_DIM**-0.5
+
+
+@triton.jit
+def _store_packed(destination, keep, first, second, rest, first_channels, first_mask, rest_channels, rest_mask,
+                  HALF: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, FP32: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Pack the keys (three channel tiles, float32 holding dtype values) as `quantize_pooled_keys` does and store the
+    `HEAD_DIM` fp8 bytes and the float32 scale at `destination` `[BLOCK_T]` where `keep`.
+
+    The rotated key goes `ROTATION_CHUNK` columns at a time, twice (the maximum, then the bytes): the rows of `H` of
+    a whole key at once would hold d^2 / threads values per thread (spills at d = 128)."""
+    CHUNK: tl.constexpr = ROTATION_CHUNK if HEAD_DIM > ROTATION_CHUNK else HEAD_DIM
+    chunk_columns = tl.arange(0, CHUNK)
+    largest = tl.zeros(keep.shape, tl.float32)
+    for start in tl.static_range(0, HEAD_DIM, CHUNK):
+        rotated = _rotated_columns(first, second, rest, first_channels, first_mask, rest_channels, rest_mask,
+                                   start + chunk_columns, HALF, HEAD_DIM, DTYPE, FP32, PRECISION)
+        largest = tl.maximum(largest, tl.max(tl.abs(rotated), axis=1))
     # Scale 2^ceil(log2(max|x| / 448)): frexp of q = max / 448 is (m, e) with m in [0.5, 1); the scale is 2^e, or
     # 2^(e - 1) when m = 0.5 (q a power of two). As float32 bits: exponent field of q + 1, less one for m = 0.5.
-    largest = tl.max(tl.abs(rotated), axis=1)
     quotient = tl.math.div_rn(largest, tl.full(largest.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
     field = ((quotient >> 23) & 0xFF) + 1 - ((quotient & 0x7FFFFF) == 0).to(tl.int32)
     scale = tl.where(largest > 0, (field << 23).to(tl.float32, bitcast=True), 1.0)
     inverse = tl.where(largest > 0, ((254 - field) << 23).to(tl.float32, bitcast=True), 1.0)  # exact: powers of 2
-    codes = _float32_to_fp8_e4m3(rotated * inverse[:, None])
-    tl.store(destination[:, None] + columns[None, :], codes, mask=keep[:, None])
+    for start in tl.static_range(0, HEAD_DIM, CHUNK):
+        rotated = _rotated_columns(first, second, rest, first_channels, first_mask, rest_channels, rest_mask,
+                                   start + chunk_columns, HALF, HEAD_DIM, DTYPE, FP32, PRECISION)
+        codes = _float32_to_fp8_e4m3(rotated * inverse[:, None])
+        tl.store(destination[:, None] + start + chunk_columns[None, :], codes, mask=keep[:, None])
     tl.store((destination + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True), scale, mask=keep)
 
 
@@ -207,7 +270,7 @@ def _pooled_key_write_kernel(
         first = tl.zeros((BLOCK_T, HALF_PAD), tl.float32)
         second = tl.zeros((BLOCK_T, HALF_PAD), tl.float32)
         rest = tl.zeros((BLOCK_T, REST_PAD), tl.float32)
-        for slot in tl.static_range(POOL):
+        for slot in range(POOL):
             step_token = tl.load(window_rows + slot, mask=token_mask, other=0)
             ring_row = ring_base + slot * stride_ring_row
             key_first = _window_row(step_ptr, stride_step, step_token, ring_row, first_channels, first_mask,
@@ -225,14 +288,21 @@ def _pooled_key_write_kernel(
         second = _round(tl.math.div_rn(second, tl.full((BLOCK_T, HALF_PAD), POOL, tl.float32)), DTYPE)
         rest = _round(tl.math.div_rn(rest, tl.full((BLOCK_T, REST_PAD), POOL, tl.float32)), DTYPE)
     else:  # pooled, then normed
+        token_largest = tl.zeros((BLOCK_T,), tl.float32)
+        token_total = tl.zeros((BLOCK_T,), tl.float32)
+        if GATES == 1:
+            token_largest, token_total = _token_softmax(step_ptr, stride_step, window_rows, ring_base,
+                                                        stride_ring_row, bias_ptr, stride_bias, token_mask, HEAD_DIM,
+                                                        POOL, BLOCK_T, DTYPE)
         first = _pool_channels(step_ptr, stride_step, window_rows, ring_base, stride_ring_row, bias_ptr, stride_bias,
-                               first_channels, first_mask, token_mask, HEAD_DIM, POOL, GATES, BLOCK_T, HALF_PAD,
-                               DTYPE)
+                               first_channels, first_mask, token_mask, token_largest, token_total, HEAD_DIM, POOL,
+                               GATES, BLOCK_T, HALF_PAD, DTYPE)
         second = _pool_channels(step_ptr, stride_step, window_rows, ring_base, stride_ring_row, bias_ptr,
-                                stride_bias, HALF + first_channels, first_mask, token_mask, HEAD_DIM, POOL, GATES,
-                                BLOCK_T, HALF_PAD, DTYPE)
+                                stride_bias, HALF + first_channels, first_mask, token_mask, token_largest, token_total,
+                                HEAD_DIM, POOL, GATES, BLOCK_T, HALF_PAD, DTYPE)
         rest = _pool_channels(step_ptr, stride_step, window_rows, ring_base, stride_ring_row, bias_ptr, stride_bias,
-                              rest_channels, rest_mask, token_mask, HEAD_DIM, POOL, GATES, BLOCK_T, REST_PAD, DTYPE)
+                              rest_channels, rest_mask, token_mask, token_largest, token_total, HEAD_DIM, POOL, GATES,
+                              BLOCK_T, REST_PAD, DTYPE)
         inverse = _inverse_rms(tl.sum(first * first, 1) + tl.sum(second * second, 1) + tl.sum(rest * rest, 1), eps,
                                HEAD_DIM)[:, None]
         first = _round(first * inverse * first_weight[None, :], DTYPE)
@@ -287,7 +357,7 @@ def plan_write(pooled_key_cache, step_rows, ring_cache, window_token, window_rin
         dict(HEAD_DIM=head_dim, HALF=half, HALF_PAD=max(16, triton.next_power_of_2(half)), REST=head_dim - 2 * half,
              REST_PAD=max(16, triton.next_power_of_2(head_dim - 2 * half)), POOL=pool_size,
              GATES=gate_width, PRENORM=weighting == "prenorm_mean", PACKED_FP8=is_packed(pooled_key_cache),
-             BLOCK_T=BLOCK_TOKENS, FP32=fp32, PRECISION=precision, num_warps=4, num_stages=1),
+             BLOCK_T=BLOCK_TOKENS, FP32=fp32, PRECISION=precision, num_warps=8, num_stages=1),
     )
 
 
@@ -311,3 +381,30 @@ def write_pooled_keys_triton(pooled_key_cache, step_rows, ring_cache, window_tok
                _contiguous(norm_weight), norm_eps, None if slot_bias is None else _contiguous(slot_bias), weighting,
                _contiguous(write_token), _contiguous(write_block), _contiguous(write_row),
                _contiguous(write_keep)).run()
+
+
+def aot_launches(sizes) -> list[tuple[str, Launch]]:
+    """The write kernel's launch at `sizes` (an `aot.ModelSizes`), on meta tensors: a decode step's tokens (the
+    compilation does not depend on the token count, so prefill plans nothing more)."""
+    if sizes.kernels == "attention" or sizes.mode != "decode":
+        return []
+    meta = dict(device="meta", dtype=sizes.dtype)
+    index = dict(dtype=torch.int64, device="meta")
+    head_dim, pool_size, num_tokens = sizes.index_head_dim, sizes.pool_size, sizes.batch
+    gate_width = gate_width_of(sizes.pool_weighting, head_dim)
+    windows_per_block = 64 // pool_size
+    num_blocks = num_tokens * (sizes.context // 64) + 1
+    if sizes.index_keys == "fp8":
+        cache = torch.empty(num_blocks, windows_per_block, 1, head_dim + 4, dtype=torch.uint8, device="meta")
+    else:
+        cache = torch.empty(num_blocks, windows_per_block, 1, head_dim, **meta)
+    step_rows = torch.empty(num_tokens, head_dim + gate_width, **meta)
+    ring = torch.empty(num_tokens + 1, pool_size, 1, head_dim + gate_width, **meta)
+    cos_sin = torch.empty(sizes.context, sizes.rotary_dim, **meta)
+    norm_weight = torch.empty(head_dim, **meta)
+    slot_bias = torch.empty(pool_size, gate_width, **meta) if gate_width else None
+    token = torch.empty(num_tokens, **index)
+    keep = torch.empty(num_tokens, dtype=torch.bool, device="meta")
+    return [("pooled_key_write",
+             plan_write(cache, step_rows, ring, torch.empty(num_tokens, pool_size, **index), token, token, cos_sin,
+                        norm_weight, 1e-6, slot_bias, sizes.pool_weighting, token, token, token, keep))]

@@ -61,11 +61,12 @@ class WriteStep:
     tokens now; their raw rows `all_rows` (earlier tokens' last ones in each request's ring block), pooled-key blocks
     drawn from a shuffled pool (null block 0 unused), the window rows, window starts and write destinations."""
 
-    def __init__(self, contexts, new_tokens, weighting, dtype=torch.float32, fp8=False, seed=0, own_rows=False):
+    def __init__(self, contexts, new_tokens, weighting, dtype=torch.float32, fp8=False, seed=0, own_rows=False,
+                 head_dim=HEAD_DIM, rotary_dim=ROTARY_DIM):
         generator = torch.Generator().manual_seed(seed)
         self.weighting = weighting
-        gate_width = gate_width_of(weighting, HEAD_DIM)
-        width = HEAD_DIM + gate_width
+        gate_width = gate_width_of(weighting, head_dim)
+        width = head_dim + gate_width
         per_block = BLOCK_SIZE // R
         self.all_rows = [torch.randn(context + new, width, generator=generator).to(dtype)
                          for context, new in zip(contexts, new_tokens)]
@@ -87,13 +88,13 @@ class WriteStep:
             used += needed
         num_blocks = int(order.max()) + 1
         if fp8:
-            self.cache = torch.randint(0, 256, (num_blocks, per_block, 1, packed_width(HEAD_DIM)), dtype=torch.uint8,
+            self.cache = torch.randint(0, 256, (num_blocks, per_block, 1, packed_width(head_dim)), dtype=torch.uint8,
                                        generator=generator)
         else:
-            self.cache = torch.randn(num_blocks, per_block, 1, HEAD_DIM, generator=generator)
-        self.norm_weight = 0.5 * torch.randn(HEAD_DIM, generator=generator)
+            self.cache = torch.randn(num_blocks, per_block, 1, head_dim, generator=generator)
+        self.norm_weight = 0.5 * torch.randn(head_dim, generator=generator)
         self.slot_bias = torch.randn(R, gate_width, generator=generator) if gate_width else None
-        self.cos_sin_cache = torch.randn(128, ROTARY_DIM, generator=generator)
+        self.cos_sin_cache = torch.randn(128, rotary_dim, generator=generator)
         self._metadata(contexts, new_tokens, ring_blocks, per_block, own_rows)
 
     def _metadata(self, contexts, new_tokens, ring_blocks, per_block, own_rows):
@@ -252,6 +253,25 @@ def test_triton_writes_what_the_reference_writes(weighting, fp8):
         assert torch.equal(cache, expected)
     else:
         torch.testing.assert_close(cache, expected, rtol=2e-6, atol=2e-6)
+
+
+@requires_triton
+@pytest.mark.parametrize("head_dim, rotary_dim, fp8", [
+    (64, 32, True),    # the rotation in two chunks of columns
+    (48, 24, False),   # rotary halves and the rest not powers of two (masked lanes)
+    (32, 32, False),   # every channel rotated: no rest
+])
+def test_triton_writes_what_the_reference_writes_at_other_widths(head_dim, rotary_dim, fp8):
+    step = WriteStep(CONTEXTS, NEW_TOKENS, "learned_scalar", fp8=fp8, seed=head_dim, head_dim=head_dim,
+                     rotary_dim=rotary_dim)
+    expected = reference_cache(step)
+    cache = step.cache.clone()
+    write_pooled_keys_triton(*step.args(cache))
+    if fp8:
+        assert torch.equal(cache, expected)
+    else:
+        torch.testing.assert_close(cache, expected, rtol=2e-6, atol=2e-6)
+    assert not torch.equal(cache, step.cache)
 
 
 @requires_triton
