@@ -189,7 +189,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def default_sizes() -> list[ModelSizes]:
-    """A representative subset, a few minutes on 2 CPU cores with a cold cache: every kernel in decode and prefill,
+    """A representative subset, about a minute on 2 CPU cores with a cold cache: every kernel in decode and prefill,
     each dtype, the extreme sizes (index heads 64 at dim 128; attention head dim 256 with group 16, r = 1 with group
     1), and Qwen3.8-Flash-Next's indexer (`flash_next_index_sizes`)."""
     return [

@@ -2,7 +2,7 @@
 within the target's shared memory and without register spills but for the few measured ones (`spill_allowance`).
 
 No GPU is needed: Triton's compiler and the `ptxas` in its wheel run on the CPU (`kernels/aot.py`). The default suite
-compiles a representative subset (a few minutes on 2 cores with a cold Triton cache); `pytest -m slow` compiles the
+compiles a representative subset (about a minute on 2 cores with a cold Triton cache); `pytest -m slow` compiles the
 whole matrix.
 """
 
