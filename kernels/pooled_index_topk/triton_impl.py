@@ -10,6 +10,11 @@ sums the heads and writes one float32 score per (query, window) to scratch. The 
 Decode (a query per row): the windows are split over enough programs to fill the GPU, the scratch is `[batch, 1,
 windows]` float32, and nothing is read back to the host. Prefill: queries go in chunks whose scratch holds at most
 `SCRATCH_ELEMENTS` scores. Shared memory and registers depend on the tile sizes only, never on the budget.
+
+Paged (`paged_pooled_index_topk_triton`, a serving step over vLLM's caches): the same kernel with `PAGED` on reads a
+tile's queries through its token list and each window's key through the request's block table; the scratch is
+`[tiles, width, window_bound]` in chunks of tiles, and every shape and split count follows from the arguments' shapes,
+so nothing is read back to the host (CUDA-graph capturable).
 """
 
 import torch
