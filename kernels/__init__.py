@@ -2,7 +2,10 @@
 
 - `decode_linear.decode_linear`: the decode step's linear layers (a streaming matrix-vector product on CPU).
 - `gated_delta_rule.gated_delta_rule`: chunked and recurrent gated delta rule (Gated DeltaNet).
-- `pooled_index_topk.pooled_index_topk`: pooled index scores and top-k window selection.
+- `pooled_index_topk.pooled_index_topk`: pooled index scores and top-k window selection
+  (`paged_pooled_index_topk`: over vLLM's paged pooled-key cache, a serving step's tiles).
+- `pooled_key_write.write_pooled_keys`: a serving step's pooled keys (pool, norm, RoPE, fp8 packing) into vLLM's
+  paged pooled-key cache.
 - `sparse_attention.sparse_attention`: attention over the selected windows plus the tail.
 - `weighted_pool.weighted_pool`: weighted pooling of completed indexer windows.
 

@@ -39,9 +39,10 @@ from .launch import Launch
 SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
 CAPABILITIES = (90, 80)
 # The kernel modules compiled here (their `aot_launches` plan each kernel's launch on meta tensors).
-INDEX_MODULE = "hybrid_indexpool.kernels.pooled_index_topk.triton_impl"
+INDEX_MODULES = ("hybrid_indexpool.kernels.pooled_index_topk.triton_impl",
+                 "hybrid_indexpool.kernels.pooled_key_write.triton_impl")
 ATTENTION_MODULE = "hybrid_indexpool.kernels.sparse_attention.triton_impl"
-KERNEL_MODULES = (INDEX_MODULE, ATTENTION_MODULE)
+KERNEL_MODULES = (*INDEX_MODULES, ATTENTION_MODULE)
 # Environment variables of Triton that are not code-generation settings and may stay while compiling.
 _KEPT_VARIABLES = ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DEFAULT_FP_FUSION", "TRITON_PTXAS_PATH",
                    "TRITON_CUOBJDUMP_PATH", "TRITON_LIBDEVICE_PATH")
@@ -150,7 +151,8 @@ class ModelSizes:
     `kernels` is `index`, `attention` (per-row caches and vLLM's paged one), `paged` (the paged attention only: the
     vLLM plugin's) or `all`; `index_keys` is the pooled keys' storage, `float` (the dtype's) or
     `fp8` (packed fp8 keys with their scales). `latent_dim > 0` makes the attention MLA's absorbed form: `kv_heads *
-    group` query heads on one latent of that width (keys and values at once; `head_dim` unused)."""
+    group` query heads on one latent of that width (keys and values at once; `head_dim` unused). `pool_weighting`
+    and `rotary_dim` are the pooled-key write's (the indexer's pooling and the RoPE width of its keys)."""
 
     mode: str
     dtype: torch.dtype = torch.bfloat16
@@ -168,6 +170,8 @@ class ModelSizes:
     multiprocessors: int = 132  # H100 SXM: decode splits are sized for it
     index_keys: str = "float"
     latent_dim: int = 0
+    pool_weighting: str = "learned"
+    rotary_dim: int = 64
 
     def label(self) -> str:
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
@@ -189,9 +193,10 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def default_sizes() -> list[ModelSizes]:
-    """A representative subset, about two minutes on 2 CPU cores: every kernel in decode and prefill, each dtype,
-    the extreme sizes (index heads 64 at dim 128; attention head dim 256 with group 16, r = 1 with group 1), and the
-    paged attention at Qwen3.8-Flash-Next's widths (16 heads on 2 key/value heads of 256, r = 4)."""
+    """A representative subset, about two minutes on 2 CPU cores with a cold cache: every kernel in decode and
+    prefill, each dtype, the extreme sizes (index heads 64 at dim 128; attention head dim 256 with group 16, r = 1
+    with group 1), and Qwen3.8-Flash-Next's widths: its indexer (`flash_next_index_sizes`) and the paged attention
+    (16 heads on 2 key/value heads of 256, r = 4)."""
     return [
         ModelSizes("decode", torch.bfloat16, 64, 128, 4, head_dim=256, group=16),
         ModelSizes("decode", torch.float16, 4, 64, 1, head_dim=64, group=1),
@@ -203,7 +208,16 @@ def default_sizes() -> list[ModelSizes]:
         ModelSizes("prefill", torch.bfloat16, 64, 128, kernels="index", index_keys="fp8"),
         ModelSizes("decode", torch.bfloat16, pool_size=4, head_dim=256, group=8, kernels="paged"),
         ModelSizes("prefill", torch.bfloat16, pool_size=4, head_dim=256, group=8, kernels="paged"),
+        *flash_next_index_sizes(),
     ]
+
+
+def flash_next_index_sizes() -> list[ModelSizes]:
+    """Qwen3.8-Flash-Next's indexer kernels (unpaged and paged scores, pooled-key write): 16 heads x 128 at r = 4,
+    learned pooling (gate width 128), keys rotated over 64 channels, bf16, float and fp8 keys, decode and prefill."""
+    return [ModelSizes(mode, torch.bfloat16, 16, 128, 4, kernels="index", index_keys=keys, pool_weighting="learned",
+                       rotary_dim=64)
+            for mode in ("decode", "prefill") for keys in ("float", "fp8")]
 
 
 def full_sizes() -> list[ModelSizes]:
@@ -295,7 +309,8 @@ def specialisation_keys(sizes_list, workers: int | None = None) -> list[dict[str
 
 
 # Constexprs left out of a configuration's description: implied by the dtype or by the unpadded sizes.
-_IMPLIED = ("FP32", "HAS_WEIGHTS", "HEADS_PAD", "GROUP_PAD", "DIM_PAD", "POOL_PAD", "num_stages")
+_IMPLIED = ("FP32", "HAS_WEIGHTS", "HEADS_PAD", "GROUP_PAD", "DIM_PAD", "POOL_PAD", "HALF_PAD", "REST_PAD",
+            "num_stages")
 
 
 def launch_config(launch: Launch) -> str:

@@ -294,3 +294,91 @@ def _select_with_host_bounds(index_queries, pooled_index_keys, num_visible_windo
         invisible = score_buffer[:, :rows, :kept] == float("-inf")
         selected[:, query_start:query_end, :kept] = best_ids.masked_fill(invisible, -1)
     return selected
+
+
+# Bytes of the per-head scores, selection keys and gathered pooled keys of the tiles one paged selection scores at once
+# (the serving layer's `SCORE_CHUNK_BYTES`).
+PAGED_SCORE_CHUNK_BYTES = 64 << 20
+
+
+def paged_tiles_per_chunk(width: int, window_bound: int, num_heads: int, head_dim: int) -> int:
+    """Tiles of `width` queries scored together by `paged_pooled_index_topk_torch`: their per-head float32 scores
+    (`4 * heads` bytes per query and window), selection keys and scores (12 bytes) and gathered float32 keys stay
+    within `PAGED_SCORE_CHUNK_BYTES`. From shapes only."""
+    return max(1, PAGED_SCORE_CHUNK_BYTES // (width * window_bound * (4 * num_heads + 12)
+                                              + window_bound * head_dim * 4))
+
+
+def gather_paged_pooled_keys(pooled_key_cache: torch.Tensor, block_table: torch.Tensor, requests: torch.Tensor,
+                             num_windows: int) -> torch.Tensor:
+    """Windows `0 .. num_windows - 1` of each of `requests` `[n]`, `[n, num_windows, width]` in the cache's dtype,
+    from vLLM's paged pooled-key cache `[blocks, block_size // r, 1, width]`: window `w` of request `q` is row
+    `w % (block_size // r)` of block `block_table[q, w // (block_size // r)]`. Windows past the table's last column
+    read that column's block (no query sees them: the caller masks them)."""
+    windows_per_block = pooled_key_cache.shape[1]
+    windows = torch.arange(num_windows, device=block_table.device)
+    columns = (windows // windows_per_block).clamp(max=block_table.shape[1] - 1)
+    blocks = block_table[requests][:, columns].long()  # [n, windows]
+    return pooled_key_cache[blocks, windows % windows_per_block, 0]
+
+
+def paged_pooled_index_topk_torch(
+    index_queries: torch.Tensor,
+    pooled_key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    tile_tokens: torch.Tensor,
+    tile_request: torch.Tensor,
+    token_tile: torch.Tensor,
+    num_visible_windows: torch.Tensor,
+    window_bound: int,
+    topk: int,
+    head_weights: torch.Tensor | None = None,
+    sink_windows: int = 0,
+    local_windows: int = 0,
+) -> torch.Tensor:
+    """`pooled_index_topk_torch` over vLLM's paged pooled-key cache for a step of many requests (the serving layer's
+    selection): each tile of one request's queries is scored against that request's windows `0 .. window_bound - 1`,
+    with fixed shapes and nothing read from the device.
+
+    Args:
+        index_queries: `[tokens, index_heads, index_head_dim]`, after norm and RoPE.
+        pooled_key_cache: `[blocks, block_size // r, 1, index_head_dim]` in a float dtype, or packed fp8 keys
+            `uint8 [blocks, block_size // r, 1, index_head_dim + 4]` (`fp8_index_keys`), scored against the rotated
+            queries.
+        block_table: `[requests, max_blocks]` int32 or int64, the requests' blocks in order.
+        tile_tokens: `[tiles, width]` int64: the tokens of each tile (one request's queries; a short tile repeats its
+            last token).
+        tile_request: `[tiles]` integer: the request of each tile.
+        token_tile: `[tokens]` int64: `tile * width + row` of each token's place in the tiles.
+        num_visible_windows: `[tokens]` integer: token `t` may select windows `0 .. num_visible_windows[t] - 1`.
+        window_bound: windows scored per tile, at least every token's `num_visible_windows`.
+        topk: windows kept per token.
+        head_weights: `[tokens, index_heads]` or None (all heads weigh 1).
+        sink_windows, local_windows: windows always selected, as in `pooled_index_topk_torch`.
+
+    Returns:
+        `[tokens, topk]` int64 window ids in ascending order, `-1` after the last.
+    """
+    num_tokens, num_heads, head_dim = index_queries.shape
+    num_tiles, width = tile_tokens.shape
+    if num_tiles == 0 or num_tokens == 0:
+        return torch.full((num_tokens, topk), -1, dtype=torch.long, device=index_queries.device)
+    packed = is_packed(pooled_key_cache)
+    if packed:
+        index_queries = rotate_queries(index_queries)
+    weights = scaled_head_weights(index_queries[None], None if head_weights is None else head_weights[None])[0]
+    tiles_per_chunk = paged_tiles_per_chunk(width, window_bound, num_heads, head_dim)
+    selected = []
+    for start in range(0, num_tiles, tiles_per_chunk):
+        tokens = tile_tokens[start:start + tiles_per_chunk]  # [tiles, width]
+        keys = gather_paged_pooled_keys(pooled_key_cache, block_table, tile_request[start:start + tiles_per_chunk],
+                                        window_bound)  # [tiles, windows, width of a key]
+        keys = dequantize_pooled_keys(keys) if packed else keys.float()
+        per_head = torch.einsum("tqhd,twd->tqhw", index_queries[tokens].float(), keys).relu_()
+        scores = (per_head * weights[tokens][..., None]).sum(dim=2)  # [tiles, width, windows]
+        keys = selection_keys(scores, 0, num_visible_windows[tokens][..., None], sink_windows=sink_windows,
+                              local_windows=local_windows)
+        if window_bound > topk:
+            keys = keys.topk(topk, dim=-1, sorted=False).values
+        selected.append(window_ids_of(keys, topk))
+    return torch.cat(selected).flatten(0, 1)[token_tile]

@@ -10,6 +10,11 @@ sums the heads and writes one float32 score per (query, window) to scratch. The 
 Decode (a query per row): the windows are split over enough programs to fill the GPU, the scratch is `[batch, 1,
 windows]` float32, and nothing is read back to the host. Prefill: queries go in chunks whose scratch holds at most
 `SCRATCH_ELEMENTS` scores. Shared memory and registers depend on the tile sizes only, never on the budget.
+
+Paged (`paged_pooled_index_topk_triton`, a serving step over vLLM's caches): the same kernel with `PAGED` on reads a
+tile's queries through its token list and each window's key through the request's block table; the scratch is
+`[tiles, width, window_bound]` in chunks of tiles, and every shape and split count follows from the arguments' shapes,
+so nothing is read back to the host (CUDA-graph capturable).
 """
 
 import torch
@@ -43,7 +48,8 @@ def _fp8_e4m3_to_float32(byte):
     return tl.where((code & 0x80) != 0, -value, value)
 
 
-@triton.jit(do_not_specialize=["num_queries", "num_windows", "windows_per_split"])
+@triton.jit(do_not_specialize=["num_queries", "num_windows", "windows_per_split", "windows_per_block",
+                                "table_columns"])
 def _pooled_index_scores_kernel(
     query_ptr, key_ptr, weight_ptr, visible_ptr, score_ptr,
     num_queries, num_windows, windows_per_split, scale,
@@ -51,13 +57,21 @@ def _pooled_index_scores_kernel(
     stride_kb, stride_kc,
     stride_wb, stride_wt, stride_wh,
     stride_vb, stride_vt,
+    tile_token_ptr, tile_request_ptr, table_ptr, stride_tile, stride_table, windows_per_block, table_columns,
     HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, FP32: tl.constexpr,
-    PRECISION: tl.constexpr, PACKED_FP8: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED_FP8: tl.constexpr, PAGED: tl.constexpr = False,
 ):
     """Scores `[batch, queries, windows]` (float32, contiguous) of one tile of queries over one split of windows;
     windows no query of the tile sees are not written. `PACKED_FP8`: the keys are uint8 rows of `HEAD_DIM` fp8
-    bytes and a float32 scale, widened to the queries' dtype for the product (exact) and scaled after it."""
+    bytes and a float32 scale, widened to the queries' dtype for the product (exact) and scaled after it.
+
+    `PAGED` (vLLM's caches; the arguments from `tile_token_ptr` on are None otherwise, so the unpaged compilation
+    is what it was): a "batch" row is a tile of one request's queries, `[tiles, width]` tokens at `tile_token_ptr`
+    (`num_queries` is the width); queries, head weights and causal bounds are per token (`stride_qt`, `stride_wt`,
+    `stride_vt`; the batch strides unused); window `w` is row `w % windows_per_block` (`stride_kc`) of block
+    `table[tile_request[tile], w // windows_per_block]` (`stride_kb`), the column clamped to the table's last as
+    the reference does."""
     tiles = tl.cdiv(num_queries, BLOCK_Q)
     batch = (tl.program_id(0) // tiles).to(tl.int64)  # int64: offsets pass 2^31 at long contexts and batches
     tile = tl.program_id(0) % tiles
@@ -67,20 +81,29 @@ def _pooled_index_scores_kernel(
     row_mask = (query_index < num_queries) & (head_index < HEADS)
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
+    tile_queries = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
 
-    queries = tl.load(query_ptr + batch * stride_qb + query_index[:, None].to(tl.int64) * stride_qt
-                      + head_index[:, None] * stride_qh + dims[None, :],
+    if PAGED:  # each row's token through the tile's list; the request's row of the block table
+        row_token = tl.load(tile_token_ptr + batch * stride_tile + query_index, mask=row_mask, other=0).to(tl.int64)
+        query_rows = query_ptr + row_token[:, None] * stride_qt
+        weight_rows = weight_ptr + row_token * stride_wt
+        tile_token = tl.load(tile_token_ptr + batch * stride_tile + tile_queries, mask=tile_queries < num_queries,
+                             other=0).to(tl.int64)
+        visible_rows = visible_ptr + tile_token * stride_vt
+        table_row = table_ptr + tl.load(tile_request_ptr + batch).to(tl.int64) * stride_table
+    else:
+        query_rows = query_ptr + batch * stride_qb + query_index[:, None].to(tl.int64) * stride_qt
+        weight_rows = weight_ptr + batch * stride_wb + query_index.to(tl.int64) * stride_wt
+        visible_rows = visible_ptr + batch * stride_vb + tile_queries.to(tl.int64) * stride_vt
+    queries = tl.load(query_rows + head_index[:, None] * stride_qh + dims[None, :],
                       mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if FP32:
         queries = queries.to(tl.float32)
     if HAS_WEIGHTS:
-        weights = tl.load(weight_ptr + batch * stride_wb + query_index.to(tl.int64) * stride_wt
-                          + head_index * stride_wh, mask=row_mask, other=0.0).to(tl.float32) * scale
+        weights = tl.load(weight_rows + head_index * stride_wh, mask=row_mask, other=0.0).to(tl.float32) * scale
     else:
         weights = tl.where(row_mask, scale, 0.0)
-    tile_queries = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    visible = tl.load(visible_ptr + batch * stride_vb + tile_queries.to(tl.int64) * stride_vt,
-                      mask=tile_queries < num_queries, other=0)
+    visible = tl.load(visible_rows, mask=tile_queries < num_queries, other=0)
 
     start = tl.program_id(1) * windows_per_split
     end = tl.minimum(tl.minimum(start + windows_per_split, num_windows), tl.max(visible, axis=0).to(tl.int32))
@@ -89,7 +112,12 @@ def _pooled_index_scores_kernel(
     for block_start in range(start, end, BLOCK_W):
         windows = block_start + tl.arange(0, BLOCK_W)
         window_mask = windows < end
-        key_rows = key_base + windows.to(tl.int64) * stride_kc
+        if PAGED:  # each window's block (a page may end inside the block of windows: any block size)
+            columns = tl.minimum(windows // windows_per_block, table_columns - 1)
+            pages = tl.load(table_row + columns, mask=window_mask, other=0).to(tl.int64)
+            key_rows = key_ptr + pages * stride_kb + (windows % windows_per_block).to(tl.int64) * stride_kc
+        else:
+            key_rows = key_base + windows.to(tl.int64) * stride_kc
         keys = tl.load(key_rows[:, None] + dims[None, :], mask=window_mask[:, None] & dim_mask[None, :], other=0)
         if PACKED_FP8:
             keys = _fp8_e4m3_to_float32(keys).to(queries.dtype)
@@ -106,38 +134,93 @@ def _pooled_index_scores_kernel(
                  mask=(tile_queries < num_queries)[:, None] & window_mask[None, :])
 
 
+def _tiles_and_splits(num_queries, num_heads, head_dim, dtype, num_rows, num_windows, num_splits, multiprocessors,
+                      device, packed_block_w=None):
+    """(block_q, block_w, heads_pad, num_warps, query programs, splits, windows per split) of a score launch over
+    `num_rows` rows of `num_queries` queries: from shapes only (and the GPU's size), never from data."""
+    heads_pad = triton.next_power_of_2(num_heads)
+    # Tiles: up to TILE_ROWS (query, head) rows x 64 windows, 8 warps for 128 rows; float32 inputs (no tensor cores)
+    # in smaller tiles. The tiles follow the inputs' dtype, not the interpreter, so that it runs the GPU's shapes.
+    wide = dtype == torch.float32
+    block_q = max(1, min(triton.next_power_of_2(num_queries), (TILE_ROWS_FP32 if wide else TILE_ROWS) // heads_pad))
+    block_w = 32 if wide or head_dim > 128 else 64
+    if packed_block_w is not None:
+        block_w = min(block_w, packed_block_w)
+    query_tiles = num_rows * triton.cdiv(num_queries, block_q)
+    if num_splits is None:
+        multiprocessors = multiprocessors or multiprocessor_count(device)
+        num_splits = triton.cdiv(PROGRAMS_PER_SM * multiprocessors, max(1, query_tiles))
+    num_splits = max(1, min(num_splits, triton.cdiv(num_windows, block_w), 65535))
+    windows_per_split = triton.cdiv(triton.cdiv(num_windows, num_splits), block_w) * block_w
+    num_splits = triton.cdiv(num_windows, windows_per_split)
+    num_warps = 8 if wide or block_q * heads_pad >= 128 else 4
+    return block_q, block_w, heads_pad, num_warps, query_tiles, num_splits, windows_per_split
+
+
+def _constexprs(num_heads, heads_pad, head_dim, block_q, block_w, head_weights, dtype, packed, num_warps):
+    fp32, precision = dot_precision(dtype)
+    return dict(HEADS=num_heads, HEADS_PAD=heads_pad, HEAD_DIM=head_dim,
+                DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_W=block_w,
+                HAS_WEIGHTS=head_weights is not None, FP32=fp32, PRECISION=precision, PACKED_FP8=packed,
+                num_warps=num_warps, num_stages=2)
+
+
+# Windows per block of a paged launch over packed fp8 keys with tiles of several queries: each key row's address is its
+# own 64-bit pointer (its page is data), and widening 64 rows at once beside a tile of 128 (query, head) rows spilled
+# on sm_80 (16 index heads x 128, prefill: 128 registers, 2 words). Decode tiles keep 64 (no spill).
+PAGED_FP8_BLOCK_W = 32
+
+# The paged addressing's arguments of an unpaged launch: None, so that they are constexprs, not parameters.
+_UNPAGED = (None,) * 7
+
+
 def plan_scores(index_queries, pooled_index_keys, visible, head_weights, scores, num_splits=None,
                 multiprocessors=None) -> Launch:
     """The launch writing `scores` `[batch, queries, windows]` of `index_queries` `[batch, queries, heads, dim]`
     against `pooled_index_keys` `[batch, windows, dim]`, under the causal bounds `visible` `[batch, queries]`."""
     batch_size, num_queries, num_heads, head_dim = index_queries.shape
     num_windows = scores.shape[-1]
-    packed = is_packed(pooled_index_keys)
-    heads_pad = triton.next_power_of_2(num_heads)
-    fp32, precision = dot_precision(index_queries.dtype)
-    # Tiles: up to TILE_ROWS (query, head) rows x 64 windows, 8 warps for 128 rows; float32 inputs (no tensor cores)
-    # in smaller tiles. The tiles follow the inputs' dtype, not the interpreter, so that it runs the GPU's shapes.
-    wide = index_queries.dtype == torch.float32
-    block_q = max(1, min(triton.next_power_of_2(num_queries), (TILE_ROWS_FP32 if wide else TILE_ROWS) // heads_pad))
-    block_w = 32 if wide or head_dim > 128 else 64
-    query_tiles = batch_size * triton.cdiv(num_queries, block_q)
-    if num_splits is None:
-        multiprocessors = multiprocessors or multiprocessor_count(index_queries.device)
-        num_splits = triton.cdiv(PROGRAMS_PER_SM * multiprocessors, query_tiles)
-    num_splits = max(1, min(num_splits, triton.cdiv(num_windows, block_w), 65535))
-    windows_per_split = triton.cdiv(triton.cdiv(num_windows, num_splits), block_w) * block_w
-    num_splits = triton.cdiv(num_windows, windows_per_split)
+    block_q, block_w, heads_pad, num_warps, query_tiles, num_splits, windows_per_split = _tiles_and_splits(
+        num_queries, num_heads, head_dim, index_queries.dtype, batch_size, num_windows, num_splits,
+        multiprocessors, index_queries.device)
     weights = head_weights if head_weights is not None else scores  # unread placeholder
     weight_strides = weights.stride() if head_weights is not None else (0, 0, 0)
     return Launch(
         _pooled_index_scores_kernel, (query_tiles, num_splits),
         (index_queries, pooled_index_keys, weights, visible, scores,
          num_queries, num_windows, windows_per_split, head_dim**-0.5,
-         *index_queries.stride()[:3], *pooled_index_keys.stride()[:2], *weight_strides, *visible.stride()),
-        dict(HEADS=num_heads, HEADS_PAD=heads_pad, HEAD_DIM=head_dim,
-             DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_W=block_w,
-             HAS_WEIGHTS=head_weights is not None, FP32=fp32, PRECISION=precision, PACKED_FP8=packed,
-             num_warps=8 if wide or block_q * heads_pad >= 128 else 4, num_stages=2),
+         *index_queries.stride()[:3], *pooled_index_keys.stride()[:2], *weight_strides, *visible.stride(),
+         *_UNPAGED),
+        _constexprs(num_heads, heads_pad, head_dim, block_q, block_w, head_weights, index_queries.dtype,
+                    is_packed(pooled_index_keys), num_warps),
+    )
+
+
+def plan_paged_scores(index_queries, pooled_key_cache, block_table, tile_tokens, tile_request, num_visible_windows,
+                      head_weights, scores, num_splits=None, multiprocessors=None) -> Launch:
+    """The launch writing `scores` `[tiles, width, window_bound]` float32 of the tiles `tile_tokens` `[tiles, width]`
+    of `index_queries` `[tokens, heads, dim]` (rotated already for packed keys) against their requests'
+    (`tile_request [tiles]`) windows in vLLM's paged `pooled_key_cache` `[blocks, block_size // r, 1, width]`
+    through `block_table` `[requests, max_blocks]`, under the causal bounds `num_visible_windows` `[tokens]`.
+    Windows at or past a tile's largest bound are not written (`selection_keys` masks them)."""
+    num_tiles, width = tile_tokens.shape
+    _, num_heads, head_dim = index_queries.shape
+    num_windows = scores.shape[-1]
+    keys = pooled_key_cache[:, :, 0]  # [blocks, windows per block, width]
+    block_q, block_w, heads_pad, num_warps, query_tiles, num_splits, windows_per_split = _tiles_and_splits(
+        width, num_heads, head_dim, index_queries.dtype, num_tiles, num_windows, num_splits, multiprocessors,
+        index_queries.device, packed_block_w=PAGED_FP8_BLOCK_W if is_packed(pooled_key_cache) and width > 1 else None)
+    weights = head_weights if head_weights is not None else scores  # unread placeholder
+    weight_strides = (0, *head_weights.stride()) if head_weights is not None else (0, 0, 0)
+    return Launch(
+        _pooled_index_scores_kernel, (query_tiles, num_splits),
+        (index_queries, keys, weights, num_visible_windows, scores,
+         width, num_windows, windows_per_split, head_dim**-0.5,
+         0, *index_queries.stride()[:2], *keys.stride()[:2], *weight_strides, 0, num_visible_windows.stride(0),
+         tile_tokens, tile_request, block_table, tile_tokens.stride(0), block_table.stride(0), keys.shape[1],
+         block_table.shape[1]),
+        _constexprs(num_heads, heads_pad, head_dim, block_q, block_w, head_weights, index_queries.dtype,
+                    is_packed(pooled_key_cache), num_warps) | dict(PAGED=True),
     )
 
 
@@ -198,9 +281,65 @@ def pooled_index_topk_triton(
     return selections[0] if len(selections) == 1 else torch.cat(selections, dim=1)
 
 
+def paged_pooled_index_topk_triton(
+    index_queries: torch.Tensor,
+    pooled_key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    tile_tokens: torch.Tensor,
+    tile_request: torch.Tensor,
+    token_tile: torch.Tensor,
+    num_visible_windows: torch.Tensor,
+    window_bound: int,
+    topk: int,
+    head_weights: torch.Tensor | None = None,
+    sink_windows: int = 0,
+    local_windows: int = 0,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton version of `paged_pooled_index_topk_torch`: same arguments, same result (`[tokens, topk]` ids
+    ascending, `-1` padded). The scores of a chunk of tiles (at most `SCRATCH_ELEMENTS` of them) come from the paged
+    score kernel; the selection is the reference's `selection_keys`, `torch.topk` and `window_ids_of`. Every shape
+    and the chunks follow from (tokens, tiles, width, window_bound, topk); nothing is read back to the host, so a
+    step can be captured in a CUDA graph. `num_splits`: programs sharing a tile's windows (default: enough to fill
+    the GPU)."""
+    num_tokens = index_queries.shape[0]
+    num_tiles, width = tile_tokens.shape
+    device = index_queries.device
+    if num_tokens == 0 or num_tiles == 0 or topk == 0 or window_bound == 0:
+        return torch.full((num_tokens, topk), -1, dtype=torch.long, device=device)
+    if is_packed(pooled_key_cache):
+        index_queries = rotate_queries(index_queries)
+    index_queries = _last_dim_contiguous(index_queries)
+    tile_tokens, tile_request = _last_dim_contiguous(tile_tokens), _last_dim_contiguous(tile_request)
+    if head_weights is not None:
+        head_weights = _last_dim_contiguous(head_weights)
+    if pooled_key_cache.stride(-1) != 1:
+        raise ValueError("The pooled-key cache's rows must be contiguous.")
+    chunk = max(1, SCRATCH_ELEMENTS // (width * window_bound))
+    selected = []
+    for start in range(0, num_tiles, chunk):
+        tokens = tile_tokens[start:start + chunk]
+        scores = torch.empty(tokens.shape[0], width, window_bound, dtype=torch.float32, device=device)
+        plan_paged_scores(index_queries, pooled_key_cache, block_table, tokens, tile_request[start:start + chunk],
+                          num_visible_windows, head_weights, scores, num_splits).run()
+        keys = selection_keys(scores, 0, num_visible_windows[tokens][..., None], sink_windows=sink_windows,
+                              local_windows=local_windows)
+        if window_bound > topk:
+            keys = keys.topk(topk, dim=-1, sorted=False).values
+        selected.append(window_ids_of(keys, topk))
+    return torch.cat(selected).flatten(0, 1)[token_tile]
+
+
+# Queries per tile of a serving step (the serving layer's `QUERY_TILE`, which this module cannot import: vLLM) and the
+# paged cache's block size the compiled launches are planned with (a runtime value: any block size compiles the same).
+AOT_TILE_WIDTH = 64
+AOT_BLOCK_SIZE = 64
+
+
 def aot_launches(sizes) -> list[tuple[str, Launch]]:
-    """The score kernel's launch at `sizes` (an `aot.ModelSizes`), on meta tensors: decode is one query per row
-    over a full context, prefill a chunk of queries."""
+    """The score kernel's launches at `sizes` (an `aot.ModelSizes`), on meta tensors: decode is one query per row
+    over a full context, prefill a chunk of queries; unpaged, and paged as a serving step has them (decode: a tile
+    of one query per request; prefill: tiles of `AOT_TILE_WIDTH` queries of one request)."""
     if sizes.kernels == "attention":
         return []
     meta = dict(device="meta", dtype=sizes.dtype)
@@ -208,15 +347,31 @@ def aot_launches(sizes) -> list[tuple[str, Launch]]:
     num_queries = 1 if sizes.mode == "decode" else sizes.queries
     batch_size = sizes.batch if sizes.mode == "decode" else 1
     index_queries = torch.empty(batch_size, num_queries, sizes.index_heads, sizes.index_head_dim, **meta)
-    if sizes.index_keys == "fp8":
-        keys = torch.empty(batch_size, num_windows, packed_width(sizes.index_head_dim), dtype=torch.uint8,
-                           device="meta")
-    else:
-        keys = torch.empty(batch_size, num_windows, sizes.index_head_dim, **meta)
+    key_width = packed_width(sizes.index_head_dim) if sizes.index_keys == "fp8" else sizes.index_head_dim
+    key_dtype = torch.uint8 if sizes.index_keys == "fp8" else sizes.dtype
+    keys = torch.empty(batch_size, num_windows, key_width, dtype=key_dtype, device="meta")
     visible = torch.empty(batch_size, num_queries, dtype=torch.int64, device="meta")
     weights = torch.empty(batch_size, num_queries, sizes.index_heads, device="meta")
     chunk = max(1, min(num_queries, SCRATCH_ELEMENTS // (batch_size * num_windows)))
     scores = torch.empty(batch_size, chunk, num_windows, device="meta")
-    return [("pooled_index_scores",
-             plan_scores(index_queries[:, :chunk], keys, visible[:, :chunk], weights[:, :chunk], scores,
-                         multiprocessors=sizes.multiprocessors))]
+    launches = [("pooled_index_scores",
+                 plan_scores(index_queries[:, :chunk], keys, visible[:, :chunk], weights[:, :chunk], scores,
+                             multiprocessors=sizes.multiprocessors))]
+
+    num_tokens = batch_size * num_queries
+    width = 1 if sizes.mode == "decode" else AOT_TILE_WIDTH
+    num_tiles = batch_size if sizes.mode == "decode" else triton.cdiv(num_queries, width)
+    windows_per_block = AOT_BLOCK_SIZE // sizes.pool_size
+    max_blocks = triton.cdiv(num_windows, windows_per_block)
+    cache = torch.empty(batch_size * max_blocks + 1, windows_per_block, 1, key_width, dtype=key_dtype, device="meta")
+    block_table = torch.empty(batch_size, max_blocks, dtype=torch.int32, device="meta")
+    tile_tokens = torch.empty(num_tiles, width, dtype=torch.int64, device="meta")
+    tile_request = torch.empty(num_tiles, dtype=torch.int64, device="meta")
+    token_visible = torch.empty(num_tokens, dtype=torch.int64, device="meta")
+    tiles_per_chunk = max(1, SCRATCH_ELEMENTS // (width * num_windows))
+    paged_scores = torch.empty(min(num_tiles, tiles_per_chunk), width, num_windows, device="meta")
+    launches.append(("paged_pooled_index_scores",
+                     plan_paged_scores(index_queries.flatten(0, 1), cache, block_table,
+                                       tile_tokens[:tiles_per_chunk], tile_request[:tiles_per_chunk], token_visible,
+                                       weights.flatten(0, 1), paged_scores, multiprocessors=sizes.multiprocessors)))
+    return launches

@@ -15,10 +15,13 @@ pytest.importorskip("triton", reason="Triton is not installed: there is nothing 
 
 from hybrid_indexpool.kernels import aot  # noqa: E402
 
-KERNELS = {"pooled_index_scores", "sparse_attention_forward", "combine_splits", "sparse_attention_backward_dq",
-           "sparse_attention_backward_dkv", "paged_sparse_attention_forward", "paged_combine_splits"}
-DECODE_KERNELS = {"pooled_index_scores", "sparse_attention_forward", "combine_splits", "paged_sparse_attention_forward",
-                  "paged_combine_splits"}
+KERNELS = {"pooled_index_scores", "paged_pooled_index_scores", "pooled_key_write", "sparse_attention_forward",
+           "combine_splits", "sparse_attention_backward_dq", "sparse_attention_backward_dkv",
+           "paged_sparse_attention_forward", "paged_combine_splits"}
+# Planned in decode only: the write compiles the same at any token count; prefill is never split.
+DECODE_ONLY = {"combine_splits", "paged_combine_splits", "pooled_key_write"}
+DECODE_KERNELS = {"pooled_index_scores", "paged_pooled_index_scores", "pooled_key_write", "sparse_attention_forward",
+                  "combine_splits", "paged_sparse_attention_forward", "paged_combine_splits"}
 
 
 def spill_allowance(row) -> int:
@@ -62,8 +65,7 @@ def show(results, capsys):
 def test_every_kernel_compiles_for_sm90_and_sm80_within_their_limits(capsys):
     results = aot.compile_sizes(aot.default_sizes())
     show(results, capsys)
-    prefill_kernels = KERNELS - {"combine_splits", "paged_combine_splits"}
-    for mode, kernels in (("decode", DECODE_KERNELS), ("prefill", prefill_kernels)):
+    for mode, kernels in (("decode", DECODE_KERNELS), ("prefill", KERNELS - DECODE_ONLY)):
         assert {row.kernel for row in results if row.mode == mode} == kernels
     # The paged kernels at Qwen3.8-Flash-Next's widths (16 heads on 2 key/value heads of 256, r = 4), with the output
     # gate in the store of the kernel that writes the output: the combine in decode, the forward in prefill.
@@ -73,6 +75,14 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_their_limits(capsys):
         (mode, capability, mode == "prefill") for mode in ("decode", "prefill") for capability in aot.CAPABILITIES}
     assert any(row.kernel == "paged_combine_splits" and row.config.startswith("bf16 HEAD_DIM=256")
                and "GATED=True HEADS=16" in row.config for row in results)
+    # Qwen3.8-Flash-Next's indexer (16 heads x 128, r = 4, learned pooling of width 128, rotary 64): both score
+    # kernels in decode and prefill and the write, float and fp8 keys, compiled (and checked below, spills included).
+    flash_next = [row for row in results if "HEADS=16 HEAD_DIM=128" in row.config and row.config.startswith("bf16")]
+    assert {(row.kernel, row.mode, "PACKED_FP8=True" in row.config) for row in flash_next} >= {
+        (kernel, mode, fp8) for kernel in ("pooled_index_scores", "paged_pooled_index_scores")
+        for mode in ("decode", "prefill") for fp8 in (False, True)}
+    assert {"PACKED_FP8=True" in row.config for row in results if row.kernel == "pooled_key_write"
+            and "HEAD_DIM=128 HALF=32 REST=64 POOL=4 GATES=128 PRENORM=False" in row.config} == {False, True}
     check(results)
 
 
@@ -81,7 +91,8 @@ def test_glm_sizes_compile_for_sm90_and_sm80_within_their_limits(capsys):
     512, budget 2048, decode and prefill."""
     results = aot.compile_sizes(aot.glm_sizes())
     show(results, capsys)
-    assert {row.kernel for row in results} == {"pooled_index_scores", "sparse_latent_attention", "combine_splits"}
+    assert {row.kernel for row in results} == {"pooled_index_scores", "paged_pooled_index_scores", "pooled_key_write",
+                                               "sparse_latent_attention", "combine_splits"}
     assert any("HEADS=64" in row.config and "LATENT_DIM=512" in row.config and "POOL=16" in row.config
                for row in results if row.kernel == "sparse_latent_attention")
     check(results)
@@ -98,8 +109,8 @@ def test_the_whole_size_matrix_compiles_within_the_limits(request, capsys):
 
 def test_decode_compiles_once_for_every_batch_size():
     """A decode step's launches specialise the same way at any batch size: the split count is a runtime argument,
-    and no argument that follows the batch is specialised (equal to 1, divisible by 16); the paged ones too (a step
-    of one token per request, whatever the requests' number)."""
+    and no argument that follows the batch is specialised (equal to 1, divisible by 16); the paged ones too (the
+    score kernel's tiles, the write's tokens, the attention's step of one token per request)."""
     base = aot.ModelSizes("decode", torch.bfloat16, pool_size=4, kernels="all")
     keys = aot.specialisation_keys([dataclasses.replace(base, batch=batch) for batch in (1, 2, 3, 8, 64, 200)])
     assert set(keys[0]) == DECODE_KERNELS

@@ -20,6 +20,7 @@ def test_smoke_run_checks_the_kernels_and_prints_every_table(tmp_path, capsys):
         assert row["minimum_bytes"] <= row["bytes"] < 8 * row["minimum_bytes"]
         assert row["index_triton_launches"] == 1 and row["attention_triton_launches"] >= 1
     kernels = {row.kernel for row in report["aot"]}
-    assert kernels == {"pooled_index_scores", "sparse_attention_forward", "combine_splits"}
+    assert kernels == {"pooled_index_scores", "paged_pooled_index_scores", "pooled_key_write",
+                       "sparse_attention_forward", "combine_splits"}
     assert all(row.spills == 0 and row.shared <= row.shared_limit for row in report["aot"])
     assert (tmp_path / "report.json").exists()
