@@ -18,6 +18,11 @@ key/value heads of dim 256, 16 index heads of dim 128, budget 2048 tokens):
    pooled keys read once and the selected keys/values read once).
 5. Registers / shared memory / spills of every kernel compiled ahead of time for sm_80 and sm_90 (`kernels/aot.py`;
    no GPU needed, so this runs anywhere).
+6. The vLLM plugin's batched step over paged caches (`serving/paged_step.py`, no vLLM needed): its Triton kernels
+   (paged scoring + top-k, pooled-key write, paged sparse attention) against its PyTorch path on a mixed step of
+   prefill chunks and decodes (float32 and bfloat16, pooled keys in the model's dtype and packed fp8); a decode step
+   of `--step-batch` requests at 128K and 1M tokens of context, each part's achieved bandwidth as a fraction of the
+   measured copy bandwidth; and that step captured in a CUDA graph and replayed (same output as eager, replay time).
 
 `python -m hybrid_indexpool.scripts.check_gpu --offline` prints sections 4 and 5 at the real sizes on a machine
 without a GPU. `TRITON_INTERPRET=1 python -m hybrid_indexpool.scripts.check_gpu --smoke` runs tiny sizes on the CPU
@@ -25,6 +30,7 @@ without a GPU. `TRITON_INTERPRET=1 python -m hybrid_indexpool.scripts.check_gpu 
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -49,6 +55,10 @@ def parse_arguments(argv=None):
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--prefill", type=int, default=32768, help="prefill length (tokens)")
+    parser.add_argument("--step-contexts", default="131072,1048576",
+                        help="contexts (tokens) of the vLLM step's decode benchmark (section 6)")
+    parser.add_argument("--step-batch", type=int, default=8, help="requests of the vLLM step's decode benchmark")
+    parser.add_argument("--block-size", type=int, default=256, help="vLLM's KV-cache block size (tokens)")
     parser.add_argument("--aot", choices=("default", "full", "none"), default="default",
                         help="configurations compiled ahead of time: the representative subset, the whole matrix "
                              "(about 20 minutes on 2 cores), or none")
@@ -60,6 +70,7 @@ def parse_arguments(argv=None):
     if args.smoke:
         args.contexts, args.topk, args.index_heads, args.index_head_dim = "128,256", 32, 2, 16
         args.heads, args.kv_heads, args.head_dim, args.prefill = 4, 2, 16, 32
+        args.step_contexts, args.step_batch, args.block_size = "256,512", 2, 16
     return args
 
 
@@ -358,6 +369,162 @@ def traffic_section(args, kernels, report):
             print("  " + "".join(f"{c:>12}" for c in cells))
 
 
+@contextlib.contextmanager
+def step_backend(name: str, interpreter: bool):
+    """Run the paged step's kernels on `name`'s path: `torch` (the references) or `triton` (on CUDA by default; in
+    the interpreter, for --smoke, by treating CPU tensors as the fast path)."""
+    from hybrid_indexpool.kernels import dispatch, pooled_index_topk, pooled_key_write, sparse_attention
+
+    previous = os.environ.get(dispatch.BACKEND_VARIABLE)
+    os.environ[dispatch.BACKEND_VARIABLE] = "torch" if name == "torch" else "auto"
+    modules = (pooled_index_topk, pooled_key_write, sparse_attention)
+    originals = [module.use_fast_path for module in modules]
+    if name == "triton" and interpreter:
+        for module in modules:
+            module.use_fast_path = lambda *tensors: dispatch.kernel_backend() == "auto"
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module.use_fast_path = original
+        if previous is None:
+            del os.environ[dispatch.BACKEND_VARIABLE]
+        else:
+            os.environ[dispatch.BACKEND_VARIABLE] = previous
+
+
+def step_sizes(args, fp8_index_keys: bool = False):
+    from hybrid_indexpool.serving.synthetic_step import StepSizes
+
+    return StepSizes(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, index_heads=args.index_heads,
+                     index_head_dim=args.index_head_dim, pool_size=4, topk=args.topk, block_size=args.block_size,
+                     fp8_index_keys=fp8_index_keys)
+
+
+def step_selection(step):
+    """The windows the step selects for each of its tokens (the scoring + top-k entry on the step's tensors)."""
+    from hybrid_indexpool.kernels.pooled_index_topk import paged_pooled_index_topk
+
+    main, pooled = step.metadata["main"], step.metadata["pooled_keys"]
+    return paged_pooled_index_topk(step.inputs["index_queries"], step.caches.pooled_keys, pooled.block_table,
+                                   main.tile_tokens, main.tile_request, main.token_tile, main.num_visible_windows,
+                                   main.window_bound, step.settings.topk_windows, step.inputs["head_weights"])
+
+
+def check_paged_step(device, args) -> list[dict]:
+    """Triton against the PyTorch path on one mixed step (prefill chunks inside windows, decodes, padding): output,
+    written caches and selections, per dtype and pooled-key storage."""
+    from hybrid_indexpool.serving.synthetic_step import synthetic_step
+
+    if args.smoke:
+        contexts, new_tokens = [150, 37, 9, 260], [1, 22, 1, 5]
+    else:
+        contexts, new_tokens = [20000, 3001, 600, 9000], [1, 301, 1, 64]
+    interpreter = device.type != "cuda"
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for fp8 in (False, True):
+            results = {}
+            for backend in ("torch", "triton"):
+                step = synthetic_step(contexts, new_tokens, step_sizes(args, fp8), dtype=dtype, device=device,
+                                      padding=3)
+                with step_backend(backend, interpreter), torch.no_grad():
+                    selected = step_selection(step)
+                    output = step.run()
+                results[backend] = (output[:sum(new_tokens)].float(), selected[:sum(new_tokens)], step.caches)
+            (expected, expected_selection, expected_caches), (got, selection, caches) = results["torch"], \
+                results["triton"]
+            if fp8:  # packed bytes: the share of keys (rows) whose bytes differ at all
+                pooled_difference = (caches.pooled_keys != expected_caches.pooled_keys).any(-1).float().mean()
+            else:
+                pooled_difference = (caches.pooled_keys.float() - expected_caches.pooled_keys.float()).abs().max()
+            rows.append({
+                "dtype": str(dtype), "fp8_index_keys": fp8,
+                "output_max_error": (got - expected).abs().max().item(),
+                "selection_identical_fraction": (selection == expected_selection).all(-1).float().mean().item(),
+                "pooled_keys_difference": pooled_difference.item(),
+                "main_cache_equal": torch.equal(caches.main, expected_caches.main),
+                "ring_equal": torch.equal(caches.open_window, expected_caches.open_window),
+            })
+    return rows
+
+
+def bench_paged_decode(device, args, context: int, copy_bandwidth: float) -> dict:
+    """One decode step of `--step-batch` requests at `context` tokens through the paged Triton kernels: milliseconds
+    of the whole step, of its scoring + top-k and of its sparse attention, and what each reads against the copy
+    bandwidth; with CUDA, the step captured in a CUDA graph and replayed."""
+    from hybrid_indexpool.kernels.sparse_attention import paged_sparse_attention
+    from hybrid_indexpool.serving.synthetic_step import synthetic_step
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batch, sizes = args.step_batch, step_sizes(args)
+    step = synthetic_step([context - 1] * batch, [1] * batch, sizes, dtype=dtype, device=device, seed=context,
+                          full_graphs=True)
+    main = step.main
+    repeats = 20 if device.type == "cuda" else 1
+    element = torch.empty((), dtype=dtype).element_size()
+    with step_backend("triton", device.type != "cuda"), torch.no_grad():
+        selected = step_selection(step)
+        head_dim = args.head_dim
+        kv = step.caches.main
+        row = {"context": context, "batch": batch,
+               "step_ms": timed(step.run, device, repeats),
+               "index_ms": timed(lambda: step_selection(step), device, repeats),
+               "attention_ms": timed(lambda: paged_sparse_attention(
+                   step.inputs["query"], kv[..., :head_dim], kv[..., head_dim:], main.block_table,
+                   main.token_request, selected, main.token_position, sizes.pool_size, step.settings.scaling,
+                   step.inputs["output_gate"]), device, repeats)}
+        if device.type == "cuda":
+            eager = step.run()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    step.run()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = step.run()
+            graph.replay()
+            torch.cuda.synchronize()
+            row["graph_replay_equal"] = torch.equal(replayed, eager)
+            row["graph_replay_ms"] = timed(graph.replay, device, repeats)
+    row["index_bytes"] = batch * (context // sizes.pool_size) * step.caches.pooled_keys.shape[-1] * \
+        step.caches.pooled_keys.element_size()
+    row["attention_bytes"] = batch * args.kv_heads * (args.topk + sizes.pool_size - 1) * 2 * head_dim * element
+    row["index_fraction"] = row["index_bytes"] / (row["index_ms"] / 1e3) / copy_bandwidth
+    row["attention_fraction"] = row["attention_bytes"] / (row["attention_ms"] / 1e3) / copy_bandwidth
+    row["step_fraction"] = (row["index_bytes"] + row["attention_bytes"]) / (row["step_ms"] / 1e3) / copy_bandwidth
+    return row
+
+
+def paged_step_section(device, args, report):
+    """Section 6 (see the module's docstring)."""
+    print("\n6. the vLLM plugin's batched step over paged caches: Triton against PyTorch, decode bandwidth, CUDA graph")
+    report["paged_step_checks"] = check_paged_step(device, args)
+    for row in report["paged_step_checks"]:
+        print(f"  {row['dtype']:<15} fp8 keys {str(row['fp8_index_keys']):<6} output error "
+              f"{row['output_max_error']:.3g}  selections identical {row['selection_identical_fraction']:.3f}  "
+              f"pooled keys {'differing' if row['fp8_index_keys'] else 'max diff'} "
+              f"{row['pooled_keys_difference']:.3g}  main/ring caches equal "
+              f"{row['main_cache_equal']}/{row['ring_equal']}")
+    copy_bandwidth = report.get("copy_bandwidth") or measured_copy_bandwidth(device)
+    header = ("context", "batch", "step ms", "graph ms", "index ms", "attn ms", "index %copy", "attn %copy",
+              "step %copy")
+    print("  " + "".join(f"{h:>12}" for h in header))
+    report["paged_step_decode"] = []
+    for context in (int(c) for c in args.step_contexts.split(",")):
+        row = bench_paged_decode(device, args, context, copy_bandwidth)
+        report["paged_step_decode"].append(row)
+        graph = f"{row['graph_replay_ms']:.3f}" if "graph_replay_ms" in row else "-"
+        cells = (f"{context:,}", row["batch"], f"{row['step_ms']:.3f}", graph, f"{row['index_ms']:.3f}",
+                 f"{row['attention_ms']:.3f}", f"{100 * row['index_fraction']:.0f}%",
+                 f"{100 * row['attention_fraction']:.0f}%", f"{100 * row['step_fraction']:.0f}%")
+        print("  " + "".join(f"{c:>12}" for c in cells))
+    if device.type != "cuda":
+        print("  (no CUDA device: the CUDA-graph capture and replay run on a GPU only)")
+
+
 def main(argv=None):
     args = parse_arguments(argv)
     device = None
@@ -392,6 +559,8 @@ def main(argv=None):
         print("  (skipped: --aot none)")
     else:
         report["aot"] = aot_resources(args)
+    if device is not None:
+        paged_step_section(device, args, report)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2, default=lambda value: getattr(value, "__dict__", str(value)))

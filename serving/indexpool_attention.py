@@ -43,6 +43,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheLayout, KVCacheSpec, MLAAttentionSpec
 
+from ..kernels.pooled_key_write import neox_rotary
 from .memory import main_kv_spec, open_window_spec, pooled_key_spec
 from .paged_step import (
     IndexPoolStepSettings,
@@ -50,7 +51,6 @@ from .paged_step import (
     PagedCaches,
     PagedMetadataBuilder,
     indexpool_step,
-    neox_rotary,
     pooled_key_width,
     step_working_memory_bytes,
 )

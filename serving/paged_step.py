@@ -24,16 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.fp8_index_keys import (
-    dequantize_pooled_keys,
-    is_packed,
-    packed_width,
-    quantize_pooled_keys,
-    rotate_queries,
-)
-from ..kernels.pooled_index_topk.reference import scaled_head_weights, selection_keys, window_ids_of
-from ..kernels.sparse_attention.reference import masked_softmax
-from ..kernels.weighted_pool.reference import weighted_pool_torch
+from ..kernels.fp8_index_keys import packed_width
+from ..kernels.pooled_index_topk import paged_pooled_index_topk
+from ..kernels.pooled_index_topk.reference import PAGED_SCORE_CHUNK_BYTES
+from ..kernels.pooled_key_write import write_pooled_keys
+from ..kernels.sparse_attention import paged_sparse_attention
+from ..kernels.sparse_attention.reference import PAGED_QUERY_CHUNK
 
 # Queries of one request scored together against its pooled keys (one tile); decode tokens are tiles of one query.
 QUERY_TILE = 64
@@ -241,11 +237,11 @@ def step_working_memory_bytes(query: torch.Tensor, key: torch.Tensor, index_quer
     the larger of the attention's gathers for one chunk of queries (keys and values of their windows, float32 copies,
     scores and probabilities) and the selection's chunk of scores."""
     num_tokens, num_heads, head_dim = query.shape
-    queries = min(num_tokens, QUERY_CHUNK)
+    queries = min(num_tokens, PAGED_QUERY_CHUNK)
     slots = settings.topk_windows * settings.pool_size + settings.pool_size - 1
     gathered = queries * slots * key.shape[1] * head_dim * 2 * (query.element_size() + 4)
     scores = 2 * queries * num_heads * slots * 4
-    return max(gathered + scores, SCORE_CHUNK_BYTES)
+    return max(gathered + scores, PAGED_SCORE_CHUNK_BYTES)
 
 
 def write_rows(cache: torch.Tensor, metadata: PagedCacheMetadata, rows: torch.Tensor) -> None:
@@ -287,106 +283,3 @@ def indexpool_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return paged_sparse_attention(
         query, caches.main[..., :head_dim], caches.main[..., head_dim:], main.block_table, main.token_request,
         selected, main.token_position, settings.pool_size, settings.scaling, output_gate)
-
-
-# The step's PyTorch computations (to move into the kernel folders beside their paged Triton kernels).
-QUERY_CHUNK = 256
-SCORE_CHUNK_BYTES = 64 << 20
-
-
-def gemma_rms_norm(x, weight, eps):
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + 1.0)).to(x.dtype)
-
-
-def neox_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_sin.to(x.dtype).chunk(2, dim=-1)
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    rotary_dim = 2 * cos.shape[-1]
-    first, second = x[..., : rotary_dim // 2], x[..., rotary_dim // 2: rotary_dim]
-    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
-
-
-def write_pooled_keys(pooled_key_cache, step_rows, ring_cache, window_token, window_ring_block, window_start,
-                      cos_sin_cache, norm_weight, norm_eps, slot_bias, weighting, write_token, write_block, write_row,
-                      write_keep):
-    head_dim = norm_weight.shape[0]
-    from_step = window_token >= 0
-    rows = torch.where(from_step[..., None], step_rows[window_token.clamp(min=0)],
-                       ring_cache[window_ring_block, :, 0].to(step_rows.dtype))
-    keys = rows[..., :head_dim]
-    if weighting == "prenorm_mean":
-        pooled = weighted_pool_torch(gemma_rms_norm(keys, norm_weight, norm_eps), None).to(keys.dtype)
-    else:
-        logits = None
-        if slot_bias is not None:
-            logits = rows[..., head_dim:].float() + slot_bias.float()
-        pooled = gemma_rms_norm(weighted_pool_torch(keys, logits).to(keys.dtype), norm_weight, norm_eps)
-    pooled = neox_rotary(pooled, cos_sin_cache.index_select(0, window_start))
-    new = pooled[write_token]
-    new = quantize_pooled_keys(new) if is_packed(pooled_key_cache) else new.to(pooled_key_cache.dtype)
-    old = pooled_key_cache[write_block, write_row, 0]
-    pooled_key_cache[write_block, write_row, 0] = torch.where(write_keep[:, None], new, old)
-
-
-def paged_pooled_index_topk(index_queries, pooled_cache, block_table, tile_tokens, tile_request, token_tile,
-                            num_visible_windows, window_bound, topk, head_weights=None, sink_windows=0,
-                            local_windows=0):
-    num_tiles, width = tile_tokens.shape
-    num_windows, num_heads, head_dim = window_bound, index_queries.shape[1], index_queries.shape[2]
-    windows_per_block = pooled_cache.shape[1]
-    windows = torch.arange(num_windows, device=index_queries.device)
-    columns = (windows // windows_per_block).clamp(max=block_table.shape[1] - 1)
-    weights = scaled_head_weights(index_queries[None], None if head_weights is None else head_weights[None])[0]
-    packed = is_packed(pooled_cache)
-    if packed:
-        index_queries = rotate_queries(index_queries)
-    tiles_per_chunk = max(1, SCORE_CHUNK_BYTES // (width * num_windows * (4 * num_heads + 12)
-                                                   + num_windows * head_dim * 4))
-    selected = []
-    for start in range(0, num_tiles, tiles_per_chunk):
-        tokens = tile_tokens[start:start + tiles_per_chunk]
-        blocks = block_table[tile_request[start:start + tiles_per_chunk]][:, columns].long()
-        keys = pooled_cache[blocks, windows % windows_per_block, 0]
-        keys = dequantize_pooled_keys(keys) if packed else keys.float()
-        per_head = torch.einsum("tqhd,twd->tqhw", index_queries[tokens].float(), keys).relu_()
-        scores = (per_head * weights[tokens][..., None]).sum(dim=2)
-        keys = selection_keys(scores, 0, num_visible_windows[tokens][..., None],
-                              sink_windows=sink_windows, local_windows=local_windows)
-        if num_windows > topk:
-            keys = keys.topk(topk, dim=-1, sorted=False).values
-        selected.append(window_ids_of(keys, topk))
-    return torch.cat(selected).flatten(0, 1)[token_tile]
-
-
-def paged_sparse_attention(query, key_cache, value_cache, block_table, token_request, selected, positions, r,
-                           scaling, output_gate=None):
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key_cache.shape[1]
-    group = num_heads // num_kv_heads
-    block_size = key_cache.shape[2]
-    output = torch.empty_like(query)
-    window_offsets = torch.arange(r, device=query.device)
-    open_offsets = torch.arange(r - 1, device=query.device)
-    for start in range(0, query.shape[0], QUERY_CHUNK):
-        end = min(start + QUERY_CHUNK, query.shape[0])
-        windows, chunk_positions = selected[start:end], positions[start:end]
-        window_slots = (windows[..., None] * r + window_offsets).flatten(-2)
-        window_valid = (windows >= 0).repeat_interleave(r, dim=-1)
-        open_slots = ((chunk_positions + 1) // r * r)[:, None] + open_offsets
-        open_valid = open_slots <= chunk_positions[:, None]
-        valid = torch.cat([window_valid, open_valid], dim=-1)
-        slots = torch.cat([window_slots, open_slots], dim=-1).masked_fill(~valid, 0)
-        blocks = block_table[token_request[start:end][:, None], slots // block_size].long()
-        key = key_cache[blocks, :, slots % block_size]
-        value = value_cache[blocks, :, slots % block_size]
-        chunk_query = query[start:end].view(end - start, num_kv_heads, group, head_dim).float()
-        scores = torch.einsum("tkgd,tskd->tkgs", chunk_query, key.float()) * scaling
-        probs = masked_softmax(scores, valid[:, None, None])
-        chunk_output = torch.einsum("tkgs,tskd->tkgd", probs, value.float())
-        output[start:end] = chunk_output.reshape(end - start, num_heads, head_dim).to(query.dtype)
-    if output_gate is not None:
-        output = output * torch.sigmoid(output_gate)
-    return output

@@ -291,8 +291,8 @@ def test_compiled_step_matches_eager():
 def check_selection_matches_reference(sink_windows: int, local_windows: int, tied: bool, fp8_index_keys: bool):
     import torch
 
+    from hybrid_indexpool.kernels.pooled_index_topk import paged_pooled_index_topk
     from hybrid_indexpool.kernels.pooled_index_topk.reference import pooled_index_topk_torch
-    from hybrid_indexpool.serving.paged_step import paged_pooled_index_topk
 
     layer, vllm_config, builders = build_layer(sink_windows, local_windows, fp8_index_keys)
     fill_caches(layer, vllm_config, builders, CONTEXTS)

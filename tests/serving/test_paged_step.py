@@ -1,0 +1,77 @@
+"""The vLLM plugin's batched step without vLLM (`serving/paged_step.py`): its Triton path (the paged kernels, in
+Triton's interpreter, float32) computes what its PyTorch path does, caches included, and neither reads anything back
+from the device."""
+
+import pytest
+import torch
+
+from hybrid_indexpool.kernels import pooled_index_topk, pooled_key_write, sparse_attention
+from hybrid_indexpool.serving.synthetic_step import StepSizes, synthetic_step
+
+pytest.importorskip("triton", reason="Triton is not installed: the step's kernels have nothing to run")
+
+SIZES = dict(heads=4, kv_heads=2, head_dim=32, index_heads=2, index_head_dim=16, topk=16, block_size=12)
+# A decode far beyond the budget, a prefill chunk starting and ending inside windows, a decode within the budget, a
+# prefill chunk beyond it.
+CONTEXTS, NEW_TOKENS = [150, 37, 9, 90], [1, 22, 1, 7]
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    """The step's kernel entries take their Triton path on CPU tensors (Triton's interpreter)."""
+    for module in (pooled_index_topk, pooled_key_write, sparse_attention):
+        monkeypatch.setattr(module, "use_fast_path", lambda *tensors: True)
+
+
+def run_step(fp8_index_keys: bool, weighting: str):
+    step = synthetic_step(CONTEXTS, NEW_TOKENS, StepSizes(**SIZES, weighting=weighting, fp8_index_keys=fp8_index_keys),
+                          dtype=torch.float32, padding=2, seed=3)
+    with torch.no_grad():
+        return step.run()[:sum(NEW_TOKENS)], step.caches
+
+
+@pytest.mark.parametrize("fp8_index_keys, weighting", [(False, "learned"), (True, "learned"), (False, "mean"),
+                                                       (False, "learned_scalar"), (False, "prenorm_mean")])
+def test_triton_step_computes_what_the_pytorch_step_does(fp8_index_keys, weighting, request):
+    expected, expected_caches = run_step(fp8_index_keys, weighting)
+    request.getfixturevalue("triton_path")
+    got, caches = run_step(fp8_index_keys, weighting)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(caches.main, expected_caches.main) and torch.equal(caches.open_window,
+                                                                          expected_caches.open_window)
+    if fp8_index_keys:  # packed bytes: the fp8 values and the scale of each written key
+        different = (caches.pooled_keys != expected_caches.pooled_keys).any(-1)
+        assert different.float().mean() < 0.01
+    else:
+        torch.testing.assert_close(caches.pooled_keys, expected_caches.pooled_keys, atol=1e-5, rtol=1e-5)
+    # The step wrote something: the caches are not the ones drawn before it.
+    fresh = synthetic_step(CONTEXTS, NEW_TOKENS, StepSizes(**SIZES, weighting=weighting,
+                                                           fp8_index_keys=fp8_index_keys),
+                           dtype=torch.float32, padding=2, seed=3).caches
+    assert not torch.equal(fresh.main, caches.main) and not torch.equal(fresh.pooled_keys, caches.pooled_keys)
+
+
+class NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on any operator that reads a device value on the host or sizes its output by values."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "masked_scatter", "equal")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        assert name not in self.SYNCING, f"host sync in the step: aten.{name}"
+        if name == "index":
+            assert not any(index is not None and index.dtype == torch.bool for index in args[1]), \
+                "boolean-mask indexing in the step"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_the_step_reads_nothing_back_from_the_device(path, request):
+    if path == "triton":
+        request.getfixturevalue("triton_path")
+    step = synthetic_step(CONTEXTS, NEW_TOKENS, StepSizes(**SIZES), dtype=torch.float32, padding=2)
+    with torch.no_grad(), NoHostSync():
+        output = step.run()
+    assert output.shape == (sum(NEW_TOKENS) + 2, SIZES["heads"], SIZES["head_dim"])
+    with pytest.raises(AssertionError, match="host sync"), NoHostSync():  # the guard itself catches a read
+        bool(output.sum() > 0)
