@@ -28,7 +28,7 @@ from ..kernels.fp8_index_keys import packed_width
 from ..kernels.pooled_index_topk import paged_pooled_index_topk
 from ..kernels.pooled_index_topk.reference import PAGED_SCORE_CHUNK_BYTES
 from ..kernels.pooled_key_write import write_pooled_keys
-from ..kernels.sparse_attention import paged_sparse_attention
+from ..kernels.sparse_attention import RequestTiles, paged_sparse_attention
 from ..kernels.sparse_attention.reference import PAGED_QUERY_CHUNK
 
 # Queries of one request scored together against its pooled keys (one tile); decode tokens are tiles of one query.
@@ -62,6 +62,7 @@ class PagedCacheMetadata:
     tile_tokens: torch.Tensor | None = None  # [tiles, tile width] int64: each tile's queries (repeated at the end)
     tile_request: torch.Tensor | None = None  # [tiles] int64
     token_tile: torch.Tensor | None = None  # [tokens] int64: tile * tile width + row of each token
+    request_tiles: RequestTiles | None = None  # the PyTorch attention's grouping of the queries by request
     # Open-window ring only: where the rows of each token's window come from.
     window_token: torch.Tensor | None = None  # [tokens, r] int64: this step's token holding each row, or -1
     window_ring_block: torch.Tensor | None = None  # [tokens] int64
@@ -95,6 +96,10 @@ class PagedMetadataBuilder:
         self.window_token_buffer = buffer(max_num_tokens, pool_size)
         self.tile_tokens_buffer = buffer(max_num_tokens + max_num_requests * QUERY_TILE)
         self.tile_request_buffer = buffer(max_num_tokens + max_num_requests)
+        self.request_tile_buffers = {
+            "tile_tokens": buffer(max_num_tokens + max_num_requests * QUERY_TILE),
+            "tile_request": buffer(max_num_tokens + max_num_requests),
+            **{name: buffer(max_num_tokens) for name in ("tokens", "places", "other_tokens")}}
 
     def build(self, num_tokens: int, num_requests: int, query_start_loc_cpu: torch.Tensor,
               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -166,22 +171,16 @@ class PagedMetadataBuilder:
         return self.metadata_class(**metadata)
 
     def _tiles(self, query_lens_cpu, starts_cpu, num_tokens, num_scheduled, max_query_len, max_seq_len, token_tile):
-        """Split each request's queries into tiles of `min(QUERY_TILE, max_query_len)` (host arithmetic on the
-        host copies); every request has at least one tile, so a decode batch has one per request."""
+        """Split each request's queries into tiles of `min(QUERY_TILE, max_query_len)` for the selection (host
+        arithmetic on the host copies): every request has at least one tile, so a decode batch has one per request;
+        and the `RequestTiles` of the PyTorch attention."""
         width = max(1, min(QUERY_TILE, max_query_len))
-        tiles_per_request = ((query_lens_cpu + width - 1) // width).clamp(min=1)
-        tile_request = torch.repeat_interleave(torch.arange(len(query_lens_cpu)), tiles_per_request)
-        tile_start = torch.cumsum(tiles_per_request, 0) - tiles_per_request
-        tile_in_request = torch.arange(len(tile_request)) - tile_start[tile_request]
-        first = starts_cpu[:-1].long()[tile_request] + tile_in_request * width
-        last = (starts_cpu[1:].long()[tile_request] - 1).clamp(min=0)
-        tile_tokens = torch.minimum(first[:, None] + torch.arange(width), last[:, None])
-        tile_tokens = tile_tokens.clamp(max=max(num_tokens - 1, 0))
+        every_request = torch.ones(len(query_lens_cpu), dtype=torch.bool)
+        tile_request, tile_tokens, owner, valid = tile_requests(query_lens_cpu, starts_cpu, every_request, width,
+                                                                num_tokens)
+        valid &= owner < num_scheduled
         # Each scheduled token's place in the tiles; padding tokens read the first place (their output is unused).
         places = torch.zeros(num_tokens, dtype=torch.long)
-        owner = first[:, None] + torch.arange(width)
-        valid = owner <= last[:, None]
-        valid &= owner < num_scheduled
         places[owner[valid]] = torch.arange(tile_tokens.numel()).view_as(tile_tokens)[valid]
         num_tiles = len(tile_request)
         if self.fixed_window_bound is not None:
@@ -195,7 +194,48 @@ class PagedMetadataBuilder:
                 tile_tokens, non_blocking=True),
             tile_request=self.tile_request_buffer[:num_tiles].copy_(tile_request, non_blocking=True),
             token_tile=token_tile.copy_(places, non_blocking=True),
+            request_tiles=self._request_tiles(query_lens_cpu, starts_cpu, num_tokens, num_scheduled,
+                                              window_bound * self.pool_size),
         )
+
+    def _request_tiles(self, query_lens_cpu, starts_cpu, num_tokens, num_scheduled, num_positions) -> RequestTiles:
+        """Tiles of `QUERY_TILE` queries of the requests with at least half that many in the step; every other token
+        (decodes, short chunks, padding) on its own."""
+        tiled = query_lens_cpu >= QUERY_TILE // 2
+        tile_request, tile_tokens, owner, valid = tile_requests(query_lens_cpu, starts_cpu, tiled, QUERY_TILE,
+                                                                num_tokens)
+        tokens = owner[valid]
+        places = torch.arange(tile_tokens.numel()).view_as(tile_tokens)[valid]
+        is_tiled = torch.zeros(num_tokens, dtype=torch.bool)
+        is_tiled[tokens] = True
+        other_tokens = torch.arange(num_tokens)[~is_tiled]
+        num_tiles = len(tile_request)
+        buffers = self.request_tile_buffers
+        return RequestTiles(
+            tile_tokens=buffers["tile_tokens"][: num_tiles * QUERY_TILE].view(num_tiles, QUERY_TILE).copy_(
+                tile_tokens, non_blocking=True),
+            tile_request=buffers["tile_request"][:num_tiles].copy_(tile_request, non_blocking=True),
+            tokens=buffers["tokens"][: len(tokens)].copy_(tokens, non_blocking=True),
+            places=buffers["places"][: len(places)].copy_(places, non_blocking=True),
+            other_tokens=buffers["other_tokens"][: len(other_tokens)].copy_(other_tokens, non_blocking=True),
+            num_positions=num_positions,
+        )
+
+
+def tile_requests(query_lens_cpu: torch.Tensor, starts_cpu: torch.Tensor, requests: torch.Tensor, width: int,
+                  num_tokens: int):
+    """Host tiles of `width` queries over each request of the mask `requests` (at least one per request, also of a
+    request without queries): `tile_request [tiles]`, `tile_tokens [tiles, width]` (a tile's last token repeated to
+    its end), `owner [tiles, width]` (the token each entry would be) and `valid [tiles, width]` (it is one)."""
+    counts = ((query_lens_cpu + width - 1) // width).clamp(min=1) * requests
+    tile_request = torch.repeat_interleave(torch.arange(len(query_lens_cpu)), counts)
+    tile_start = torch.cumsum(counts, 0) - counts
+    tile_in_request = torch.arange(len(tile_request)) - tile_start[tile_request]
+    first = starts_cpu[:-1].long()[tile_request] + tile_in_request * width
+    last = (starts_cpu[1:].long()[tile_request] - 1).clamp(min=0)
+    tile_tokens = torch.minimum(first[:, None] + torch.arange(width), last[:, None]).clamp(max=max(num_tokens - 1, 0))
+    owner = first[:, None] + torch.arange(width)
+    return tile_request, tile_tokens, owner, owner <= last[:, None]
 
 
 @dataclass
@@ -282,4 +322,5 @@ def indexpool_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         sink_windows=settings.sink_windows, local_windows=settings.local_windows)
     return paged_sparse_attention(
         query, caches.main[..., :head_dim], caches.main[..., head_dim:], main.block_table, main.token_request,
-        selected, main.token_position, settings.pool_size, settings.scaling, output_gate)
+        selected, main.token_position, settings.pool_size, settings.scaling, output_gate,
+        request_tiles=main.request_tiles)

@@ -6,6 +6,7 @@ import torch
 
 from ..dispatch import use_fast_path
 from .reference import (
+    RequestTiles,
     attention_slots,
     masked_softmax,
     paged_sparse_attention_torch,
@@ -51,21 +52,23 @@ def sparse_latent_attention(query, latents, selected_windows, query_positions, p
 
 
 def paged_sparse_attention(query, key_cache, value_cache, block_table, token_request, selected_windows,
-                           query_positions, pool_size, scaling, output_gate=None, num_splits=None):
+                           query_positions, pool_size, scaling, output_gate=None, num_splits=None, request_tiles=None):
     """Sparse attention of a step's flattened tokens over keys and values in vLLM's pages (the vLLM plugin's entry);
     see `paged_sparse_attention_torch` for shapes. Output `[tokens, heads, head_dim]`.
 
-    Triton on CUDA (`num_splits` overrides its split count, for tests), PyTorch elsewhere. Inference only; neither
-    path reads a value back to the host.
+    Triton on CUDA (`num_splits` overrides its split count, for tests), PyTorch elsewhere (`request_tiles`: its
+    prefill form; the kernel reads each query's positions straight from the pages and needs none). Inference only;
+    neither path reads a value back to the host.
     """
     if paged_sparse_attention_triton is not None and use_fast_path(query, key_cache, value_cache):
         return paged_sparse_attention_triton(query, key_cache, value_cache, block_table, token_request,
                                              selected_windows, query_positions, pool_size, scaling, output_gate,
                                              num_splits)
     return paged_sparse_attention_torch(query, key_cache, value_cache, block_table, token_request, selected_windows,
-                                        query_positions, pool_size, scaling, output_gate)
+                                        query_positions, pool_size, scaling, output_gate, request_tiles)
 
 
 __all__ = ["sparse_attention", "sparse_attention_torch", "sparse_attention_triton", "sparse_latent_attention",
            "sparse_latent_attention_torch", "sparse_latent_attention_triton", "paged_sparse_attention",
-           "paged_sparse_attention_torch", "paged_sparse_attention_triton", "attention_slots", "masked_softmax"]
+           "paged_sparse_attention_torch", "paged_sparse_attention_triton", "RequestTiles", "attention_slots",
+           "masked_softmax"]

@@ -7,6 +7,9 @@ heads that share a key/value head also share the selection. Queries go in chunks
 `query_chunk x (topk * pool_size + pool_size - 1)` gathered keys, never by the sequence length squared.
 """
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 # Gathered key/value elements per query chunk (32 MiB in float32 for keys and values together): small enough that
@@ -229,6 +232,30 @@ def sparse_latent_attention_torch(
 # Queries of a paged step attended at once (the vLLM layer's chunk): bounds the gathered keys/values to
 # `PAGED_QUERY_CHUNK x (topk * pool_size + pool_size - 1)` rows, whatever the step's token count.
 PAGED_QUERY_CHUNK = 256
+# Bytes of the keys, values (float32) and scores of the request tiles attended at once (`RequestTiles`).
+PAGED_TILE_CHUNK_BYTES = 128 << 20
+# Reading a request's positions densely (masked to the selection) beats gathering each query's selected positions
+# while the positions read are at most this many times the positions a query selects. Measured on a CPU (AVX2, one
+# thread, bf16 keys, budget 1024, head dim 128): a query of a tile of 64 costs the same either way near 20x (the tile
+# reads the positions once), a query alone near 2.5x (it reads them all for itself).
+DENSE_POSITIONS_PER_SELECTED = {"tiles": 16, "alone": 2}
+
+
+@dataclass(frozen=True)
+class RequestTiles:
+    """A paged step's queries grouped for reading each request's positions once (the PyTorch path's prefill form):
+    the queries of long chunks in tiles of one request each, attended against that request's first `num_positions`
+    positions with each query masked to its windows and tail, instead of gathering every query's positions on its
+    own; the other tokens (decodes, short chunks, padding) one at a time the same way. Each form is used while
+    `num_positions` is at most `DENSE_POSITIONS_PER_SELECTED` times the positions a query selects; beyond, its tokens
+    gather."""
+
+    tile_tokens: torch.Tensor  # [tiles, width] int64: each tile's tokens, all of one request (the last repeated)
+    tile_request: torch.Tensor  # [tiles] int64
+    tokens: torch.Tensor  # [tiled tokens] int64: the tokens attended by tiles
+    places: torch.Tensor  # [tiled tokens] int64: each one's row in the flattened tiles
+    other_tokens: torch.Tensor  # [other tokens] int64: every other token
+    num_positions: int  # positions read per request: beyond every query's position
 
 
 def paged_sparse_attention_torch(
@@ -242,13 +269,14 @@ def paged_sparse_attention_torch(
     pool_size: int,
     scaling: float,
     output_gate: torch.Tensor | None = None,
+    request_tiles: RequestTiles | None = None,
 ) -> torch.Tensor:
     """Sparse attention of a step's flattened tokens (any mix of requests, prefill chunks and decodes) over keys and
     values in vLLM's pages: what the vLLM layer computed in PyTorch, `PAGED_QUERY_CHUNK` queries at a time.
 
     Position `s` of request `q` lives in page `block_table[q, s // block_size]`, row `s % block_size`. A token attends
     to every position of its selected windows and to its open window up to itself, as `sparse_attention_torch`;
-    float32 inside, no host read, shapes set by the token count and `topk` only.
+    float32 inside, no host read, shapes set by the token count and `topk` only (and by `request_tiles`' sizes).
 
     Args:
         query: `[tokens, heads, head_dim]`.
@@ -262,10 +290,44 @@ def paged_sparse_attention_torch(
         scaling: multiplier of the dot products.
         output_gate: optional `[tokens, heads, head_dim]`: the output is multiplied by its sigmoid (the model's
             output gate), in the output dtype.
+        request_tiles: optional `RequestTiles`: where its positions are few enough, each request's positions are
+            read once for a tile of its queries (the same attention, masked), not gathered for every query.
 
     Returns:
         Output `[tokens, heads, head_dim]` in the query's dtype; zeros for a token with nothing to attend to.
     """
+    selected_positions = selected_windows.shape[-1] * pool_size + pool_size - 1
+
+    def dense_for(kind: str) -> bool:
+        return request_tiles.num_positions <= DENSE_POSITIONS_PER_SELECTED[kind] * selected_positions
+
+    gather = functools.partial(_gathered_attention, key_cache=key_cache, value_cache=value_cache,
+                               block_table=block_table, pool_size=pool_size, scaling=scaling)
+    if request_tiles is None or not dense_for("tiles"):
+        output = gather(query, token_request=token_request, selected_windows=selected_windows,
+                        query_positions=query_positions)
+    else:
+        output = torch.empty_like(query)
+        dense = functools.partial(_dense_attention, query, key_cache, value_cache, block_table, selected_windows,
+                                  query_positions, pool_size, scaling, num_positions=request_tiles.num_positions)
+        tiled = dense(request_tiles.tile_tokens, request_tiles.tile_request)
+        output[request_tiles.tokens] = tiled.flatten(0, 1)[request_tiles.places]
+        others = request_tiles.other_tokens
+        if dense_for("alone"):
+            output[others] = dense(others[:, None], token_request[others])[:, 0]
+        else:
+            output[others] = gather(query[others], token_request=token_request[others],
+                                    selected_windows=selected_windows[others], query_positions=query_positions[others])
+    if output_gate is not None:
+        # Contiguous as the layer's `[tokens, heads * head_dim]` gate (a copy of the query projection's half): ATen's
+        # CPU sigmoid rounds strided float32 inputs differently (1 ulp).
+        output = (output * torch.sigmoid(output_gate.contiguous())).to(query.dtype)
+    return output
+
+
+def _gathered_attention(query, key_cache, value_cache, block_table, token_request, selected_windows,
+                        query_positions, pool_size, scaling) -> torch.Tensor:
+    """Each token's selected windows and open window gathered from the pages, `PAGED_QUERY_CHUNK` tokens at a time."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -291,8 +353,49 @@ def paged_sparse_attention_torch(
         probs = masked_softmax(scores, valid[:, None, None])
         chunk_output = torch.einsum("tkgs,tskd->tkgd", probs, value.float())
         output[start:end] = chunk_output.reshape(end - start, num_heads, head_dim).to(query.dtype)
-    if output_gate is not None:
-        # Contiguous as the layer's `[tokens, heads * head_dim]` gate (a copy of the query projection's half): ATen's
-        # CPU sigmoid rounds strided float32 inputs differently (1 ulp).
-        output = (output * torch.sigmoid(output_gate.contiguous())).to(query.dtype)
+    return output
+
+
+def _dense_attention(query, key_cache, value_cache, block_table, selected_windows, query_positions, pool_size,
+                     scaling, tile_tokens, tile_request, num_positions: int) -> torch.Tensor:
+    """`[tiles, width, heads, head_dim]`: the queries `tile_tokens [tiles, width]` of each tile's request
+    `tile_request [tiles]` against that request's first `num_positions` positions (whole blocks, read once per tile),
+    masked to each query's selected windows and open window."""
+    num_tiles, width = tile_tokens.shape
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    group, r = num_heads // num_kv_heads, pool_size
+    num_blocks = -(-num_positions // block_size)
+    num_positions = num_blocks * block_size
+    columns = torch.arange(num_blocks, device=query.device).clamp(max=block_table.shape[1] - 1)
+    positions_read = torch.arange(num_positions, device=query.device)
+    window_of_position = positions_read // r
+    output = query.new_empty(num_tiles, width, num_heads, head_dim)
+    tile_bytes = 4 * num_positions * (2 * num_kv_heads * head_dim + 3 * width * num_heads)
+    tiles_per_chunk = max(1, PAGED_TILE_CHUNK_BYTES // tile_bytes)
+    for start in range(0, num_tiles, tiles_per_chunk):
+        end = min(start + tiles_per_chunk, num_tiles)
+        tokens = tile_tokens[start:end]  # [chunk, width]
+        blocks = block_table[tile_request[start:end, None], columns].long()  # [chunk, blocks]
+        # [chunk, blocks, kv_heads, block_size, d] -> [chunk, kv_heads, positions, d]
+        keys = key_cache[blocks].transpose(1, 2).reshape(end - start, num_kv_heads, num_positions, head_dim).float()
+        values = value_cache[blocks].transpose(1, 2).reshape(end - start, num_kv_heads, num_positions,
+                                                              head_dim).float()
+        positions = query_positions[tokens]  # [chunk, width]
+        # Allowed positions: those of the selected windows (a window id past the read range marks none) and the
+        # open window up to the query.
+        windows = selected_windows[tokens]  # [chunk, width, topk]
+        num_windows = num_positions // r
+        chosen = torch.zeros(end - start, width, num_windows + 1, dtype=torch.bool, device=query.device)
+        chosen.scatter_(-1, windows.masked_fill(windows < 0, num_windows).clamp(max=num_windows), True)
+        allowed = chosen[..., window_of_position]  # [chunk, width, positions]
+        open_start = (positions + 1) // r * r
+        allowed |= (positions_read >= open_start[..., None]) & (positions_read <= positions[..., None])
+        # PyTorch's fused attention (float32 inside, no score matrix kept), every head of a group on its key/value head.
+        tile_query = query[tokens].float().transpose(1, 2)  # [chunk, heads, width, d]
+        tile_output = torch.nn.functional.scaled_dot_product_attention(
+            tile_query, keys, values, attn_mask=allowed[:, None], scale=scaling, enable_gqa=group > 1)
+        # A query with nothing to attend to gives zeros (the fused attention's softmax of nothing is not).
+        tile_output = tile_output.transpose(1, 2).masked_fill(~allowed.any(-1)[..., None, None], 0.0)
+        output[start:end] = tile_output.reshape(end - start, width, num_heads, head_dim).to(query.dtype)
     return output

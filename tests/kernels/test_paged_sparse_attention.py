@@ -136,6 +136,62 @@ def test_reference_bounds_memory_by_its_query_chunk(monkeypatch):
     torch.testing.assert_close(paged_sparse_attention(*paged_args(step), 4, 0.3, step["gate"]), whole, rtol=0, atol=0)
 
 
+def request_tiles(step, width: int, tiled_requests: set, num_positions: int):
+    """`RequestTiles` of a step: the tokens of `tiled_requests` in tiles of `width` (the last token repeated), the
+    others on their own."""
+    from hybrid_indexpool.kernels.sparse_attention import RequestTiles
+
+    tiles, tile_request, tokens, places, others = [], [], [], [], []
+    for request in range(len(step["block_table"])):
+        owned = (step["token_request"] == request).nonzero()[:, 0].tolist()
+        if request not in tiled_requests:
+            others += owned
+            continue
+        for start in range(0, len(owned), width):
+            chunk = owned[start:start + width]
+            tokens += chunk
+            places += range(len(tiles) * width, len(tiles) * width + len(chunk))
+            tiles.append(chunk + [chunk[-1]] * (width - len(chunk)))
+            tile_request.append(request)
+    return RequestTiles(torch.tensor(tiles).view(-1, width), torch.tensor(tile_request, dtype=torch.long),
+                        torch.tensor(tokens, dtype=torch.long), torch.tensor(places, dtype=torch.long),
+                        torch.tensor(sorted(others), dtype=torch.long), num_positions)
+
+
+@pytest.mark.parametrize("pool_size, block_size", [(4, 12), (1, 16)])
+def test_reference_reading_each_requests_positions_once_gives_the_gathered_attention(pool_size, block_size,
+                                                                                      monkeypatch):
+    """With `RequestTiles` the reference reads a request's positions once per tile of its queries (and once per other
+    query) and masks them to each query's windows and tail: the same attention as gathering each query's positions,
+    for tiles with repeated rows, decodes and a token with nothing to attend to; beyond the dense bound it gathers."""
+    from hybrid_indexpool.kernels.sparse_attention import reference
+
+    # Every request of this step within both bounds.
+    monkeypatch.setattr(reference, "DENSE_POSITIONS_PER_SELECTED", {"tiles": 100, "alone": 100})
+    step = paged_step(**STEP, kv_heads=2, group=2, head_dim=8, pool_size=pool_size, block_size=block_size, topk=3,
+                      seed=11)
+    gathered = paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"])
+    multi_token = {request for request, count in enumerate(STEP["new_tokens"]) if count > 1}
+    num_positions = max(STEP["lengths"])
+    tiles = request_tiles(step, 4, multi_token, num_positions)
+    assert len(tiles.tokens) and len(tiles.other_tokens)
+    assert (tiles.tile_tokens[:, -1] == tiles.tile_tokens[:, -2]).any()  # a tile with a repeated row
+    dense = paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"], tiles)
+    torch.testing.assert_close(dense, gathered, rtol=1e-5, atol=1e-5)
+    assert torch.all(dense[step["empty"]] == 0)
+    # Another tile width, and one over every request: the same.
+    torch.testing.assert_close(paged_sparse_attention_torch(
+        *paged_args(step), pool_size, 0.3, step["gate"], request_tiles(step, 3, set(range(4)), num_positions)),
+        gathered, rtol=1e-5, atol=1e-5)
+    # Past a bound its tokens gather: bit for bit the gathered result for them.
+    monkeypatch.setattr(reference, "DENSE_POSITIONS_PER_SELECTED", {"tiles": 100, "alone": 0})
+    mixed = paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"], tiles)
+    assert torch.equal(mixed[tiles.other_tokens], gathered[tiles.other_tokens])
+    torch.testing.assert_close(mixed, gathered, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(reference, "DENSE_POSITIONS_PER_SELECTED", {"tiles": 0, "alone": 100})
+    assert torch.equal(paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"], tiles), gathered)
+
+
 def run_triton(step, pool_size, scaling, gated, num_splits=None, int32_table=False):
     args = [None if t is None else t.to(DEVICE) for t in paged_args(step)]
     if int32_table:

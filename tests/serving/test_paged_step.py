@@ -11,9 +11,9 @@ from hybrid_indexpool.serving.synthetic_step import StepSizes, synthetic_step
 pytest.importorskip("triton", reason="Triton is not installed: the step's kernels have nothing to run")
 
 SIZES = dict(heads=4, kv_heads=2, head_dim=32, index_heads=2, index_head_dim=16, topk=16, block_size=12)
-# A decode far beyond the budget, a prefill chunk starting and ending inside windows, a decode within the budget, a
-# prefill chunk beyond it.
-CONTEXTS, NEW_TOKENS = [150, 37, 9, 90], [1, 22, 1, 7]
+# A decode far beyond the budget, a prefill chunk starting and ending inside windows (attended in tiles by the PyTorch
+# path), a decode within the budget, a prefill chunk beyond it.
+CONTEXTS, NEW_TOKENS = [150, 37, 9, 90], [1, 40, 1, 7]
 
 
 @pytest.fixture
