@@ -382,6 +382,11 @@ def _dense_attention(query, key_cache, value_cache, block_table, selected_window
         values = value_cache[blocks].transpose(1, 2).reshape(end - start, num_kv_heads, num_positions,
                                                               head_dim).float()
         positions = query_positions[tokens]  # [chunk, width]
+        # Rows past the tile's last query were never written (vLLM's pages start uninitialised: NaN or stale rows
+        # would leak through the masked softmax's zero weights), so they read as zeros.
+        unwritten = positions_read > positions.amax(-1, keepdim=True)  # [chunk, positions]
+        keys = keys.masked_fill(unwritten[:, None, :, None], 0.0)
+        values = values.masked_fill(unwritten[:, None, :, None], 0.0)
         # Allowed positions: those of the selected windows (a window id past the read range marks none) and the
         # open window up to the query.
         windows = selected_windows[tokens]  # [chunk, width, topk]

@@ -25,9 +25,10 @@ def paged_step(lengths, new_tokens, kv_heads, group, head_dim, pool_size, block_
 
     Keys and values are laid out contiguously per request (`[requests, kv_heads, max_length, dim]`) and scattered over
     shuffled pages of one `[blocks, kv_heads, block_size, 2 * dim]` cache (keys, then values, as vLLM's), block 0
-    unused (vLLM's null block, also the padding of the block table), unused rows holding noise. Each token selects up
-    to `topk` of its complete windows at random (ascending, -1 after the last); a request whose length is a multiple
-    of `r` gives its last token no window, so that it has nothing to attend to.
+    unused (vLLM's null block, also the padding of the block table), unused rows NaN (vLLM's pages start
+    uninitialised: nothing may read them into a result). Each token selects up to `topk` of its complete windows at
+    random (ascending, -1 after the last); a request whose length is a multiple of `r` gives its last token no window,
+    so that it has nothing to attend to.
     """
     generator = torch.Generator().manual_seed(seed)
     num_requests, max_length = len(lengths), max(lengths)
@@ -35,7 +36,7 @@ def paged_step(lengths, new_tokens, kv_heads, group, head_dim, pool_size, block_
     num_blocks = 1 + sum(pages_per_request) + 2  # the null block, the requests' pages, two spare ones
     contiguous_key = torch.randn(num_requests, kv_heads, max_length, head_dim, generator=generator)
     contiguous_value = torch.randn(num_requests, kv_heads, max_length, head_dim, generator=generator)
-    cache = torch.randn(num_blocks, kv_heads, block_size, 2 * head_dim, generator=generator)
+    cache = torch.full((num_blocks, kv_heads, block_size, 2 * head_dim), float("nan"))
     block_table = torch.zeros(num_requests, max(pages_per_request) + 1, dtype=torch.int64)
     pages = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
     for request, length in enumerate(lengths):
@@ -168,6 +169,7 @@ def test_reference_reading_each_requests_positions_once_gives_the_gathered_atten
 
     # Every request of this step within both bounds.
     monkeypatch.setattr(reference, "DENSE_POSITIONS_PER_SELECTED", {"tiles": 100, "alone": 100})
+    # The tiles read unwritten (NaN) rows: in the requests' last pages and the block table's padding.
     step = paged_step(**STEP, kv_heads=2, group=2, head_dim=8, pool_size=pool_size, block_size=block_size, topk=3,
                       seed=11)
     gathered = paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"])
@@ -177,6 +179,7 @@ def test_reference_reading_each_requests_positions_once_gives_the_gathered_atten
     assert len(tiles.tokens) and len(tiles.other_tokens)
     assert (tiles.tile_tokens[:, -1] == tiles.tile_tokens[:, -2]).any()  # a tile with a repeated row
     dense = paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"], tiles)
+    assert not gathered.isnan().any()
     torch.testing.assert_close(dense, gathered, rtol=1e-5, atol=1e-5)
     assert torch.all(dense[step["empty"]] == 0)
     # Another tile width, and one over every request: the same.
