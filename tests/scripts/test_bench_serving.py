@@ -26,6 +26,9 @@ def test_bench_serving_compares_the_three_servers_and_the_caches(tmp_path):
     assert pooled["pooled_keys"] * 4 == pytest.approx(unpooled["pooled_keys"])
     assert pooled["main"] == unpooled["main"]
     assert results["vllm"]["kv_cache_tokens"] > results["vllm_r1_kv_cache_tokens"]
+    # One IndexPool layer's decode step of the 3 requests, at both prompt lengths: no host sync.
+    assert [row["context"] for row in results["decode_step_operations"]] == [20, 40]
+    assert all(row["operators"] > 0 and row["host_syncs"] == 0 for row in results["decode_step_operations"])
 
 
 def test_bench_serving_against_vllms_own_qwen3_next(tmp_path):
