@@ -346,7 +346,7 @@ def main(argv=None) -> dict:
               f"({results[name]['generated_tokens']} tokens in {results[name]['seconds']:.1f} s)")
     for row in results["decode_step_operations"]:
         print(f"one IndexPool layer's decode step of {args.requests} requests at {row['context']} tokens (PyTorch "
-              f"path): {row['operators']} operators, {row['host_syncs']} host syncs")
+              f"path): {row['operators']} operators (and {row['views']} views), {row['host_syncs']} host syncs")
     print(f"vLLM KV cache in {args.kv_cache_gib} GiB: {results['vllm']['kv_cache_tokens']} tokens at r = "
           f"{args.pool_size}, {results['vllm_r1_kv_cache_tokens']} at r = 1")
     if args.json:

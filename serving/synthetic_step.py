@@ -139,27 +139,32 @@ def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes 
 
 
 class OperationCounter(TorchDispatchMode):
-    """Counts the `aten` operators run under it (each one a kernel launch on a GPU) and those among them that read a
-    device value on the host or size their output by values (each one a host synchronisation on a GPU)."""
+    """Counts the `aten` operators run under it: `operators` those that compute or allocate (each computing one a
+    kernel launch on a GPU), `views` those that only alias their input, and `host_syncs` those that read a device
+    value on the host or size their output by values (each one a host synchronisation on a GPU)."""
 
     SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "masked_scatter", "equal")
 
     def __init__(self):
         super().__init__()
         self.operators = 0
+        self.views = 0
         self.host_syncs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        self.operators += 1
+        if any(result.alias_info is not None for result in func._schema.returns):
+            self.views += 1
+        else:
+            self.operators += 1
         boolean_index = name == "index" and any(index is not None and index.dtype == torch.bool for index in args[1])
         self.host_syncs += name in self.SYNCING or boolean_index
         return func(*args, **(kwargs or {}))
 
 
 def count_step_operations(step: SyntheticStep) -> dict:
-    """`{"operators": n, "host_syncs": m}` of one run of `step` (the metadata was built before: the builder's host
-    work is not counted)."""
+    """`{"operators": n, "views": v, "host_syncs": m}` of one run of `step` (`OperationCounter`; the metadata was built
+    before: the builder's host work is not counted)."""
     with torch.no_grad(), OperationCounter() as counter:
         step.run()
-    return {"operators": counter.operators, "host_syncs": counter.host_syncs}
+    return {"operators": counter.operators, "views": counter.views, "host_syncs": counter.host_syncs}

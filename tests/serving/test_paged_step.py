@@ -71,3 +71,27 @@ def test_a_decode_steps_operators_do_not_grow_with_the_context():
     counts = [count_step_operations(synthetic_step([context] * 3, [1] * 3, StepSizes(**SIZES), dtype=torch.float32))
               for context in (60, 240)]
     assert counts[0] == counts[1] and counts[0]["host_syncs"] == 0, counts
+
+
+def test_the_triton_decode_step_launches_three_kernels(triton_path, monkeypatch):
+    """On the Triton path a decode step is the pooled-key write, the paged scoring and the paged attention (one
+    launch each) around a few PyTorch operators, at any context."""
+    from triton.runtime import interpreter
+
+    launches = []
+    run = interpreter.InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        with torch.utils._python_dispatch._disable_current_modes():  # the interpreter's own copies are not counted
+            return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted_run)
+    counts = []
+    for context in (60, 240):
+        launches.clear()
+        counts.append(count_step_operations(synthetic_step([context] * 3, [1] * 3, StepSizes(**SIZES),
+                                                            dtype=torch.float32)))
+        assert launches == ["_pooled_key_write_kernel", "_pooled_index_scores_kernel",
+                            "_sparse_attention_forward_kernel"], launches
+    assert counts[0] == counts[1] and counts[0]["host_syncs"] == 0 and counts[0]["operators"] < 40, counts
