@@ -232,6 +232,10 @@ def sparse_latent_attention_torch(
 # Queries of a paged step attended at once (the vLLM layer's chunk): bounds the gathered keys/values to
 # `PAGED_QUERY_CHUNK x (topk * pool_size + pool_size - 1)` rows, whatever the step's token count.
 PAGED_QUERY_CHUNK = 256
+# Bytes of one float32 tensor of gathered keys (or values) of those queries: fewer queries at once where a query's
+# gathered rows are many. CPU allocators hand blocks much larger than this back to the system when freed, and the
+# next chunk pays a page fault per 4 KiB written (measured: converting 17 MB to float32 4-5x slower than in 4 MB parts).
+PAGED_GATHER_CHUNK_BYTES = 4 << 20
 # Bytes of the keys, values (float32) and scores of the request tiles attended at once (`RequestTiles`).
 PAGED_TILE_CHUNK_BYTES = 128 << 20
 # Reading a request's positions densely (masked to the selection) beats gathering each query's selected positions
@@ -327,33 +331,70 @@ def paged_sparse_attention_torch(
 
 def _gathered_attention(query, key_cache, value_cache, block_table, token_request, selected_windows,
                         query_positions, pool_size, scaling) -> torch.Tensor:
-    """Each token's selected windows and open window gathered from the pages, `PAGED_QUERY_CHUNK` tokens at a time."""
+    """Each token's selected windows and open window gathered from the pages, at most `PAGED_QUERY_CHUNK` tokens (and
+    `PAGED_GATHER_CHUNK_BYTES` of gathered keys) at a time.
+
+    A window's `r` rows follow each other in its page (the block size is a multiple of `r`), so whole windows are
+    gathered (`r * head_dim` elements each, as one row where the cache's strides allow), not positions one by one."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    r = pool_size
+    group, r = num_heads // num_kv_heads, pool_size
+    if block_size % r:
+        raise ValueError(f"The block size ({block_size}) must be a multiple of the pool size ({r}).")
+    windows_per_block = block_size // r
+    window_caches = [_window_rows(cache, r) for cache in (key_cache, value_cache)]
     output = torch.empty_like(query)
-    window_offsets = torch.arange(r, device=query.device)
-    open_offsets = torch.arange(r - 1, device=query.device)
-    for start in range(0, num_tokens, PAGED_QUERY_CHUNK):
-        end = min(start + PAGED_QUERY_CHUNK, num_tokens)
-        windows, positions = selected_windows[start:end], query_positions[start:end]
-        window_slots = (windows[..., None] * r + window_offsets).flatten(-2)
-        window_valid = (windows >= 0).repeat_interleave(r, dim=-1)
-        open_slots = ((positions + 1) // r * r)[:, None] + open_offsets
-        open_valid = open_slots <= positions[:, None]
-        valid = torch.cat([window_valid, open_valid], dim=-1)
-        slots = torch.cat([window_slots, open_slots], dim=-1).masked_fill(~valid, 0)  # [chunk, slots]
-        blocks = block_table[token_request[start:end, None], slots // block_size].long()
-        rows = slots % block_size
-        key = key_cache[blocks, :, rows]  # [chunk, slots, kv_heads, head_dim]
-        value = value_cache[blocks, :, rows]
-        chunk_query = query[start:end].reshape(end - start, num_kv_heads, group, head_dim).float()
-        scores = torch.einsum("tkgd,tskd->tkgs", chunk_query, key.float()) * scaling
+    kv_head_ids = torch.arange(num_kv_heads, device=query.device)
+    row_offsets = torch.arange(r, device=query.device)
+    gathered_bytes_per_query = 4 * num_kv_heads * (selected_windows.shape[-1] + 1) * r * head_dim
+    queries_per_chunk = max(1, min(PAGED_QUERY_CHUNK, PAGED_GATHER_CHUNK_BYTES // gathered_bytes_per_query))
+    # float32 copies of the gathered keys and values, reused by every chunk (fresh memory costs a page fault per 4 KiB).
+    buffers = [torch.empty(min(queries_per_chunk, num_tokens), num_kv_heads, (selected_windows.shape[-1] + 1) * r,
+                           head_dim, device=query.device) for _ in range(2)]
+    for start in range(0, num_tokens, queries_per_chunk):
+        end = min(start + queries_per_chunk, num_tokens)
+        chunk = end - start
+        positions = query_positions[start:end]
+        open_window = (positions + 1) // r  # the window holding the query (empty where the query closes one)
+        windows = torch.cat([selected_windows[start:end], open_window[:, None]], dim=-1)  # [chunk, topk + 1]
+        # Every row of a selected window; the open window's rows up to the query.
+        valid = torch.cat([(selected_windows[start:end] >= 0)[..., None].expand(-1, -1, r),
+                           (open_window * r)[:, None, None] + row_offsets <= positions[:, None, None]], dim=1)
+        valid = valid.flatten(1)  # [chunk, (topk + 1) * r]
+        windows = windows.clamp(min=0)
+        columns = (windows // windows_per_block).clamp(max=block_table.shape[1] - 1)
+        blocks = block_table[token_request[start:end, None], columns].long()  # [chunk, topk + 1]
+        window_in_block = windows % windows_per_block
+        gathered = []
+        for cache, rows, buffer in zip((key_cache, value_cache), window_caches, buffers, strict=True):
+            if rows is not None:  # one row per (block, kv head, window): a plain row gather
+                index = (blocks[:, None] * num_kv_heads + kv_head_ids[:, None]) * windows_per_block
+                index = index + window_in_block[:, None]  # [chunk, kv_heads, topk + 1]
+                part = rows.index_select(0, index.flatten())
+            else:
+                part = cache.unflatten(2, (windows_per_block, r))[blocks[:, None], kv_head_ids[:, None],
+                                                                  window_in_block[:, None]]
+            # [chunk, kv_heads, slots, d]
+            gathered.append(buffer[:chunk].copy_(part.view(chunk, num_kv_heads, -1, head_dim)))
+        key, value = gathered
+        # Rows past a query in its open window may never have been written (NaN in vLLM's fresh pages): a zero
+        # weight does not cancel them, so their values read as zeros.
+        value.masked_fill_(~valid[:, None, :, None], 0.0)
+        chunk_query = query[start:end].reshape(chunk, num_kv_heads, group, head_dim).float()
+        scores = torch.matmul(chunk_query, key.transpose(-1, -2)) * scaling  # [chunk, kv_heads, group, slots]
         probs = masked_softmax(scores, valid[:, None, None])
-        chunk_output = torch.einsum("tkgs,tskd->tkgd", probs, value.float())
-        output[start:end] = chunk_output.reshape(end - start, num_heads, head_dim).to(query.dtype)
+        output[start:end] = torch.matmul(probs, value).reshape(chunk, num_heads, head_dim).to(query.dtype)
     return output
+
+
+def _window_rows(cache: torch.Tensor, pool_size: int) -> torch.Tensor | None:
+    """`[blocks * kv_heads * windows per block, r, head_dim]`: a view of a paged cache with one row per window, or
+    None where its strides do not allow one (any view whose blocks, heads and rows are not evenly strided)."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    try:
+        return cache.view(num_blocks * num_kv_heads * (block_size // pool_size), pool_size, head_dim)
+    except RuntimeError:
+        return None
 
 
 def _dense_attention(query, key_cache, value_cache, block_table, selected_windows, query_positions, pool_size,
@@ -372,21 +413,29 @@ def _dense_attention(query, key_cache, value_cache, block_table, selected_window
     window_of_position = positions_read // r
     output = query.new_empty(num_tiles, width, num_heads, head_dim)
     tile_bytes = 4 * num_positions * (2 * num_kv_heads * head_dim + 3 * width * num_heads)
-    tiles_per_chunk = max(1, PAGED_TILE_CHUNK_BYTES // tile_bytes)
+    tiles_per_chunk = max(1, min(num_tiles, PAGED_TILE_CHUNK_BYTES // tile_bytes))
+    # The pages read (cache dtype) and their float32 keys and values, reused by every chunk (fresh memory costs a
+    # page fault per 4 KiB).
+    pages = [key_cache.new_empty(tiles_per_chunk * num_blocks, num_kv_heads, block_size, head_dim) for _ in range(2)]
+    buffers = [torch.empty(tiles_per_chunk, num_kv_heads, num_positions, head_dim, device=query.device)
+               for _ in range(2)]
     for start in range(0, num_tiles, tiles_per_chunk):
         end = min(start + tiles_per_chunk, num_tiles)
         tokens = tile_tokens[start:end]  # [chunk, width]
         blocks = block_table[tile_request[start:end, None], columns].long()  # [chunk, blocks]
-        # [chunk, blocks, kv_heads, block_size, d] -> [chunk, kv_heads, positions, d]
-        keys = key_cache[blocks].transpose(1, 2).reshape(end - start, num_kv_heads, num_positions, head_dim).float()
-        values = value_cache[blocks].transpose(1, 2).reshape(end - start, num_kv_heads, num_positions,
-                                                              head_dim).float()
+        keys, values = (
+            # [chunk * blocks, kv_heads, block_size, d] -> [chunk, kv_heads, positions, d]
+            buffer[: end - start].view(end - start, num_kv_heads, num_blocks, block_size, head_dim).copy_(
+                torch.index_select(cache, 0, blocks.flatten(), out=read[: blocks.numel()])
+                .view(end - start, num_blocks, num_kv_heads, block_size, head_dim).transpose(1, 2))
+            .view(end - start, num_kv_heads, num_positions, head_dim)
+            for cache, read, buffer in zip((key_cache, value_cache), pages, buffers, strict=True))
         positions = query_positions[tokens]  # [chunk, width]
         # Rows past the tile's last query were never written (vLLM's pages start uninitialised: NaN or stale rows
         # would leak through the masked softmax's zero weights), so they read as zeros.
         unwritten = positions_read > positions.amax(-1, keepdim=True)  # [chunk, positions]
-        keys = keys.masked_fill(unwritten[:, None, :, None], 0.0)
-        values = values.masked_fill(unwritten[:, None, :, None], 0.0)
+        keys.masked_fill_(unwritten[:, None, :, None], 0.0)
+        values.masked_fill_(unwritten[:, None, :, None], 0.0)
         # Allowed positions: those of the selected windows (a window id past the read range marks none) and the
         # open window up to the query.
         windows = selected_windows[tokens]  # [chunk, width, topk]
