@@ -88,7 +88,7 @@ class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
         return self.step_builder.build(
             common.num_actual_tokens, common.num_reqs, common.query_start_loc_cpu, common.query_start_loc,
             common.seq_lens, common.block_table_tensor, common.slot_mapping, common.max_query_len,
-            common.max_seq_len)
+            common.max_seq_len, common.seq_lens_cpu_upper_bound)
 
 
 class IndexPoolAttentionBackend(AttentionBackend):

@@ -28,7 +28,7 @@ from ..kernels.fp8_index_keys import packed_width
 from ..kernels.pooled_index_topk import paged_pooled_index_topk
 from ..kernels.pooled_index_topk.reference import PAGED_SCORE_CHUNK_BYTES
 from ..kernels.pooled_key_write import write_pooled_keys
-from ..kernels.sparse_attention import RequestTiles, paged_sparse_attention
+from ..kernels.sparse_attention import RequestTiles, TileGroup, paged_sparse_attention
 from ..kernels.sparse_attention.reference import PAGED_QUERY_CHUNK
 
 # Queries of one request scored together against its pooled keys (one tile); decode tokens are tiles of one query.
@@ -103,11 +103,14 @@ class PagedMetadataBuilder:
 
     def build(self, num_tokens: int, num_requests: int, query_start_loc_cpu: torch.Tensor,
               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-              slot_mapping: torch.Tensor, max_query_len: int, max_seq_len: int) -> PagedCacheMetadata:
+              slot_mapping: torch.Tensor, max_query_len: int, max_seq_len: int,
+              seq_lens_cpu: torch.Tensor | None = None) -> PagedCacheMetadata:
         """The metadata of a step of `num_tokens` tokens (scheduled ones first, then padding) of `num_requests`
         requests: `query_start_loc[_cpu] [requests + 1]` their token offsets (device and host copies),
         `seq_lens [requests]` their lengths after the step, `block_table [requests, blocks]` this cache's blocks,
-        `slot_mapping [tokens]` the main cache's slot of each token (read for `main` only)."""
+        `slot_mapping [tokens]` the main cache's slot of each token (read for `main` only), `seq_lens_cpu` optional
+        host upper bounds of the requests' lengths (vLLM's `seq_lens_cpu_upper_bound`: the PyTorch attention's tiles
+        then read no further than their queries need)."""
         r = self.pool_size
         starts_cpu = query_start_loc_cpu[: num_requests + 1]
         query_lens_cpu = (starts_cpu[1:] - starts_cpu[:-1]).long()
@@ -139,7 +142,7 @@ class PagedMetadataBuilder:
             write_token, block, row = source, slot // self.block_size, slot % self.block_size
             out["num_visible_windows"].copy_((position + 1) // r)
             metadata.update(self._tiles(query_lens_cpu, starts_cpu, num_tokens, num_scheduled, max_query_len,
-                                        max_seq_len, out["token_tile"]))
+                                        max_seq_len, out["token_tile"], seq_lens_cpu))
             metadata["num_visible_windows"] = out["num_visible_windows"]
         elif self.kind == "pooled_keys":
             # Every token writes the pooled key of its window, computed at the window's last token of the step:
@@ -170,7 +173,8 @@ class PagedMetadataBuilder:
         )
         return self.metadata_class(**metadata)
 
-    def _tiles(self, query_lens_cpu, starts_cpu, num_tokens, num_scheduled, max_query_len, max_seq_len, token_tile):
+    def _tiles(self, query_lens_cpu, starts_cpu, num_tokens, num_scheduled, max_query_len, max_seq_len, token_tile,
+               seq_lens_cpu):
         """Split each request's queries into tiles of `min(QUERY_TILE, max_query_len)` for the selection (host
         arithmetic on the host copies): every request has at least one tile, so a decode batch has one per request;
         and the `RequestTiles` of the PyTorch attention."""
@@ -194,29 +198,48 @@ class PagedMetadataBuilder:
                 tile_tokens, non_blocking=True),
             tile_request=self.tile_request_buffer[:num_tiles].copy_(tile_request, non_blocking=True),
             token_tile=token_tile.copy_(places, non_blocking=True),
-            request_tiles=self._request_tiles(query_lens_cpu, starts_cpu, num_tokens, num_scheduled,
-                                              window_bound * self.pool_size),
+            request_tiles=self._request_tiles(query_lens_cpu, starts_cpu, num_tokens, window_bound * self.pool_size,
+                                              seq_lens_cpu),
         )
 
-    def _request_tiles(self, query_lens_cpu, starts_cpu, num_tokens, num_scheduled, num_positions) -> RequestTiles:
-        """Tiles of `QUERY_TILE` queries of the requests with at least half that many in the step; every other token
-        (decodes, short chunks, padding) on its own."""
+    def _request_tiles(self, query_lens_cpu, starts_cpu, num_tokens, num_positions, seq_lens_cpu) -> RequestTiles:
+        """Tiles of `QUERY_TILE` queries of the requests with at least half that many in the step, grouped by the
+        positions they read: through their last query (where the host knows the requests' lengths, `seq_lens_cpu`)
+        rounded up to an eighth of the step's `num_positions`; every other token (decodes, short chunks, padding) on
+        its own."""
         tiled = query_lens_cpu >= QUERY_TILE // 2
         tile_request, tile_tokens, owner, valid = tile_requests(query_lens_cpu, starts_cpu, tiled, QUERY_TILE,
                                                                 num_tokens)
-        tokens = owner[valid]
-        places = torch.arange(tile_tokens.numel()).view_as(tile_tokens)[valid]
-        is_tiled = torch.zeros(num_tokens, dtype=torch.bool)
-        is_tiled[tokens] = True
-        other_tokens = torch.arange(num_tokens)[~is_tiled]
-        num_tiles = len(tile_request)
+        if seq_lens_cpu is None:
+            reads = torch.full((len(tile_request),), num_positions)
+        else:
+            context_start = seq_lens_cpu[: len(query_lens_cpu)].long() - query_lens_cpu
+            last_query = torch.where(valid, owner, -1).amax(-1) - starts_cpu[:-1].long()[tile_request]
+            granularity = max(self.block_size, -(-num_positions // (8 * self.block_size)) * self.block_size)
+            needed = context_start[tile_request] + last_query + 1
+            reads = ((needed + granularity - 1) // granularity * granularity).clamp(max=num_positions)
         buffers = self.request_tile_buffers
+        groups, used_tiles, used_tokens = [], 0, 0
+        for read in sorted(set(reads.tolist())):
+            member = reads == read
+            num_tiles = int(member.sum())
+            tokens = owner[member][valid[member]]
+            group_places = torch.arange(num_tiles * QUERY_TILE).view(num_tiles, QUERY_TILE)[valid[member]]
+            count = len(tokens)
+            groups.append(TileGroup(
+                tile_tokens=buffers["tile_tokens"][used_tiles * QUERY_TILE: (used_tiles + num_tiles) * QUERY_TILE]
+                .view(num_tiles, QUERY_TILE).copy_(tile_tokens[member], non_blocking=True),
+                tile_request=buffers["tile_request"][used_tiles: used_tiles + num_tiles].copy_(tile_request[member],
+                                                                                              non_blocking=True),
+                tokens=buffers["tokens"][used_tokens: used_tokens + count].copy_(tokens, non_blocking=True),
+                places=buffers["places"][used_tokens: used_tokens + count].copy_(group_places, non_blocking=True),
+                num_positions=int(read)))
+            used_tiles, used_tokens = used_tiles + num_tiles, used_tokens + count
+        is_tiled = torch.zeros(num_tokens, dtype=torch.bool)
+        is_tiled[owner[valid]] = True
+        other_tokens = torch.arange(num_tokens)[~is_tiled]
         return RequestTiles(
-            tile_tokens=buffers["tile_tokens"][: num_tiles * QUERY_TILE].view(num_tiles, QUERY_TILE).copy_(
-                tile_tokens, non_blocking=True),
-            tile_request=buffers["tile_request"][:num_tiles].copy_(tile_request, non_blocking=True),
-            tokens=buffers["tokens"][: len(tokens)].copy_(tokens, non_blocking=True),
-            places=buffers["places"][: len(places)].copy_(places, non_blocking=True),
+            groups=tuple(groups),
             other_tokens=buffers["other_tokens"][: len(other_tokens)].copy_(other_tokens, non_blocking=True),
             num_positions=num_positions,
         )

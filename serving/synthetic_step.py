@@ -119,7 +119,7 @@ def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes 
                                        num_tokens, len(contexts), device, full_graphs=full_graphs)
         metadata[kind] = builder.build(num_tokens, len(contexts), query_start_loc_cpu, query_start_loc_cpu.to(device),
                                        seq_lens.to(device), table.to(device), slot_mapping, max(new_tokens),
-                                       max_model_len)
+                                       max_model_len, seq_lens_cpu=seq_lens)
 
     rotary_dim = sizes.index_head_dim // 2
     settings = IndexPoolStepSettings(

@@ -7,6 +7,7 @@ import torch
 from ..dispatch import use_fast_path
 from .reference import (
     RequestTiles,
+    TileGroup,
     attention_slots,
     masked_softmax,
     paged_sparse_attention_torch,
@@ -70,5 +71,5 @@ def paged_sparse_attention(query, key_cache, value_cache, block_table, token_req
 
 __all__ = ["sparse_attention", "sparse_attention_torch", "sparse_attention_triton", "sparse_latent_attention",
            "sparse_latent_attention_torch", "sparse_latent_attention_triton", "paged_sparse_attention",
-           "paged_sparse_attention_torch", "paged_sparse_attention_triton", "RequestTiles", "attention_slots",
-           "masked_softmax"]
+           "paged_sparse_attention_torch", "paged_sparse_attention_triton", "RequestTiles", "TileGroup",
+           "attention_slots", "masked_softmax"]

@@ -240,26 +240,37 @@ PAGED_GATHER_CHUNK_BYTES = 4 << 20
 PAGED_TILE_CHUNK_BYTES = 128 << 20
 # Reading a request's positions densely (masked to the selection) beats gathering each query's selected positions
 # while the positions read are at most this many times the positions a query selects. Measured on a CPU (AVX2, one
-# thread, bf16 keys, budget 1024, head dim 128): a query of a tile of 64 costs the same either way near 20x (the tile
-# reads the positions once), a query alone near 2.5x (it reads them all for itself).
-DENSE_POSITIONS_PER_SELECTED = {"tiles": 16, "alone": 2}
+# thread, bf16 keys, budget 1024, head dim 128, whole windows gathered): a 2048-query chunk reading 8192 positions
+# takes 1.6 s in tiles of 64 and 2.0 s gathered; 16 decodes gather in 15-25 ms at 900 to 8192 positions, against
+# 40-500 ms read densely one query at a time, which wins only at a few hundred positions (10 ms against 13 at 300).
+DENSE_POSITIONS_PER_SELECTED = {"tiles": 10, "alone": 0.5}
+
+
+@dataclass(frozen=True)
+class TileGroup:
+    """Tiles of queries, each tile of one request, attended against the first `num_positions` positions of their
+    request (the tiles' last queries' positions need no more)."""
+
+    tile_tokens: torch.Tensor  # [tiles, width] int64: each tile's tokens, all of one request (the last repeated)
+    tile_request: torch.Tensor  # [tiles] int64
+    tokens: torch.Tensor  # [tiled tokens] int64: the tokens of these tiles
+    places: torch.Tensor  # [tiled tokens] int64: each one's row in the flattened tiles
+    num_positions: int
 
 
 @dataclass(frozen=True)
 class RequestTiles:
     """A paged step's queries grouped for reading each request's positions once (the PyTorch path's prefill form):
-    the queries of long chunks in tiles of one request each, attended against that request's first `num_positions`
-    positions with each query masked to its windows and tail, instead of gathering every query's positions on its
-    own; the other tokens (decodes, short chunks, padding) one at a time the same way. Each form is used while
-    `num_positions` is at most `DENSE_POSITIONS_PER_SELECTED` times the positions a query selects; beyond, its tokens
+    the queries of long chunks in tiles of one request each, attended against their request's positions with each
+    query masked to its windows and tail, instead of gathering every query's positions on its own. Tiles are grouped
+    by the positions they read (so that a short request's chunk does not read as far as the step's longest); the
+    other tokens (decodes, short chunks, padding) one at a time the same way. Each form is used while its positions
+    read are at most `DENSE_POSITIONS_PER_SELECTED` times the positions a query selects; beyond, its tokens
     gather."""
 
-    tile_tokens: torch.Tensor  # [tiles, width] int64: each tile's tokens, all of one request (the last repeated)
-    tile_request: torch.Tensor  # [tiles] int64
-    tokens: torch.Tensor  # [tiled tokens] int64: the tokens attended by tiles
-    places: torch.Tensor  # [tiled tokens] int64: each one's row in the flattened tiles
-    other_tokens: torch.Tensor  # [other tokens] int64: every other token
-    num_positions: int  # positions read per request: beyond every query's position
+    groups: tuple[TileGroup, ...]
+    other_tokens: torch.Tensor  # [other tokens] int64: every token of no tile
+    num_positions: int  # positions read for each other token: beyond every query's position
 
 
 def paged_sparse_attention_torch(
@@ -302,26 +313,35 @@ def paged_sparse_attention_torch(
     """
     selected_positions = selected_windows.shape[-1] * pool_size + pool_size - 1
 
-    def dense_for(kind: str) -> bool:
-        return request_tiles.num_positions <= DENSE_POSITIONS_PER_SELECTED[kind] * selected_positions
+    def dense_for(num_positions: int, kind: str) -> bool:
+        return num_positions <= DENSE_POSITIONS_PER_SELECTED[kind] * selected_positions
 
     gather = functools.partial(_gathered_attention, key_cache=key_cache, value_cache=value_cache,
                                block_table=block_table, pool_size=pool_size, scaling=scaling)
-    if request_tiles is None or not dense_for("tiles"):
+
+    def gather_for(tokens: torch.Tensor) -> torch.Tensor:
+        return gather(query[tokens], token_request=token_request[tokens], selected_windows=selected_windows[tokens],
+                      query_positions=query_positions[tokens])
+
+    if request_tiles is None:
         output = gather(query, token_request=token_request, selected_windows=selected_windows,
                         query_positions=query_positions)
     else:
         output = torch.empty_like(query)
         dense = functools.partial(_dense_attention, query, key_cache, value_cache, block_table, selected_windows,
-                                  query_positions, pool_size, scaling, num_positions=request_tiles.num_positions)
-        tiled = dense(request_tiles.tile_tokens, request_tiles.tile_request)
-        output[request_tiles.tokens] = tiled.flatten(0, 1)[request_tiles.places]
+                                  query_positions, pool_size, scaling)
+        for group in request_tiles.groups:
+            if dense_for(group.num_positions, "tiles"):
+                tiled = dense(group.tile_tokens, group.tile_request, num_positions=group.num_positions)
+                output[group.tokens] = tiled.flatten(0, 1)[group.places]
+            else:
+                output[group.tokens] = gather_for(group.tokens)
         others = request_tiles.other_tokens
-        if dense_for("alone"):
-            output[others] = dense(others[:, None], token_request[others])[:, 0]
+        if dense_for(request_tiles.num_positions, "alone"):
+            output[others] = dense(others[:, None], token_request[others],
+                                   num_positions=request_tiles.num_positions)[:, 0]
         else:
-            output[others] = gather(query[others], token_request=token_request[others],
-                                    selected_windows=selected_windows[others], query_positions=query_positions[others])
+            output[others] = gather_for(others)
     if output_gate is not None:
         # Contiguous as the layer's `[tokens, heads * head_dim]` gate (a copy of the query projection's half): ATen's
         # CPU sigmoid rounds strided float32 inputs differently (1 ulp).

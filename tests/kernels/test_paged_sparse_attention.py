@@ -137,12 +137,14 @@ def test_reference_bounds_memory_by_its_query_chunk(monkeypatch):
     torch.testing.assert_close(paged_sparse_attention(*paged_args(step), 4, 0.3, step["gate"]), whole, rtol=0, atol=0)
 
 
-def request_tiles(step, width: int, tiled_requests: set, num_positions: int):
+def request_tiles(step, width: int, tiled_requests: set, num_positions: int, group_reads=None):
     """`RequestTiles` of a step: the tokens of `tiled_requests` in tiles of `width` (the last token repeated), the
-    others on their own."""
-    from hybrid_indexpool.kernels.sparse_attention import RequestTiles
+    others on their own; tiles in one group reading `num_positions`, or (`group_reads`) in groups by the positions
+    through their last query rounded up to a multiple of `group_reads`."""
+    from hybrid_indexpool.kernels.sparse_attention import RequestTiles, TileGroup
 
-    tiles, tile_request, tokens, places, others = [], [], [], [], []
+    tiles_by_read = {}
+    others = []
     for request in range(len(step["block_table"])):
         owned = (step["token_request"] == request).nonzero()[:, 0].tolist()
         if request not in tiled_requests:
@@ -150,13 +152,20 @@ def request_tiles(step, width: int, tiled_requests: set, num_positions: int):
             continue
         for start in range(0, len(owned), width):
             chunk = owned[start:start + width]
+            read = num_positions
+            if group_reads:
+                read = -(-(int(step["positions"][chunk[-1]]) + 1) // group_reads) * group_reads
+            tiles_by_read.setdefault(read, []).append((request, chunk))
+    groups = []
+    for read, tiles in sorted(tiles_by_read.items()):
+        tokens, places = [], []
+        for number, (_, chunk) in enumerate(tiles):
             tokens += chunk
-            places += range(len(tiles) * width, len(tiles) * width + len(chunk))
-            tiles.append(chunk + [chunk[-1]] * (width - len(chunk)))
-            tile_request.append(request)
-    return RequestTiles(torch.tensor(tiles).view(-1, width), torch.tensor(tile_request, dtype=torch.long),
-                        torch.tensor(tokens, dtype=torch.long), torch.tensor(places, dtype=torch.long),
-                        torch.tensor(sorted(others), dtype=torch.long), num_positions)
+            places += range(number * width, number * width + len(chunk))
+        groups.append(TileGroup(torch.tensor([chunk + [chunk[-1]] * (width - len(chunk)) for _, chunk in tiles]),
+                                torch.tensor([request for request, _ in tiles]), torch.tensor(tokens),
+                                torch.tensor(places), read))
+    return RequestTiles(tuple(groups), torch.tensor(sorted(others), dtype=torch.long), num_positions)
 
 
 @pytest.mark.parametrize("pool_size, block_size", [(4, 12), (1, 16)])
@@ -176,12 +185,17 @@ def test_reference_reading_each_requests_positions_once_gives_the_gathered_atten
     multi_token = {request for request, count in enumerate(STEP["new_tokens"]) if count > 1}
     num_positions = max(STEP["lengths"])
     tiles = request_tiles(step, 4, multi_token, num_positions)
-    assert len(tiles.tokens) and len(tiles.other_tokens)
-    assert (tiles.tile_tokens[:, -1] == tiles.tile_tokens[:, -2]).any()  # a tile with a repeated row
+    assert len(tiles.groups[0].tokens) and len(tiles.other_tokens)
+    assert (tiles.groups[0].tile_tokens[:, -1] == tiles.groups[0].tile_tokens[:, -2]).any()  # a repeated row
     dense = paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"], tiles)
     assert not gathered.isnan().any()
     torch.testing.assert_close(dense, gathered, rtol=1e-5, atol=1e-5)
     assert torch.all(dense[step["empty"]] == 0)
+    # Tiles in groups, each reading only through its last query's (rounded up): the same.
+    grouped = request_tiles(step, 4, multi_token, num_positions, group_reads=8)
+    assert len(grouped.groups) > 1 and any(group.num_positions < max(STEP["lengths"]) for group in grouped.groups)
+    torch.testing.assert_close(paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"], grouped),
+                               gathered, rtol=1e-5, atol=1e-5)
     # Another tile width, and one over every request: the same.
     torch.testing.assert_close(paged_sparse_attention_torch(
         *paged_args(step), pool_size, 0.3, step["gate"], request_tiles(step, 3, set(range(4)), num_positions)),
@@ -191,8 +205,9 @@ def test_reference_reading_each_requests_positions_once_gives_the_gathered_atten
     mixed = paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"], tiles)
     assert torch.equal(mixed[tiles.other_tokens], gathered[tiles.other_tokens])
     torch.testing.assert_close(mixed, gathered, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(reference, "DENSE_POSITIONS_PER_SELECTED", {"tiles": 0, "alone": 100})
-    assert torch.equal(paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"], tiles), gathered)
+    monkeypatch.setattr(reference, "DENSE_POSITIONS_PER_SELECTED", {"tiles": 0, "alone": 0})
+    every_one_gathered = paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"], grouped)
+    torch.testing.assert_close(every_one_gathered, gathered, rtol=1e-6, atol=1e-6)
 
 
 def run_triton(step, pool_size, scaling, gated, num_splits=None, int32_table=False):
