@@ -317,6 +317,21 @@ def write_rows(cache: torch.Tensor, metadata: PagedCacheMetadata, rows: torch.Te
     cache[metadata.write_block, metadata.write_row] = torch.where(keep, new, old)
 
 
+def select_windows(index_queries: torch.Tensor, head_weights: torch.Tensor | None, caches: PagedCaches,
+                   main: PagedCacheMetadata, pooled: PagedCacheMetadata,
+                   settings: IndexPoolStepSettings) -> torch.Tensor:
+    """`[tokens, windows]` each token's selected windows, ascending, -1 after the last: the top `topk_windows` of the
+    paged scoring; or, where the step's window bound is within the budget (every visible window is selected, as the
+    model's dense attention within the budget), all visible windows without scoring them, `window_bound` wide."""
+    if main.window_bound <= settings.topk_windows:
+        windows = torch.arange(main.window_bound, device=index_queries.device)
+        return torch.where(windows < main.num_visible_windows[:, None], windows, -1)
+    return paged_pooled_index_topk(
+        index_queries, caches.pooled_keys, pooled.block_table, main.tile_tokens, main.tile_request, main.token_tile,
+        main.num_visible_windows, main.window_bound, settings.topk_windows, head_weights,
+        sink_windows=settings.sink_windows, local_windows=settings.local_windows)
+
+
 def indexpool_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, index_queries: torch.Tensor,
                    ring_rows: torch.Tensor, head_weights: torch.Tensor | None, output_gate: torch.Tensor | None,
                    caches: PagedCaches, main: PagedCacheMetadata, pooled: PagedCacheMetadata,
@@ -339,10 +354,7 @@ def indexpool_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         pooled.write_token, pooled.write_block, pooled.write_row, pooled.write_keep)
     # The ring is written after the pooling, which read its rows of earlier steps.
     write_rows(caches.open_window[:, :, 0], ring, ring_rows)
-    selected = paged_pooled_index_topk(
-        index_queries, caches.pooled_keys, pooled.block_table, main.tile_tokens, main.tile_request, main.token_tile,
-        main.num_visible_windows, main.window_bound, settings.topk_windows, head_weights,
-        sink_windows=settings.sink_windows, local_windows=settings.local_windows)
+    selected = select_windows(index_queries, head_weights, caches, main, pooled, settings)
     return paged_sparse_attention(
         query, caches.main[..., :head_dim], caches.main[..., head_dim:], main.block_table, main.token_request,
         selected, main.token_position, settings.pool_size, settings.scaling, output_gate,

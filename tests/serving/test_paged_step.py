@@ -95,3 +95,44 @@ def test_the_triton_decode_step_launches_three_kernels(triton_path, monkeypatch)
         assert launches == ["_pooled_key_write_kernel", "_pooled_index_scores_kernel",
                             "_sparse_attention_forward_kernel"], launches
     assert counts[0] == counts[1] and counts[0]["host_syncs"] == 0 and counts[0]["operators"] < 40, counts
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_within_the_budget_every_visible_window_is_selected_without_scoring(path, request, monkeypatch):
+    """Where the step's window bound fits the budget, the selection is every visible window (what the scoring would
+    keep), `window_bound` wide, so the attention gathers no more windows than the contexts hold; the step's output is
+    the attention over the scored selection."""
+    from hybrid_indexpool.kernels.pooled_index_topk import paged_pooled_index_topk
+    from hybrid_indexpool.kernels.sparse_attention import paged_sparse_attention
+    from hybrid_indexpool.serving import paged_step
+
+    if path == "triton":
+        request.getfixturevalue("triton_path")
+    sizes = StepSizes(**{**SIZES, "topk": 1024})  # 256 windows; the longest context is 151 tokens
+    step = synthetic_step(CONTEXTS, NEW_TOKENS, sizes, dtype=torch.float32, padding=2, seed=5)
+    main, settings = step.main, step.settings
+    assert main.window_bound < settings.topk_windows
+    scored = paged_pooled_index_topk(
+        step.inputs["index_queries"], step.caches.pooled_keys, step.metadata["pooled_keys"].block_table,
+        main.tile_tokens, main.tile_request, main.token_tile, main.num_visible_windows, main.window_bound,
+        settings.topk_windows, step.inputs["head_weights"])
+    selections = []
+    monkeypatch.setattr(paged_step, "paged_pooled_index_topk", lambda *args, **kwargs: pytest.fail("scored"))
+    original = paged_step.select_windows
+    monkeypatch.setattr(paged_step, "select_windows", lambda *args: selections.append(original(*args)) or
+                        selections[-1])
+    head_dim = sizes.head_dim
+    main_cache_before = step.caches.main.clone()
+    with torch.no_grad():
+        output = step.run()
+        selected, = selections
+        assert selected.shape == (len(output), main.window_bound)
+        real = sum(NEW_TOKENS)  # padding tokens' selections differ (their output is unused)
+        assert torch.equal(selected[:real], scored[:real, :main.window_bound])
+        assert torch.all(scored[:real, main.window_bound:] == -1)
+        expected = paged_sparse_attention(
+            step.inputs["query"], step.caches.main[..., :head_dim], step.caches.main[..., head_dim:], main.block_table,
+            main.token_request, scored, main.token_position, settings.pool_size, settings.scaling,
+            step.inputs["output_gate"], request_tiles=main.request_tiles)
+    assert not torch.equal(step.caches.main, main_cache_before)  # the step wrote its keys before attending
+    torch.testing.assert_close(output[:real], expected[:real], atol=1e-5, rtol=1e-5)
