@@ -352,7 +352,7 @@ def paged_sparse_attention_torch(
 def _gathered_attention(query, key_cache, value_cache, block_table, token_request, selected_windows,
                         query_positions, pool_size, scaling) -> torch.Tensor:
     """Each token's selected windows and open window gathered from the pages, at most `PAGED_QUERY_CHUNK` tokens (and
-    `PAGED_GATHER_CHUNK_BYTES` of gathered keys) at a time.
+    on a CPU `PAGED_GATHER_CHUNK_BYTES` of gathered keys) at a time.
 
     A window's `r` rows follow each other in its page (the block size is a multiple of `r`), so whole windows are
     gathered (`r * head_dim` elements each, as one row where the cache's strides allow), not positions one by one."""
@@ -366,8 +366,10 @@ def _gathered_attention(query, key_cache, value_cache, block_table, token_reques
     output = torch.empty_like(query)
     kv_head_ids = torch.arange(num_kv_heads, device=query.device)
     row_offsets = torch.arange(r, device=query.device)
-    gathered_bytes_per_query = 4 * num_kv_heads * (selected_windows.shape[-1] + 1) * r * head_dim
-    queries_per_chunk = max(1, min(PAGED_QUERY_CHUNK, PAGED_GATHER_CHUNK_BYTES // gathered_bytes_per_query))
+    queries_per_chunk = PAGED_QUERY_CHUNK
+    if query.device.type == "cpu":  # a GPU's caching allocator pays no page faults: fewer, larger chunks there
+        gathered_bytes_per_query = 4 * num_kv_heads * (selected_windows.shape[-1] + 1) * r * head_dim
+        queries_per_chunk = max(1, min(queries_per_chunk, PAGED_GATHER_CHUNK_BYTES // gathered_bytes_per_query))
     # float32 copies of the gathered keys and values, reused by every chunk (fresh memory costs a page fault per 4 KiB).
     buffers = [torch.empty(min(queries_per_chunk, num_tokens), num_kv_heads, (selected_windows.shape[-1] + 1) * r,
                            head_dim, device=query.device) for _ in range(2)]
