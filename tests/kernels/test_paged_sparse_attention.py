@@ -5,7 +5,7 @@ interpreter on CPU, float32) against the reference, and neither reading a value 
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from host_sync import HostSyncGuard
 
 from hybrid_indexpool.kernels.sparse_attention import (
     paged_sparse_attention,
@@ -262,51 +262,6 @@ def test_triton_prefill_matches_reference(monkeypatch, pool_size, group, gated):
     assert forward.grid[2] == 1 and forward.options["PAGED"] and forward.options.get("GATED", False) == gated
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.all(got[step["empty"]] == 0)
-
-
-class HostSyncGuard:
-    """Raises on anything that reads a tensor's value on the host or sizes a tensor by its values (`.item()`,
-    `.tolist()`, `.cpu()`, `.numpy()`, `bool`/`int`/`float`/`index` of a tensor, `nonzero`, boolean-mask indexing,
-    and the operators all of these reach); records each operator with its output shapes."""
-
-    PATCHED = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
-    SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "masked_scatter")
-
-    def __enter__(self):
-        guard, self.trace = self, []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.overloadpacket.__name__
-                if name in guard.SYNC_OPS:
-                    raise AssertionError(f"host sync: aten.{name}")
-                if name == "index" and any(index is not None and index.dtype == torch.bool for index in args[1]):
-                    raise AssertionError("boolean-mask indexing")
-                result = func(*args, **(kwargs or {}))
-                outputs = result if isinstance(result, (tuple, list)) else [result]
-                guard.trace.append((name, [tuple(t.shape) for t in outputs if isinstance(t, torch.Tensor)]))
-                return result
-
-        self.originals = {name: getattr(torch.Tensor, name) for name in self.PATCHED}
-        self.original_nonzero = torch.nonzero
-        for name in self.PATCHED:
-            setattr(torch.Tensor, name, self._raiser(name))
-        torch.nonzero = self._raiser("torch.nonzero")
-        self.mode = Mode()
-        self.mode.__enter__()
-        return self
-
-    @staticmethod
-    def _raiser(name):
-        def raise_sync(*args, **kwargs):
-            raise AssertionError(f"host sync: {name}")
-        return raise_sync
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-        for name, original in self.originals.items():
-            setattr(torch.Tensor, name, original)
-        torch.nonzero = self.original_nonzero
 
 
 def test_the_guard_catches_host_reads():

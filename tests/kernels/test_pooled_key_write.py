@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from host_sync import HostSyncGuard
 
 from hybrid_indexpool.kernels.fp8_index_keys import FP8_DTYPE, packed_width
 from hybrid_indexpool.kernels.pooled_key_write import (
@@ -195,23 +196,29 @@ def test_write_keep_false_leaves_every_row_unchanged(fp8):
     assert not torch.equal(cache[kept], step.cache[kept])
 
 
+def triton_cache_matching_the_reference(step, fp8: bool) -> torch.Tensor:
+    """The step's cache after the Triton write, checked against the reference's: equal bytes for fp8 (the rotation's
+    sums differ from the butterflies' only in their last float32 bit, which moves an fp8 rounding only for a value
+    within that bit of a rounding midpoint: none here), float32 rounding otherwise."""
+    expected = reference_cache(step)
+    cache = step.cache.clone()
+    write_pooled_keys_triton(*step.args(cache))
+    if fp8:
+        assert torch.equal(cache, expected)
+    else:
+        torch.testing.assert_close(cache, expected, rtol=2e-6, atol=2e-6)
+    return cache
+
+
 @requires_triton
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["float_cache", "fp8_cache"])
 def test_triton_writes_what_the_reference_writes(weighting, fp8):
     step = WriteStep(CONTEXTS, NEW_TOKENS, weighting, fp8=fp8, seed=4 + fp8)
-    expected = reference_cache(step)
-    cache = step.cache.clone()
-    write_pooled_keys_triton(*step.args(cache))
+    cache = triton_cache_matching_the_reference(step, fp8)
     written = torch.zeros(cache.shape[:2], dtype=torch.bool)
     written[step.write_block, step.write_row] = True
     assert torch.equal(cache[~written], step.cache[~written])  # nothing else is touched
-    if fp8:
-        # Bytes equal: the rotation's sums differ from the butterflies' only in their last float32 bit, which moves
-        # an fp8 rounding only for a value within that bit of a rounding midpoint (none here).
-        assert torch.equal(cache, expected)
-    else:
-        torch.testing.assert_close(cache, expected, rtol=2e-6, atol=2e-6)
 
 
 @requires_triton
@@ -223,13 +230,7 @@ def test_triton_writes_what_the_reference_writes(weighting, fp8):
 def test_triton_writes_what_the_reference_writes_at_other_widths(head_dim, rotary_dim, fp8):
     step = WriteStep(CONTEXTS, NEW_TOKENS, "learned_scalar", fp8=fp8, seed=head_dim, head_dim=head_dim,
                      rotary_dim=rotary_dim)
-    expected = reference_cache(step)
-    cache = step.cache.clone()
-    write_pooled_keys_triton(*step.args(cache))
-    if fp8:
-        assert torch.equal(cache, expected)
-    else:
-        torch.testing.assert_close(cache, expected, rtol=2e-6, atol=2e-6)
+    cache = triton_cache_matching_the_reference(step, fp8)
     assert not torch.equal(cache, step.cache)
 
 
@@ -244,13 +245,7 @@ def test_triton_stores_the_pool_of_write_token_not_of_the_token_itself(fp8):
     destination = torch.randperm(num_tokens, generator=torch.Generator().manual_seed(9)) + per_block
     step.write_block, step.write_row = destination // per_block, destination % per_block
     step.cache = step.cache[:1].expand(-(-num_tokens // per_block) + 1, -1, -1, -1).clone()
-    expected = reference_cache(step)
-    cache = step.cache.clone()
-    write_pooled_keys_triton(*step.args(cache))
-    if fp8:
-        assert torch.equal(cache, expected)
-    else:
-        torch.testing.assert_close(cache, expected, rtol=2e-6, atol=2e-6)
+    triton_cache_matching_the_reference(step, fp8)
 
 
 @requires_triton
@@ -300,75 +295,6 @@ def test_triton_packs_keys_as_quantize_pooled_keys_does():
     expected = quantize_pooled_keys(keys)
     assert expected[0, head_dim:].view(torch.float32).item() == 2.0**-3  # the exact power of two is its own scale
     assert torch.equal(packed, expected)
-
-
-class HostSyncGuard:
-    """Raises on a host read of a device value during the call: `.item()`, `.tolist()`, `.cpu()`, `.numpy()`,
-    `bool`/`int`/index of a tensor and `torch.nonzero` (patched), and the operators they and boolean-mask indexing
-    reach (`_local_scalar_dense`, `nonzero`, `masked_select`), seen by a dispatch mode.
-
-    A Triton launch runs with the guard lifted: on a GPU it only enqueues the kernel, while the interpreter reads
-    the tensors on the host to emulate it."""
-
-    PATCHED = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__")
-    SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select")
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        from hybrid_indexpool.kernels import launch
-
-        guard = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.overloadpacket.__name__
-                if name in guard.SYNC_OPS:
-                    raise AssertionError(f"host sync: aten.{name}")
-                if name == "index" and any(index is not None and index.dtype == torch.bool for index in args[1]):
-                    raise AssertionError("boolean-mask indexing")
-                return func(*args, **(kwargs or {}))
-
-        self.originals = {name: getattr(torch.Tensor, name) for name in self.PATCHED}
-        self.original_nonzero, self.original_run = torch.nonzero, launch.Launch.run
-        self.mode = Mode()
-
-        def lifted_run(launch_self):
-            self._lift()
-            try:
-                return self.original_run(launch_self)
-            finally:
-                self._impose()
-
-        launch.Launch.run = lifted_run
-        self._impose()
-        return self
-
-    def _impose(self):
-        for name in self.PATCHED:
-            setattr(torch.Tensor, name, self._raiser(name))
-        torch.nonzero = self._raiser("torch.nonzero")
-        self.mode.__enter__()
-
-    def _lift(self):
-        self.mode.__exit__(None, None, None)
-        for name, original in self.originals.items():
-            setattr(torch.Tensor, name, original)
-        torch.nonzero = self.original_nonzero
-
-    @staticmethod
-    def _raiser(name):
-        def raiser(*args, **kwargs):
-            raise AssertionError(f"host sync: {name}")
-
-        return raiser
-
-    def __exit__(self, *exc):
-        from hybrid_indexpool.kernels import launch
-
-        self._lift()
-        launch.Launch.run = self.original_run
-        return False
 
 
 def test_the_guard_catches_host_reads():

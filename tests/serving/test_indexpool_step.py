@@ -8,6 +8,7 @@ leak into the other tests of the session.
 
 import pytest
 from fresh_process import run_in_fresh_process
+from host_sync import HostSyncGuard
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -137,63 +138,11 @@ def fill_caches(layer, vllm_config, builders, contexts):
     run_layer(layer, vllm_config, positions, metadata, seed=1)
 
 
-class HostSyncGuard:
-    """Raises on anything that reads a device value on the host or sizes a tensor by its values: `.item()`,
-    `.tolist()`, `.cpu()`, `.numpy()`, `bool`/`int`/`float` of a tensor, `nonzero`, boolean-mask indexing (all
-    reach `aten._local_scalar_dense` or `aten.nonzero` underneath); records each operator run with its output
-    shapes."""
+def layer_guard() -> HostSyncGuard:
+    """The guard, looking into the layer's custom operator (the step) rather than running it as one operator."""
+    from hybrid_indexpool.serving import indexpool_attention
 
-    SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "masked_scatter")
-    PATCHED = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
-
-    def __enter__(self):
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        from hybrid_indexpool.serving import indexpool_attention
-
-        guard = self
-        self.trace = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.overloadpacket.__name__
-                if name in guard.SYNC_OPS:
-                    raise AssertionError(f"host sync in the forward: aten.{name}")
-                if name == "index" and any(index is not None and index.dtype == torch.bool for index in args[1]):
-                    raise AssertionError("boolean-mask indexing in the forward")
-                if name == "hybrid_indexpool_attention":  # the layer's step: looked into, not run as one op
-                    with self:
-                        result = indexpool_attention.hybrid_indexpool_attention(*args, **(kwargs or {}))
-                else:
-                    result = func(*args, **(kwargs or {}))
-                shapes = [tuple(t.shape) for t in (result if isinstance(result, (tuple, list)) else [result])
-                          if isinstance(t, torch.Tensor)]
-                guard.trace.append((name, shapes))
-                return result
-
-        self.originals = {name: getattr(torch.Tensor, name) for name in self.PATCHED}
-        for name in self.PATCHED:
-            setattr(torch.Tensor, name, self._raiser(name))
-        self.original_nonzero = torch.nonzero
-        torch.nonzero = self._raiser("torch.nonzero")
-        self.mode = Mode()
-        self.mode.__enter__()
-        return self
-
-    @staticmethod
-    def _raiser(name):
-        def raise_sync(*args, **kwargs):
-            raise AssertionError(f"host sync in the forward: {name}")
-        return raise_sync
-
-    def __exit__(self, *exc):
-        import torch
-
-        self.mode.__exit__(*exc)
-        for name, original in self.originals.items():
-            setattr(torch.Tensor, name, original)
-        torch.nonzero = self.original_nonzero
+    return HostSyncGuard(look_into={"hybrid_indexpool_attention": indexpool_attention.hybrid_indexpool_attention})
 
 
 def check_forward_makes_no_host_sync_and_keeps_its_shapes():
@@ -202,14 +151,14 @@ def check_forward_makes_no_host_sync_and_keeps_its_shapes():
     traces = []
     for contexts in (CONTEXTS, LATER_CONTEXTS):
         positions, metadata = build_step(layer, builders, contexts, NEW_TOKENS, padding=3)
-        with HostSyncGuard() as guard:
+        with layer_guard() as guard:
             output = run_layer(layer, vllm_config, positions, metadata)
         assert output.shape == (sum(NEW_TOKENS) + 3, 128)
         assert output.isfinite().all()
         traces.append(guard.trace)
     assert traces[0] == traces[1]  # the same operators with the same shapes at other context lengths
     decode_positions, decode_metadata = build_step(layer, builders, CONTEXTS, [1, 1, 1])
-    with HostSyncGuard() as guard:
+    with layer_guard() as guard:
         run_layer(layer, vllm_config, decode_positions, decode_metadata)
     print(f"operators in a 3-request decode step of one layer: {len(guard.trace)}")
 
