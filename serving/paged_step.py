@@ -28,7 +28,12 @@ from ..kernels.fp8_index_keys import packed_width
 from ..kernels.pooled_index_topk import paged_pooled_index_topk
 from ..kernels.pooled_index_topk.reference import PAGED_SCORE_CHUNK_BYTES
 from ..kernels.pooled_key_write import write_pooled_keys
-from ..kernels.sparse_attention import RequestTiles, TileGroup, paged_sparse_attention
+from ..kernels.sparse_attention import (
+    RequestTiles,
+    TileGroup,
+    paged_attention_reads_request_tiles,
+    paged_sparse_attention,
+)
 from ..kernels.sparse_attention.reference import PAGED_QUERY_CHUNK
 
 # Queries of one request scored together against its pooled keys (one tile); decode tokens are tiles of one query.
@@ -96,10 +101,13 @@ class PagedMetadataBuilder:
         self.window_token_buffer = buffer(max_num_tokens, pool_size)
         self.tile_tokens_buffer = buffer(max_num_tokens + max_num_requests * QUERY_TILE)
         self.tile_request_buffer = buffer(max_num_tokens + max_num_requests)
-        self.request_tile_buffers = {
-            "tile_tokens": buffer(max_num_tokens + max_num_requests * QUERY_TILE),
-            "tile_request": buffer(max_num_tokens + max_num_requests),
-            **{name: buffer(max_num_tokens) for name in ("tokens", "places", "other_tokens")}}
+        # The PyTorch attention's request tiles: built only where the attention takes that path.
+        self.request_tile_buffers = None
+        if kind == "main" and paged_attention_reads_request_tiles(device):
+            self.request_tile_buffers = {
+                "tile_tokens": buffer(max_num_tokens + max_num_requests * QUERY_TILE),
+                "tile_request": buffer(max_num_tokens + max_num_requests),
+                **{name: buffer(max_num_tokens) for name in ("tokens", "places", "other_tokens")}}
 
     def build(self, num_tokens: int, num_requests: int, query_start_loc_cpu: torch.Tensor,
               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -198,8 +206,8 @@ class PagedMetadataBuilder:
                 tile_tokens, non_blocking=True),
             tile_request=self.tile_request_buffer[:num_tiles].copy_(tile_request, non_blocking=True),
             token_tile=token_tile.copy_(places, non_blocking=True),
-            request_tiles=self._request_tiles(query_lens_cpu, starts_cpu, num_tokens, window_bound * self.pool_size,
-                                              seq_lens_cpu),
+            request_tiles=None if self.request_tile_buffers is None else self._request_tiles(
+                query_lens_cpu, starts_cpu, num_tokens, window_bound * self.pool_size, seq_lens_cpu),
         )
 
     def _request_tiles(self, query_lens_cpu, starts_cpu, num_tokens, num_positions, seq_lens_cpu) -> RequestTiles:

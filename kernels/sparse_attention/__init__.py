@@ -52,6 +52,12 @@ def sparse_latent_attention(query, latents, selected_windows, query_positions, p
                                          dropout, training, return_weights)
 
 
+def paged_attention_reads_request_tiles(device) -> bool:
+    """Whether `paged_sparse_attention` on `device` takes its PyTorch path, the only one that reads `request_tiles`
+    (so that a caller builds them only then)."""
+    return paged_sparse_attention_triton is None or not use_fast_path(torch.empty(0, device=device))
+
+
 def paged_sparse_attention(query, key_cache, value_cache, block_table, token_request, selected_windows,
                            query_positions, pool_size, scaling, output_gate=None, num_splits=None, request_tiles=None):
     """Sparse attention of a step's flattened tokens over keys and values in vLLM's pages (the vLLM plugin's entry);
@@ -71,5 +77,5 @@ def paged_sparse_attention(query, key_cache, value_cache, block_table, token_req
 
 __all__ = ["sparse_attention", "sparse_attention_torch", "sparse_attention_triton", "sparse_latent_attention",
            "sparse_latent_attention_torch", "sparse_latent_attention_triton", "paged_sparse_attention",
-           "paged_sparse_attention_torch", "paged_sparse_attention_triton", "RequestTiles", "TileGroup",
-           "attention_slots", "masked_softmax"]
+           "paged_sparse_attention_torch", "paged_sparse_attention_triton", "paged_attention_reads_request_tiles",
+           "RequestTiles", "TileGroup", "attention_slots", "masked_softmax"]

@@ -56,6 +56,8 @@ def test_the_step_reads_nothing_back_from_the_device(path, request):
     if path == "triton":
         request.getfixturevalue("triton_path")
     step = synthetic_step(CONTEXTS, NEW_TOKENS, StepSizes(**SIZES), dtype=torch.float32, padding=2)
+    # The builder groups queries into request tiles only for the PyTorch attention, the one that reads them.
+    assert (step.main.request_tiles is None) == (path == "triton")
     with torch.no_grad(), OperationCounter() as counter:
         output = step.run()
     assert output.shape == (sum(NEW_TOKENS) + 2, SIZES["heads"], SIZES["head_dim"])
