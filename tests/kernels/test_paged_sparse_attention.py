@@ -100,6 +100,18 @@ def unpaged_expected(step, pool_size, scaling, gated):
 STEP = dict(lengths=[36, 23, 61, 5], new_tokens=[1, 7, 1, 5], order=[2, 0, 1, 3])
 
 
+def test_reference_gathers_windows_from_caches_of_any_layout():
+    """Keys and values whose blocks and heads cannot merge into one row index (heads outermost in memory) are
+    gathered window by window through their strides: the same attention as from vLLM's layout."""
+    step = paged_step(**STEP, kv_heads=2, group=2, head_dim=8, pool_size=4, block_size=12, topk=3, seed=21)
+    expected = paged_sparse_attention_torch(*paged_args(step), 4, 0.3, step["gate"])
+    heads_outermost = step["cache"].transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    with pytest.raises(RuntimeError):
+        heads_outermost[..., :8].view(-1, 4, 8)
+    got = paged_sparse_attention_torch(*paged_args({**step, "cache": heads_outermost}), 4, 0.3, step["gate"])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("block_size", [16, 12])
 @pytest.mark.parametrize("group", [1, 4])
