@@ -27,7 +27,6 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.models.qwen4_exp.common.qsa_cache import QSACompressedKeyCache, QSAKeyStateCache
 from vllm.utils.torch_utils import (
     LayerNameType,
     _encode_layer_name,
@@ -55,6 +54,9 @@ from .paged_step import (
     step_working_memory_bytes,
 )
 from .vllm_config import ATTENTION_OP
+from .vllm_versions import qsa_cache_classes
+
+QSACompressedKeyCache, QSARawKeyCache = qsa_cache_classes()
 
 
 class IndexPoolMetadata(PagedCacheMetadata, AttentionMetadata):
@@ -130,7 +132,7 @@ class PooledKeyCache(QSACompressedKeyCache):
         return pooled_key_spec(self.head_size, self.compress_ratio, self.cache_config.block_size, self.dtype)
 
 
-class OpenWindowCache(QSAKeyStateCache):
+class OpenWindowCache(QSARawKeyCache):
     """vLLM's ring of each request's last `r` tokens (one block per request): raw indexer keys and gate logits,
     `kv_cache [blocks, r, 1, head_dim + gate_width]`; token `p` at row `p % r`."""
 
