@@ -68,9 +68,16 @@ def combine_launch(partial, partial_lse, output, num_splits: int, num_rows: int,
 
 def decode_splits(query, key, selected, pool_size, multiprocessors: int) -> int:
     """Splits of each query's list: enough programs to fill the GPU (`PROGRAMS_PER_SM` per multiprocessor), each
-    split `MIN_SPLIT_POSITIONS` positions at least. A runtime number (the kernel is not recompiled for another)."""
+    split `MIN_SPLIT_POSITIONS` positions at least; but never fewer programs than multiprocessors while the list has
+    windows to share (a batch of one on few key/value heads): the splits then cover less than a tile of positions each
+    (`plan_forward` gives at least as many as asked where whole tiles cannot). A runtime number (the kernel is not
+    recompiled for another)."""
     programs = query.shape[0] * query.shape[2] * key.shape[1]
     pool_pad = triton.next_power_of_2(pool_size)
+    entries = selected.shape[-1] + 1  # + 1: the tail
     windows_per_split = max(_block_n(query, pool_size), MIN_SPLIT_POSITIONS) // pool_pad
-    most = triton.cdiv(selected.shape[-1] + 1, windows_per_split)
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * multiprocessors, programs), most))
+    splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * multiprocessors, programs), triton.cdiv(entries,
+                                                                                                windows_per_split)))
+    if splits * programs >= multiprocessors:
+        return splits
+    return min(entries, triton.cdiv(multiprocessors, programs))

@@ -115,7 +115,11 @@ def plan_forward(query, key, value, selected, positions, pool_size, scaling, num
     block_n = _block_n(query, pool_size)
     windows_per_block = block_n // sizes["POOL_PAD"]
     num_entries = num_selected + 1
+    # Whole tiles per split where they give the splits asked for; else (a small batch filling the GPU) splits of
+    # less than a tile, at least as many as asked.
     windows_per_split = triton.cdiv(triton.cdiv(num_entries, num_splits), windows_per_block) * windows_per_block
+    if triton.cdiv(num_entries, windows_per_split) < num_splits:
+        windows_per_split = max(1, num_entries // num_splits)
     num_splits = triton.cdiv(num_entries, windows_per_split)
     tokens = batch_size * num_queries
     output = torch.empty(batch_size, num_queries, num_heads, head_dim, dtype=query.dtype, device=query.device)

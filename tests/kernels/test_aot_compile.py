@@ -130,3 +130,20 @@ class UnpicklableError(Exception):
 def test_a_failing_compile_worker_is_reported_not_waited_for():
     with pytest.raises(RuntimeError, match=r"Compiling 7 failed in its worker:(.|\n)*cannot compile 7"):
         aot._in_workers(_refuse, [7], workers=1)
+
+
+@pytest.mark.parametrize("kernels, latent_dim", [("paged", 0), ("attention", 0)])
+@pytest.mark.parametrize("pool_size, group, head_dim", [(4, 8, 256), (1, 8, 256), (16, 16, 128), (4, 1, 64)])
+def test_a_batch_of_one_decode_runs_a_program_per_multiprocessor(kernels, latent_dim, pool_size, group, head_dim):
+    """A decode step of one request (two key/value heads: two programs a split) is split finely enough that the
+    attention runs at least one program per multiprocessor of an H100 (132); its split covers whole windows, the
+    combine merges every split."""
+    sizes = aot.ModelSizes("decode", torch.bfloat16, pool_size=pool_size, group=group, head_dim=head_dim,
+                           kernels=kernels, batch=1, latent_dim=latent_dim)
+    launches = dict(aot.size_launches(sizes))
+    forward = launches["paged_sparse_attention_forward" if kernels == "paged" else "sparse_attention_forward"]
+    tokens, kv_heads, splits = forward.grid
+    assert tokens == 1 and kv_heads == sizes.kv_heads
+    assert tokens * kv_heads * splits >= sizes.multiprocessors, forward.grid
+    combine = launches["paged_combine_splits" if kernels == "paged" else "combine_splits"]
+    assert combine.args[3] == splits  # num_splits of the combine

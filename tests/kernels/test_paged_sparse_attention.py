@@ -256,6 +256,11 @@ def test_triton_decode_with_splits_matches_reference(monkeypatch, gated):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # One split: another schedule of the same sums.
     torch.testing.assert_close(run_triton(step, 4, scaling, gated, num_splits=1), expected, atol=1e-5, rtol=1e-5)
+    # Splits of less than a tile (how a batch of one fills a GPU): at least as many as asked, here a window each.
+    launches.clear()
+    torch.testing.assert_close(run_triton(step, 4, scaling, gated, num_splits=20), expected, atol=1e-5, rtol=1e-5)
+    [(forward, _)] = launches
+    assert forward.grid == (3, 2, 37)
 
 
 @needs_triton
