@@ -43,6 +43,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheLayout, KVCacheSpec, MLAAttentionSpec
 
 from ..kernels.pooled_key_write import neox_rotary
+from ..kernels.sparse_attention import paged_attention_reads_request_tiles
 from .memory import main_kv_spec, open_window_spec, pooled_key_spec
 from .paged_step import (
     IndexPoolStepSettings,
@@ -241,6 +242,7 @@ class IndexPoolAttention(nn.Module):
         self.pool_size = config.index_pool_size
         self.topk_windows = config.index_topk_windows
         self.sink_windows, self.local_windows = config.index_sink_windows, config.index_local_windows
+        self.max_windows = -(-vllm_config.model_config.max_model_len // self.pool_size)  # the largest window bound
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
                                           config.num_attention_heads * (2 if self.output_gate else 1),
                                           config.num_key_value_heads, bias=config.attention_bias,
@@ -316,11 +318,12 @@ def hybrid_indexpool_attention(query: torch.Tensor, key: torch.Tensor, value: to
     if isinstance(metadata, list):
         metadata = metadata[0]
     if not isinstance(metadata, dict):
-        # vLLM's memory-profiling run (no caches yet): take the step's largest working memory once, so that the
-        # profile counts it before the KV cache is sized.
+        # vLLM's memory-profiling run (no caches yet): take the largest working memory of the path that will run
+        # (Triton on CUDA), once, so that the profile counts it before the KV cache is sized.
         settings = layer.step_settings()
-        torch.empty(step_working_memory_bytes(query, key, index_queries, settings), dtype=torch.uint8,
-                    device=query.device)
+        triton_path = not paged_attention_reads_request_tiles(query.device)
+        torch.empty(step_working_memory_bytes(query, key, index_queries, settings, layer.max_windows, triton_path),
+                    dtype=torch.uint8, device=query.device)
         return
     main = metadata[layer.main_cache.prefix]
     tokens = main.num_actual_tokens

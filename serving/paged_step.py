@@ -357,13 +357,32 @@ def pooled_key_width(index_head_dim: int, index_key_cache_dtype: str) -> tuple[i
 
 
 def step_working_memory_bytes(query: torch.Tensor, key: torch.Tensor, index_queries: torch.Tensor,
-                              settings: IndexPoolStepSettings) -> int:
-    """An upper bound of the temporary memory of a step with these inputs' shapes, beyond the inputs and the output:
-    the larger of the attention's gathers for one chunk of queries (keys and values of their windows, float32 copies,
-    scores and probabilities) and the selection's chunk of scores."""
+                              settings: IndexPoolStepSettings, max_windows: int, triton_path: bool) -> int:
+    """An upper bound of the temporary memory of a step with these inputs' shapes, beyond the inputs and the output,
+    on the path that will run (`triton_path`: the Triton kernels, on CUDA; else the PyTorch references), for a model
+    of `max_windows` windows (`max_model_len / r`).
+
+    Triton: the selection's peak over a chunk of tiles at the largest bound (`paged_selection_peak_bytes`) and the
+    split attention's float32 partial outputs. PyTorch: the larger of the attention's gathers for one chunk of
+    queries (keys and values of their windows, float32 copies, scores and probabilities) and the selection's chunk of
+    scores."""
     num_tokens, num_heads, head_dim = query.shape
+    topk = settings.topk_windows
+    if triton_path:
+        from ..kernels.launch import PROGRAMS_PER_SM
+        from ..kernels.pooled_index_topk.triton_impl import paged_selection_peak_bytes
+
+        # Decode tiles are one row per token; prefill tiles QUERY_TILE rows: the wider one bounds both.
+        selection = paged_selection_peak_bytes(num_tokens + QUERY_TILE, QUERY_TILE, max_windows, topk)
+        # Splits only where programs are few: at most about `PROGRAMS_PER_SM` per multiprocessor, one query-group
+        # row of float32 (and its log-sum-exp) each.
+        multiprocessors = torch.cuda.get_device_properties(query.device).multi_processor_count \
+            if query.device.type == "cuda" else 132
+        group = num_heads // key.shape[1]
+        partials = PROGRAMS_PER_SM * multiprocessors * group * (head_dim + 1) * 4
+        return selection + partials
     queries = min(num_tokens, PAGED_QUERY_CHUNK)
-    slots = settings.topk_windows * settings.pool_size + settings.pool_size - 1
+    slots = topk * settings.pool_size + settings.pool_size - 1
     gathered = queries * slots * key.shape[1] * head_dim * 2 * (query.element_size() + 4)
     scores = 2 * queries * num_heads * slots * 4
     return max(gathered + scores, PAGED_SCORE_CHUNK_BYTES)

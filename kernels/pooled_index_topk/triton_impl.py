@@ -32,6 +32,9 @@ except ImportError as error:  # Triton is optional; the package falls back to th
 # Float32 scores per prefill chunk (64 MiB). The selection of a chunk adds its int64 keys and their temporaries,
 # about 7x that at the peak (~0.5 GiB).
 SCRATCH_ELEMENTS = 1 << 24
+# Bytes per score of a chunk at the selection's peak: the float32 scores, the int32 sign, the int64 keys, the masks
+# of the invisible and forced windows, and the top-k's workspace.
+SELECTION_BYTES_PER_SCORE = 28
 # Rows (query x head pairs) of a prefill tile, 16-bit and float32 inputs; a decode tile is one query's heads.
 TILE_ROWS, TILE_ROWS_FP32 = 128, 64
 
@@ -330,6 +333,15 @@ def paged_pooled_index_topk_triton(
         selected.append(window_ids_of(keys, topk))
     rows = torch.cat(selected).flatten(0, 1)  # [tiles * width, topk]
     return rows if token_tile is None else rows[token_tile]
+
+
+def paged_selection_peak_bytes(num_rows: int, width: int, window_bound: int, topk: int) -> int:
+    """Temporary bytes of `paged_pooled_index_topk_triton` at its peak for `num_rows` tile rows of `width` queries
+    scored against `window_bound` windows: one chunk of tiles' scores and selection keys (`SCRATCH_ELEMENTS` scores
+    or one tile's), and every row's selected ids."""
+    num_tiles = -(-num_rows // width)
+    chunk = min(num_tiles, max(1, SCRATCH_ELEMENTS // (width * window_bound)))
+    return chunk * width * window_bound * SELECTION_BYTES_PER_SCORE + 3 * num_rows * topk * 8
 
 
 # Queries per tile of a serving step (the serving layer's `QUERY_TILE`, which this module cannot import: vLLM) and the

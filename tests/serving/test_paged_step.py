@@ -267,3 +267,28 @@ def test_a_mixed_step_selects_what_each_request_selects_alone():
                                            settings.topk_windows, weights[None, tokens])[0]
         assert torch.equal(selected[tokens], expected), request
         start += count
+
+
+def test_the_profiling_reservation_is_the_one_of_the_path_that_runs():
+    """At Qwen3.8-Flash-Next's widths (16 heads of 256 on 2 key/value heads, 16 index heads of 128, a budget of 2048
+    tokens at r = 4), vLLM's profiling step of 8K tokens in a 1M-token model: the Triton path (on CUDA) reserves its
+    selection's chunk of scores and keys and the split attention's partials, about half a GiB, where the PyTorch path's
+    gathers take over 2.5 GiB (the KV cache the GPU would lose)."""
+    from hybrid_indexpool.kernels.pooled_index_topk.triton_impl import SCRATCH_ELEMENTS
+    from hybrid_indexpool.serving.paged_step import IndexPoolStepSettings, step_working_memory_bytes
+
+    sizes = StepSizes()
+    tokens = 8192
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    query = torch.empty(tokens, sizes.heads, sizes.head_dim, **meta)
+    key = torch.empty(tokens, sizes.kv_heads, sizes.head_dim, **meta)
+    index_queries = torch.empty(tokens, sizes.index_heads, sizes.index_head_dim, **meta)
+    settings = IndexPoolStepSettings(
+        pool_size=4, topk_windows=sizes.topk // 4, sink_windows=0, local_windows=0, scaling=0.0625, weighting="learned",
+        key_norm_weight=torch.empty(0), key_norm_eps=1e-6, pool_slot_bias=None, cos_sin_cache=torch.empty(0))
+    reserved = {path: step_working_memory_bytes(query, key, index_queries, settings, (1 << 20) // 4, path == "triton")
+                for path in ("triton", "torch")}
+    gib = 1 << 30
+    # At least a chunk's float32 scores, int32 signs and int64 keys; at most 0.6 GiB.
+    assert SCRATCH_ELEMENTS * 16 <= reserved["triton"] <= 0.6 * gib, reserved
+    assert reserved["torch"] >= 2.5 * gib, reserved
