@@ -282,3 +282,78 @@ def test_selection_matches_reference(sink_windows, local_windows, tied, fp8_inde
     windows, with every score tied, and on packed fp8 keys."""
     run_in_fresh_process(__file__, "check_selection_matches_reference", sink_windows, local_windows, tied,
                          fp8_index_keys)
+
+
+def check_gpu_graph_settings_bound_each_step_by_its_queries():
+    import tempfile
+
+    import torch
+    from vllm.config import CacheConfig, CompilationConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from hybrid_indexpool.configuration import HybridIndexPoolConfig
+    from hybrid_indexpool.serving import register
+    from hybrid_indexpool.serving.indexpool_attention import IndexPoolMetadataBuilder
+    from hybrid_indexpool.serving.memory import main_kv_spec
+    from hybrid_indexpool.serving.paged_step import selection_work
+
+    register()
+    folder = tempfile.mkdtemp()
+    max_model_len, block_size = 1 << 20, 256
+    HybridIndexPoolConfig(
+        vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        layer_types=["linear_attention", "indexpool_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, index_n_heads=2, index_head_dim=32, index_topk=2048, index_pool_size=4,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        max_position_embeddings=max_model_len, architectures=["HybridIndexPoolForCausalLM"],
+    ).save_pretrained(folder)
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=folder, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=max_model_len),
+        cache_config=CacheConfig(block_size=block_size),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=256, max_model_len=max_model_len,
+                                         is_encoder_decoder=False),
+        compilation_config=CompilationConfig(max_cudagraph_capture_size=512),
+    )
+    compilation = vllm_config.compilation_config
+    # vLLM's CPU platform turns graphs off; a GPU's model runner resolves the default to this.
+    compilation.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    spec = main_kv_spec(2, 64, block_size)
+    builder = IndexPoolMetadataBuilder(spec, ["model.layers.1.self_attn.attn"], vllm_config, torch.device("cpu"))
+
+    def build(contexts, new_tokens):
+        query_lens = torch.tensor(new_tokens)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]).int()
+        seq_lens = (torch.tensor(contexts) + query_lens).int()
+        blocks = -(-int(seq_lens.max()) // block_size)
+        table = (1 + torch.arange(len(contexts) * blocks).view(len(contexts), blocks)).int()
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, new_tokens)])
+        request = torch.repeat_interleave(torch.arange(len(contexts)), query_lens)
+        slots = table[request, positions // block_size].long() * block_size + positions % block_size
+        common = CommonAttentionMetadata(
+            query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=seq_lens, num_reqs=len(contexts),
+            num_actual_tokens=len(positions), max_query_len=max(new_tokens), max_seq_len=int(seq_lens.max()),
+            block_table_tensor=table, slot_mapping=slots, seq_lens_cpu_upper_bound=seq_lens.clone())
+        metadata = builder.build(0, common)
+        visible = int(((positions + 1) // 4).sum())
+        return metadata, selection_work(metadata, 512), visible
+
+    for contexts, new_tokens in (([0], [8192]), ([8192] * 63 + [0], [1] * 63 + [8192])):
+        _, work, visible = build(contexts, new_tokens)
+        assert work["rows"] <= sum(new_tokens) + 64 and visible <= work["scores"] <= 2 * visible, (work, visible)
+    # 64 decodes: a full graph replays them, at the captured bound ...
+    metadata, work, visible = build([8192] * 64, [1] * 64)
+    assert metadata.window_bound == max_model_len // 4 and work["rows"] == 64
+    # ... unless the runner resolved the mode to piecewise graphs only: read at each step, not when built.
+    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    metadata, work, visible = build([8192] * 64, [1] * 64)
+    assert work == {"rows": 64, "scores": visible}, (work, visible)
+    print("scores per step within 2x of the visible windows under FULL_AND_PIECEWISE")
+
+
+def test_gpu_graph_settings_bound_each_step_by_its_queries():
+    """The builder through vLLM's own config objects, with a GPU's default graph mode (FULL_AND_PIECEWISE, captured
+    sizes up to 512) and a 1M-token model at r = 4: an 8K prefill chunk and a mixed step score at most twice their
+    queries' visible windows, one row per decode; only the uniform decode batch a full graph replays keeps the
+    captured bound, and the mode is read at each step (a runner that resolves it to PIECEWISE later is followed)."""
+    run_in_fresh_process(__file__, "check_gpu_graph_settings_bound_each_step_by_its_queries")
