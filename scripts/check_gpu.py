@@ -406,9 +406,10 @@ def step_selection(step):
     from hybrid_indexpool.kernels.pooled_index_topk import paged_pooled_index_topk
 
     main, pooled = step.metadata["main"], step.metadata["pooled_keys"]
-    return paged_pooled_index_topk(step.inputs["index_queries"], step.caches.pooled_keys, pooled.block_table,
-                                   main.tile_tokens, main.tile_request, main.token_tile, main.num_visible_windows,
-                                   main.window_bound, step.settings.topk_windows, step.inputs["head_weights"])
+    return torch.cat([paged_pooled_index_topk(
+        step.inputs["index_queries"], step.caches.pooled_keys, pooled.block_table, tiles.tile_tokens,
+        tiles.tile_request, None, main.num_visible_windows, tiles.window_bound, step.settings.topk_windows,
+        step.inputs["head_weights"]) for tiles in main.selection_tiles])[main.token_tile]
 
 
 def check_paged_step(device, args) -> list[dict]:
