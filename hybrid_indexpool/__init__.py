@@ -3,7 +3,17 @@
 Importing the package registers the model with the transformers Auto classes.
 """
 
-from transformers import (
+from pathlib import Path
+
+# In a checkout that is not installed, `configuration/`, `modeling/`, `kernels/`, ... sit next to this folder (setup.py
+# maps them into the package when it installs). Let the import system find them there, so that
+# `python -m hybrid_indexpool.scripts.NAME` runs from the checkout's root with nothing installed; an installed copy has
+# no such siblings and is left as it is.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "setup.py").is_file() and (_CHECKOUT / "configuration" / "__init__.py").is_file():
+    __path__.append(str(_CHECKOUT))
+
+from transformers import (  # noqa: E402
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
