@@ -27,7 +27,6 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.models.qwen4_exp.common.qsa_cache import QSACompressedKeyCache, QSAKeyStateCache
 from vllm.utils.torch_utils import (
     LayerNameType,
     _encode_layer_name,
@@ -55,6 +54,9 @@ from .paged_step import (
     step_working_memory_bytes,
 )
 from .vllm_config import ATTENTION_OP
+from .vllm_versions import qsa_cache_classes
+
+QSACompressedKeyCache, QSARawKeyCache = qsa_cache_classes()
 
 
 class IndexPoolMetadata(PagedCacheMetadata, AttentionMetadata):
@@ -63,10 +65,12 @@ class IndexPoolMetadata(PagedCacheMetadata, AttentionMetadata):
 
 class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
     """vLLM's builder of one IndexPool cache's metadata: `PagedMetadataBuilder` fed from vLLM's common metadata
-    (only the host values vLLM already holds are read: `query_start_loc_cpu`, `max_query_len`, `max_seq_len`).
+    (only the host values vLLM already holds are read: `query_start_loc_cpu`, `max_query_len`, `max_seq_len`,
+    `seq_lens_cpu_upper_bound`).
 
-    CUDA graphs of uniform single-token decode batches replay it: tiles are then the requests, one query each, and
-    the window bound is fixed by the model's length.
+    Full CUDA graphs replay uniform single-token decode batches only: tiles are then the requests, one query each, and
+    the window bound is fixed by the model's length. Whether graphs are full is read at each step, from the mode the
+    model runner resolved after building this builder (Model Runner V2 resolves it from the backends' support).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -76,15 +80,18 @@ class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
         kind = ("open_window" if isinstance(kv_cache_spec, CircularBufferSpec) else
                 "pooled_keys" if isinstance(kv_cache_spec, MLAAttentionSpec) else "main")
         scheduler = vllm_config.scheduler_config
+        self.compilation_config = vllm_config.compilation_config
         self.step_builder = PagedMetadataBuilder(
             kind, vllm_config.model_config.hf_config.index_pool_size, kv_cache_spec.block_size,
             vllm_config.model_config.max_model_len, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, device,
-            full_graphs=vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs(),
             metadata_class=IndexPoolMetadata)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> IndexPoolMetadata:
-        common = common_attn_metadata
+        common, compilation = common_attn_metadata, self.compilation_config
+        mode = compilation.cudagraph_mode
+        self.step_builder.full_graphs = mode is not None and mode.has_full_cudagraphs()
+        self.step_builder.max_graph_tokens = compilation.max_cudagraph_capture_size
         return self.step_builder.build(
             common.num_actual_tokens, common.num_reqs, common.query_start_loc_cpu, common.query_start_loc,
             common.seq_lens, common.block_table_tensor, common.slot_mapping, common.max_query_len,
@@ -130,7 +137,7 @@ class PooledKeyCache(QSACompressedKeyCache):
         return pooled_key_spec(self.head_size, self.compress_ratio, self.cache_config.block_size, self.dtype)
 
 
-class OpenWindowCache(QSAKeyStateCache):
+class OpenWindowCache(QSARawKeyCache):
     """vLLM's ring of each request's last `r` tokens (one block per request): raw indexer keys and gate logits,
     `kv_cache [blocks, r, 1, head_dim + gate_width]`; token `p` at row `p % r`."""
 

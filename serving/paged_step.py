@@ -45,6 +45,16 @@ CACHE_KINDS = ("main", "pooled_keys", "open_window")
 
 
 @dataclass
+class SelectionTiles:
+    """The queries one paged selection scores: tiles of `width` queries of one request each (a decode is a tile of
+    one query), each against its request's windows `0 .. window_bound - 1`; `tiles * width` rows of scores."""
+
+    tile_tokens: torch.Tensor  # [tiles, width] int64: each tile's queries (the last repeated to the end)
+    tile_request: torch.Tensor  # [tiles] int64
+    window_bound: int  # windows scored per row: >= the complete windows of every query of these tiles
+
+
+@dataclass
 class PagedCacheMetadata:
     """Per-step metadata of one of an IndexPool layer's caches, in device tensors the step reads without syncing.
 
@@ -61,12 +71,11 @@ class PagedCacheMetadata:
     write_block: torch.Tensor  # [tokens] int64
     write_row: torch.Tensor  # [tokens] int64: offset in the block (main), window row (pooled keys), ring row
     write_keep: torch.Tensor  # [tokens] bool
-    # Main cache only: the selection's tiles and bound.
+    # Main cache only: the selection's tiles and bounds.
     num_visible_windows: torch.Tensor | None = None  # [tokens] int64: complete windows each token sees
-    window_bound: int = 0  # windows scored per query, >= every request's complete windows
-    tile_tokens: torch.Tensor | None = None  # [tiles, tile width] int64: each tile's queries (repeated at the end)
-    tile_request: torch.Tensor | None = None  # [tiles] int64
-    token_tile: torch.Tensor | None = None  # [tokens] int64: tile * tile width + row of each token
+    window_bound: int = 0  # the largest of the selection tiles' bounds: >= every request's complete windows
+    selection_tiles: tuple["SelectionTiles", ...] = ()  # one paged selection each: decodes, then prefill chunks
+    token_tile: torch.Tensor | None = None  # [tokens] int64: each token's row in the selection tiles' rows, in order
     request_tiles: RequestTiles | None = None  # the PyTorch attention's grouping of the queries by request
     # Open-window ring only: where the rows of each token's window come from.
     window_token: torch.Tensor | None = None  # [tokens, r] int64: this step's token holding each row, or -1
@@ -78,13 +87,19 @@ class PagedMetadataBuilder:
     computed once per step into persistent buffers of `max_num_tokens` tokens and `max_num_requests` requests.
 
     Reads on the host only what an engine holds there anyway (the query start offsets, the longest query and
-    context); the rest is device work. With `full_graphs` (CUDA graphs of whole uniform decode steps) the window bound
-    is fixed by `max_model_len`, so a replay keeps the captured shapes.
+    context, the requests' lengths where given); the rest is device work.
+
+    The selection scores each query against a bound of windows, a power of two at least every visible window of the
+    tiles' requests: decodes and prefill chunks each against their own longest context (decodes one row each, chunks
+    in tiles of `QUERY_TILE`), so that a step's scores are at most about twice its queries' visible windows. Only a
+    step that a full CUDA graph replays keeps the captured shapes: with `full_graphs` (vLLM's resolved graph mode has
+    full graphs; settable, as the vLLM builder reads that mode per step), a uniform single-token decode batch of at
+    most `max_graph_tokens` tokens is scored against every window a request can reach (`max_model_len / r`).
     """
 
     def __init__(self, kind: str, pool_size: int, block_size: int, max_model_len: int, max_num_tokens: int,
                  max_num_requests: int, device: torch.device, full_graphs: bool = False,
-                 metadata_class: type = PagedCacheMetadata):
+                 max_graph_tokens: int | None = None, metadata_class: type = PagedCacheMetadata):
         if kind not in CACHE_KINDS:
             raise ValueError(f"kind must be one of {CACHE_KINDS}, got {kind!r}")
         if block_size % pool_size:
@@ -92,7 +107,7 @@ class PagedMetadataBuilder:
         self.kind, self.pool_size, self.block_size, self.device = kind, pool_size, block_size, device
         self.metadata_class = metadata_class
         self.max_windows = -(-max_model_len // pool_size)
-        self.fixed_window_bound = self.max_windows if full_graphs else None
+        self.full_graphs, self.max_graph_tokens = full_graphs, max_graph_tokens
         buffer = functools.partial(torch.empty, dtype=torch.long, device=device)
         self.token_buffers = {name: buffer(max_num_tokens) for name in (
             "token_request", "token_position", "write_token", "write_block", "write_row", "num_visible_windows",
@@ -181,30 +196,69 @@ class PagedMetadataBuilder:
         )
         return self.metadata_class(**metadata)
 
+    def replays_full_graph(self, num_tokens: int, max_query_len: int) -> bool:
+        """Whether a full CUDA graph replays a step of `num_tokens` tokens whose longest query is `max_query_len`
+        (the step must keep the captured shapes): a uniform single-token decode batch within the captured sizes."""
+        return self.full_graphs and max_query_len <= 1 and (self.max_graph_tokens is None
+                                                            or num_tokens <= self.max_graph_tokens)
+
+    def window_bound(self, longest_context: int) -> int:
+        """Windows scored per query for requests of at most `longest_context` tokens: the power of two at or above
+        their complete windows (at least `MIN_WINDOW_BOUND`, at most `max_model_len / r`), so that shapes change only
+        when the longest context crosses a power of two."""
+        needed = max(1, longest_context // self.pool_size)
+        return min(self.max_windows, max(MIN_WINDOW_BOUND, 1 << (needed - 1).bit_length()))
+
     def _tiles(self, query_lens_cpu, starts_cpu, num_tokens, num_scheduled, max_query_len, max_seq_len, token_tile,
                seq_lens_cpu):
-        """Split each request's queries into tiles of `min(QUERY_TILE, max_query_len)` for the selection (host
-        arithmetic on the host copies): every request has at least one tile, so a decode batch has one per request;
-        and the `RequestTiles` of the PyTorch attention."""
-        width = max(1, min(QUERY_TILE, max_query_len))
-        every_request = torch.ones(len(query_lens_cpu), dtype=torch.bool)
-        tile_request, tile_tokens, owner, valid = tile_requests(query_lens_cpu, starts_cpu, every_request, width,
-                                                                num_tokens)
-        valid &= owner < num_scheduled
-        # Each scheduled token's place in the tiles; padding tokens read the first place (their output is unused).
-        places = torch.zeros(num_tokens, dtype=torch.long)
-        places[owner[valid]] = torch.arange(tile_tokens.numel()).view_as(tile_tokens)[valid]
-        num_tiles = len(tile_request)
-        if self.fixed_window_bound is not None:
-            window_bound = self.fixed_window_bound
+        """The selection's tiles (host arithmetic on the host copies) and the `RequestTiles` of the PyTorch attention.
+
+        Decodes are tiles of one query, prefill chunks tiles of `min(QUERY_TILE, max_query_len)` queries; each tile's
+        bound is `window_bound` of the context its last query sees (`seq_lens_cpu` where given, else `max_seq_len`
+        for all), and tiles of one width and bound form one selection launch. A step a full graph replays is one
+        launch of one tile per request (also of a request without queries) against `max_model_len / r` windows."""
+        num_requests = len(query_lens_cpu)
+        if self.replays_full_graph(num_tokens, max_query_len):
+            kinds = [(torch.ones(num_requests, dtype=torch.bool), 1)]
         else:
-            needed = max(1, -(-max_seq_len // self.pool_size))
-            window_bound = min(self.max_windows, max(MIN_WINDOW_BOUND, 1 << (needed - 1).bit_length()))
+            kinds = [(query_lens_cpu == 1, 1), (query_lens_cpu > 1, max(1, min(QUERY_TILE, max_query_len)))]
+            if num_scheduled == 0:  # a step of no query: one tile per request keeps the launch well-formed
+                kinds = [(torch.ones(num_requests, dtype=torch.bool), 1)]
+        # Each scheduled token's row in the launches' rows; padding tokens read the first row (their output is unused).
+        places = torch.zeros(num_tokens, dtype=torch.long)
+        selection_tiles, used_tiles, used_rows = [], 0, 0
+        for requests, width in kinds:
+            if not requests.any():
+                continue
+            tile_request, tile_tokens, owner, valid = tile_requests(query_lens_cpu, starts_cpu, requests, width,
+                                                                    num_tokens)
+            valid &= owner < num_scheduled
+            if self.replays_full_graph(num_tokens, max_query_len):
+                bounds = torch.full((len(tile_request),), self.max_windows)
+            elif seq_lens_cpu is None:
+                bounds = torch.full((len(tile_request),), self.window_bound(max_seq_len))
+            else:
+                context_start = seq_lens_cpu[:num_requests].long() - query_lens_cpu
+                last_query = torch.where(valid, owner, -1).amax(-1) - starts_cpu[:-1].long()[tile_request]
+                seen = (context_start[tile_request] + last_query + 1).tolist()
+                bounds = torch.tensor([self.window_bound(tokens) for tokens in seen], dtype=torch.long)
+            for bound in sorted(set(bounds.tolist())):
+                member = bounds == bound
+                num_tiles = int(member.sum())
+                member_tokens = tile_tokens[member]
+                rows = torch.arange(used_rows, used_rows + num_tiles * width).view(num_tiles, width)
+                places[owner[member][valid[member]]] = rows[valid[member]]
+                selection_tiles.append(SelectionTiles(
+                    tile_tokens=self.tile_tokens_buffer[used_rows: used_rows + num_tiles * width]
+                    .view(num_tiles, width).copy_(member_tokens, non_blocking=True),
+                    tile_request=self.tile_request_buffer[used_tiles: used_tiles + num_tiles].copy_(
+                        tile_request[member], non_blocking=True),
+                    window_bound=bound))
+                used_tiles, used_rows = used_tiles + num_tiles, used_rows + num_tiles * width
+        window_bound = max((tiles.window_bound for tiles in selection_tiles), default=MIN_WINDOW_BOUND)
         return dict(
             window_bound=window_bound,
-            tile_tokens=self.tile_tokens_buffer[: num_tiles * width].view(num_tiles, width).copy_(
-                tile_tokens, non_blocking=True),
-            tile_request=self.tile_request_buffer[:num_tiles].copy_(tile_request, non_blocking=True),
+            selection_tiles=tuple(selection_tiles),
             token_tile=token_tile.copy_(places, non_blocking=True),
             request_tiles=None if self.request_tile_buffers is None else self._request_tiles(
                 query_lens_cpu, starts_cpu, num_tokens, window_bound * self.pool_size, seq_lens_cpu),
@@ -329,15 +383,33 @@ def select_windows(index_queries: torch.Tensor, head_weights: torch.Tensor | Non
                    main: PagedCacheMetadata, pooled: PagedCacheMetadata,
                    settings: IndexPoolStepSettings) -> torch.Tensor:
     """`[tokens, windows]` each token's selected windows, ascending, -1 after the last: the top `topk_windows` of the
-    paged scoring; or, where the step's window bound is within the budget (every visible window is selected, as the
-    model's dense attention within the budget), all visible windows without scoring them, `window_bound` wide."""
+    paged scoring of each of the step's selection tiles; or, where the step's window bound is within the budget
+    (every visible window is selected, as the model's dense attention within the budget), all visible windows
+    without scoring them, `window_bound` wide."""
     if main.window_bound <= settings.topk_windows:
         windows = torch.arange(main.window_bound, device=index_queries.device)
         return torch.where(windows < main.num_visible_windows[:, None], windows, -1)
-    return paged_pooled_index_topk(
-        index_queries, caches.pooled_keys, pooled.block_table, main.tile_tokens, main.tile_request, main.token_tile,
-        main.num_visible_windows, main.window_bound, settings.topk_windows, head_weights,
-        sink_windows=settings.sink_windows, local_windows=settings.local_windows)
+
+    def select(tiles: SelectionTiles, token_tile: torch.Tensor | None) -> torch.Tensor:
+        return paged_pooled_index_topk(
+            index_queries, caches.pooled_keys, pooled.block_table, tiles.tile_tokens, tiles.tile_request, token_tile,
+            main.num_visible_windows, tiles.window_bound, settings.topk_windows, head_weights,
+            sink_windows=settings.sink_windows, local_windows=settings.local_windows)
+
+    if len(main.selection_tiles) == 1:
+        return select(main.selection_tiles[0], main.token_tile)
+    # Each group's rows in order (decodes, then prefill tiles), then each token's row.
+    return torch.cat([select(tiles, None) for tiles in main.selection_tiles])[main.token_tile]
+
+
+def selection_work(main: PagedCacheMetadata, topk_windows: int) -> dict[str, int]:
+    """What the step's window selection computes: `rows` scored (query rows of its tiles, repeats included) and
+    `scores` (each row against its tiles' window bound); none within the budget, where nothing is scored."""
+    if main.window_bound <= topk_windows:
+        return {"rows": 0, "scores": 0}
+    rows = [tiles.tile_tokens.numel() for tiles in main.selection_tiles]
+    return {"rows": sum(rows),
+            "scores": sum(count * tiles.window_bound for count, tiles in zip(rows, main.selection_tiles))}
 
 
 def indexpool_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, index_queries: torch.Tensor,

@@ -67,10 +67,11 @@ def neox_cos_sin_cache(max_positions: int, rotary_dim: int, device, base: float 
 
 def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes = StepSizes(), *,
                    dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0, padding: int = 0,
-                   full_graphs: bool = False) -> SyntheticStep:
+                   full_graphs: bool = False, max_model_len: int | None = None) -> SyntheticStep:
     """A step in which request `i` has `contexts[i]` tokens cached and `new_tokens[i]` scheduled, `padding` tokens
-    of no request after them. `full_graphs`: the window bound of a CUDA-graph decode (every window the longest
-    request may reach), as vLLM's builder sets it with full graphs."""
+    of no request after them, built for an engine of `max_model_len` tokens (default: the longest request).
+    `full_graphs`: full CUDA graphs replay uniform decode batches (their window bound is then every window a request
+    may reach, `max_model_len / r`), as vLLM's builder sets it in a graph mode with full graphs."""
     device = torch.device(device)
     # Drawn on the device itself: the caches of long contexts are gigabytes.
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -112,21 +113,23 @@ def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes 
     token_request = torch.repeat_interleave(torch.arange(len(contexts)), torch.tensor(new_tokens))
     slots = block_table[token_request, positions // block_size].long() * block_size + positions % block_size
     slot_mapping = torch.cat([slots, torch.full((padding,), -1)]).to(device)
-    max_model_len = max(lengths)
+    max_model_len = max_model_len or max(lengths)
+    if max_model_len < max(lengths):
+        raise ValueError(f"max_model_len ({max_model_len}) must hold the longest request ({max(lengths)} tokens).")
     metadata = {}
     for kind, table in (("main", block_table), ("pooled_keys", block_table), ("open_window", ring_table)):
         builder = PagedMetadataBuilder(kind, r, r if kind == "open_window" else block_size, max_model_len,
                                        num_tokens, len(contexts), device, full_graphs=full_graphs)
         metadata[kind] = builder.build(num_tokens, len(contexts), query_start_loc_cpu, query_start_loc_cpu.to(device),
                                        seq_lens.to(device), table.to(device), slot_mapping, max(new_tokens),
-                                       max_model_len, seq_lens_cpu=seq_lens)
+                                       max(lengths), seq_lens_cpu=seq_lens)
 
     rotary_dim = sizes.index_head_dim // 2
     settings = IndexPoolStepSettings(
         pool_size=r, topk_windows=sizes.topk // r, sink_windows=0, local_windows=0, scaling=sizes.head_dim**-0.5,
         weighting=sizes.weighting, key_norm_weight=random(sizes.index_head_dim, scale=0.3), key_norm_eps=1e-6,
         pool_slot_bias=random(r, gate_width, scale=0.5) if gate_width else None,
-        cos_sin_cache=neox_cos_sin_cache(max_model_len + 1, rotary_dim, device))
+        cos_sin_cache=neox_cos_sin_cache(max(lengths) + 1, rotary_dim, device))
     inputs = dict(
         query=random(num_tokens, sizes.heads, sizes.head_dim), key=random(num_tokens, sizes.kv_heads, sizes.head_dim),
         value=random(num_tokens, sizes.kv_heads, sizes.head_dim),

@@ -328,7 +328,7 @@ def paged_pooled_index_topk_torch(
     block_table: torch.Tensor,
     tile_tokens: torch.Tensor,
     tile_request: torch.Tensor,
-    token_tile: torch.Tensor,
+    token_tile: torch.Tensor | None,
     num_visible_windows: torch.Tensor,
     window_bound: int,
     topk: int,
@@ -349,7 +349,8 @@ def paged_pooled_index_topk_torch(
         tile_tokens: `[tiles, width]` int64: the tokens of each tile (one request's queries; a short tile repeats its
             last token).
         tile_request: `[tiles]` integer: the request of each tile.
-        token_tile: `[tokens]` int64: `tile * width + row` of each token's place in the tiles.
+        token_tile: `[tokens]` int64: `tile * width + row` of each token's place in the tiles; None: the rows of the
+            tiles are returned (`[tiles * width, topk]`), for a caller that merges several launches' rows.
         num_visible_windows: `[tokens]` integer: token `t` may select windows `0 .. num_visible_windows[t] - 1`.
         window_bound: windows scored per tile, at least every token's `num_visible_windows`.
         topk: windows kept per token.
@@ -357,12 +358,14 @@ def paged_pooled_index_topk_torch(
         sink_windows, local_windows: windows always selected, as in `pooled_index_topk_torch`.
 
     Returns:
-        `[tokens, topk]` int64 window ids in ascending order, `-1` after the last.
+        `[tokens, topk]` int64 window ids in ascending order, `-1` after the last (`[tiles * width, topk]` per tile
+        row without `token_tile`).
     """
     num_tokens, num_heads, head_dim = index_queries.shape
     num_tiles, width = tile_tokens.shape
     if num_tiles == 0 or num_tokens == 0:
-        return torch.full((num_tokens, topk), -1, dtype=torch.long, device=index_queries.device)
+        rows = num_tokens if token_tile is not None else num_tiles * width
+        return torch.full((rows, topk), -1, dtype=torch.long, device=index_queries.device)
     packed = is_packed(pooled_key_cache)
     if packed:
         index_queries = rotate_queries(index_queries)
@@ -381,4 +384,5 @@ def paged_pooled_index_topk_torch(
         if window_bound > topk:
             keys = keys.topk(topk, dim=-1, sorted=False).values
         selected.append(window_ids_of(keys, topk))
-    return torch.cat(selected).flatten(0, 1)[token_tile]
+    rows = torch.cat(selected).flatten(0, 1)  # [tiles * width, topk]
+    return rows if token_tile is None else rows[token_tile]

@@ -287,7 +287,7 @@ def paged_pooled_index_topk_triton(
     block_table: torch.Tensor,
     tile_tokens: torch.Tensor,
     tile_request: torch.Tensor,
-    token_tile: torch.Tensor,
+    token_tile: torch.Tensor | None,
     num_visible_windows: torch.Tensor,
     window_bound: int,
     topk: int,
@@ -306,7 +306,8 @@ def paged_pooled_index_topk_triton(
     num_tiles, width = tile_tokens.shape
     device = index_queries.device
     if num_tokens == 0 or num_tiles == 0 or topk == 0 or window_bound == 0:
-        return torch.full((num_tokens, topk), -1, dtype=torch.long, device=device)
+        rows = num_tokens if token_tile is not None else num_tiles * width
+        return torch.full((rows, topk), -1, dtype=torch.long, device=device)
     if is_packed(pooled_key_cache):
         index_queries = rotate_queries(index_queries)
     index_queries = _last_dim_contiguous(index_queries)
@@ -327,7 +328,8 @@ def paged_pooled_index_topk_triton(
         if window_bound > topk:
             keys = keys.topk(topk, dim=-1, sorted=False).values
         selected.append(window_ids_of(keys, topk))
-    return torch.cat(selected).flatten(0, 1)[token_tile]
+    rows = torch.cat(selected).flatten(0, 1)  # [tiles * width, topk]
+    return rows if token_tile is None else rows[token_tile]
 
 
 # Queries per tile of a serving step (the serving layer's `QUERY_TILE`, which this module cannot import: vLLM) and the

@@ -240,8 +240,8 @@ def test_compiled_step_matches_eager():
 def check_selection_matches_reference(sink_windows: int, local_windows: int, tied: bool, fp8_index_keys: bool):
     import torch
 
-    from hybrid_indexpool.kernels.pooled_index_topk import paged_pooled_index_topk
     from hybrid_indexpool.kernels.pooled_index_topk.reference import pooled_index_topk_torch
+    from hybrid_indexpool.serving.paged_step import PagedCaches, select_windows
 
     layer, vllm_config, builders = build_layer(sink_windows, local_windows, fp8_index_keys)
     fill_caches(layer, vllm_config, builders, CONTEXTS)
@@ -255,9 +255,12 @@ def check_selection_matches_reference(sink_windows: int, local_windows: int, tie
         layer.indexer.pooled_key_cache.kv_cache.abs_()
     head_weights = torch.rand(len(positions), 2, generator=generator)
     pooled_cache = layer.indexer.pooled_key_cache.kv_cache
-    selected = paged_pooled_index_topk(index_queries, pooled_cache, pooled.block_table, main.tile_tokens,
-                                       main.tile_request, main.token_tile, main.num_visible_windows, main.window_bound,
-                                       4, head_weights, sink_windows=sink_windows, local_windows=local_windows)
+    # The decodes and the prefill chunk are two selection launches (one row per decode, tiles for the chunk).
+    assert [tiles.tile_tokens.shape[1] for tiles in main.selection_tiles] == [1, 22]
+    settings = layer.step_settings()
+    assert settings.topk_windows == 4 and main.window_bound > 4  # scored, not the within-budget shortcut
+    caches = PagedCaches(layer.main_cache.kv_cache, pooled_cache, layer.indexer.open_window_cache.kv_cache)
+    selected = select_windows(index_queries, head_weights, caches, main, pooled, settings)
     start = 0
     for request, (context, count) in enumerate(zip(CONTEXTS, NEW_TOKENS)):
         windows = torch.arange((context + count) // 4)

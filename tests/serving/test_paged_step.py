@@ -114,10 +114,10 @@ def test_within_the_budget_every_visible_window_is_selected_without_scoring(path
     step = synthetic_step(CONTEXTS, NEW_TOKENS, sizes, dtype=torch.float32, padding=2, seed=5)
     main, settings = step.main, step.settings
     assert main.window_bound < settings.topk_windows
-    scored = paged_pooled_index_topk(
+    scored = torch.cat([paged_pooled_index_topk(
         step.inputs["index_queries"], step.caches.pooled_keys, step.metadata["pooled_keys"].block_table,
-        main.tile_tokens, main.tile_request, main.token_tile, main.num_visible_windows, main.window_bound,
-        settings.topk_windows, step.inputs["head_weights"])
+        tiles.tile_tokens, tiles.tile_request, None, main.num_visible_windows, tiles.window_bound,
+        settings.topk_windows, step.inputs["head_weights"]) for tiles in main.selection_tiles])[main.token_tile]
     selections = []
     monkeypatch.setattr(paged_step, "paged_pooled_index_topk", lambda *args, **kwargs: pytest.fail("scored"))
     original = paged_step.select_windows
@@ -138,3 +138,132 @@ def test_within_the_budget_every_visible_window_is_selected_without_scoring(path
             step.inputs["output_gate"], request_tiles=main.request_tiles)
     assert not torch.equal(step.caches.main, main_cache_before)  # the step wrote its keys before attending
     torch.testing.assert_close(output[:real], expected[:real], atol=1e-5, rtol=1e-5)
+
+
+# vLLM's GPU defaults: CUDA graphs FULL_AND_PIECEWISE (full graphs of uniform decode batches up to 512 tokens), a
+# model of 1M tokens, r = 4, a budget of 2048 tokens.
+GPU_DEFAULTS = dict(pool_size=4, block_size=256, max_model_len=1 << 20, full_graphs=True, max_graph_tokens=512)
+GPU_TOPK_WINDOWS = 512
+
+
+def build_main_metadata(contexts: list[int], new_tokens: list[int], padding: int = 0, host_lengths: bool = True,
+                        **settings):
+    """The main cache's metadata of a step (request `i`: `contexts[i]` cached, `new_tokens[i]` scheduled) from the
+    plugin's builder, on the host; `host_lengths`: the requests' lengths are known on the host (vLLM's
+    `seq_lens_cpu_upper_bound`)."""
+    from hybrid_indexpool.serving.paged_step import PagedMetadataBuilder
+
+    settings = {**GPU_DEFAULTS, **settings}
+    block_size = settings.pop("block_size")
+    num_tokens = sum(new_tokens) + padding
+    builder = PagedMetadataBuilder("main", settings.pop("pool_size"), block_size, settings.pop("max_model_len"),
+                                   num_tokens, len(contexts), torch.device("cpu"), **settings)
+    lengths = torch.tensor(contexts) + torch.tensor(new_tokens)
+    blocks = -(-int(lengths.max()) // block_size)
+    block_table = 1 + torch.arange(len(contexts) * blocks).view(len(contexts), blocks)
+    starts = torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, new_tokens)])
+    token_request = torch.repeat_interleave(torch.arange(len(contexts)), torch.tensor(new_tokens))
+    slots = block_table[token_request, positions // block_size] * block_size + positions % block_size
+    return builder.build(num_tokens, len(contexts), starts, starts, lengths.int(), block_table.int(),
+                         torch.cat([slots, torch.full((padding,), -1)]), max(new_tokens), int(lengths.max()),
+                         seq_lens_cpu=lengths.int() if host_lengths else None)
+
+
+def visible_windows(contexts: list[int], new_tokens: list[int], pool_size: int = 4) -> int:
+    """Complete windows the step's queries see, summed: what a selection must at least score."""
+    return sum((position + 1) // pool_size for c, n in zip(contexts, new_tokens) for position in range(c, c + n))
+
+
+def check_selection_rows(main, contexts, new_tokens):
+    """Every scheduled token has its own row in its request's tile, scored against a bound of its visible windows."""
+    offsets = torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()])
+    rows = torch.cat([tiles.tile_tokens.flatten() for tiles in main.selection_tiles])
+    bounds = torch.cat([torch.full((tiles.tile_tokens.numel(),), tiles.window_bound) for tiles in main.selection_tiles])
+    requests = torch.cat([tiles.tile_request.repeat_interleave(tiles.tile_tokens.shape[1])
+                          for tiles in main.selection_tiles])
+    token_rows = main.token_tile[:sum(new_tokens)]
+    assert torch.equal(rows[token_rows], torch.arange(sum(new_tokens)))
+    assert torch.equal(requests[token_rows], torch.repeat_interleave(torch.arange(len(contexts)),
+                                                                     torch.tensor(new_tokens)))
+    assert torch.all(bounds[token_rows] >= main.num_visible_windows[:sum(new_tokens)])
+    assert torch.all(rows < offsets[requests + 1]) and torch.all(rows >= offsets[requests])
+
+
+@pytest.mark.parametrize("contexts, new_tokens", [
+    ([0], [8192]),  # an 8K prefill chunk
+    ([8192] * 64, [1] * 64),  # 64 decodes at 8K, with a full graph of a batch larger than the captured ones
+    ([8192] * 63 + [0], [1] * 63 + [8192]),  # both in one step
+    ([1 << 20 - 1] + [8192] * 63 + [0], [1] * 64 + [2048]),  # a decode at 1M beside decodes and a chunk at 8K
+], ids=["prefill_8k", "decodes_8k", "mixed_8k", "mixed_1m_decode"])
+def test_a_steps_scores_are_bounded_by_its_own_queries(contexts, new_tokens):
+    """Under vLLM's GPU defaults, a step that no full graph replays (prefill chunks, mixed batches, decode batches
+    beyond the captured sizes) scores at most 2x the windows its queries see (not every window of a 1M-token model):
+    decodes one row each, prefill chunks their tokens plus at most one tile per chunk."""
+    from hybrid_indexpool.serving.paged_step import QUERY_TILE, selection_work
+
+    graph_tokens = {} if sum(new_tokens) > 64 else {"max_graph_tokens": 32}
+    main = build_main_metadata(contexts, new_tokens, **graph_tokens)
+    check_selection_rows(main, contexts, new_tokens)
+    work = selection_work(main, GPU_TOPK_WINDOWS)
+    prefill_requests = sum(count > 1 for count in new_tokens)
+    assert sum(new_tokens) <= work["rows"] <= sum(new_tokens) + QUERY_TILE * prefill_requests, work
+    visible = visible_windows(contexts, new_tokens)
+    assert visible <= work["scores"] <= 2 * visible, (work, visible)
+
+
+def test_a_decode_batch_a_full_graph_replays_keeps_the_captured_bound():
+    """The one exception: a uniform decode batch within the captured sizes is scored against every window a request
+    can reach, the shapes it was captured with, whatever its contexts; the same batch with graphs off is not."""
+    from hybrid_indexpool.serving.paged_step import selection_work
+
+    contexts, new_tokens = [8192] * 64, [1] * 64
+    shapes = []
+    for context in (8192, 100_000):
+        main = build_main_metadata([context] * 64, new_tokens, padding=8)
+        (tiles,) = main.selection_tiles
+        assert tiles.window_bound == (1 << 20) // 4 and tiles.tile_tokens.shape == (64, 1)
+        shapes.append((main.window_bound, tiles.tile_tokens.shape))
+    assert shapes[0] == shapes[1]
+    eager = build_main_metadata(contexts, new_tokens, full_graphs=False)
+    assert selection_work(eager, GPU_TOPK_WINDOWS)["scores"] == 64 * 2048
+
+
+def test_without_host_lengths_the_longest_context_bounds_every_tile():
+    """Where the engine gives no host lengths, every tile of a kind is bounded by the step's longest context: still
+    one row per decode, and the step's own bound rather than the model's."""
+    main = build_main_metadata([8192] * 3 + [0], [1] * 3 + [300], host_lengths=False)
+    assert [(tiles.tile_tokens.shape[1], tiles.window_bound) for tiles in main.selection_tiles] == [(1, 2048),
+                                                                                                   (64, 2048)]
+    check_selection_rows(main, [8192] * 3 + [0], [1] * 3 + [300])
+
+
+def test_a_mixed_step_selects_what_each_request_selects_alone():
+    """The selection over several launches (decodes and prefill tiles, each at its own bound) picks, for every token,
+    the windows of the reference selection over its request's pooled keys laid out in order."""
+    from hybrid_indexpool.kernels.pooled_index_topk.reference import pooled_index_topk_torch
+    from hybrid_indexpool.serving.paged_step import select_windows
+
+    contexts, new_tokens = [600, 0, 9, 90], [1, 300, 1, 7]
+    step = synthetic_step(contexts, new_tokens, StepSizes(**SIZES), dtype=torch.float32, padding=2, seed=4,
+                          max_model_len=4096)
+    main, pooled, settings = step.main, step.metadata["pooled_keys"], step.settings
+    bounds = [(tiles.tile_tokens.shape[1], tiles.window_bound) for tiles in main.selection_tiles]
+    # Decodes at 10 and 601 tokens; the chunks' tiles (the last one's queries see 75 windows).
+    assert bounds == [(1, 64), (1, 256), (64, 64), (64, 128)], bounds
+    assert main.window_bound > settings.topk_windows  # scored, not the within-budget shortcut
+    queries, weights = step.inputs["index_queries"], step.inputs["head_weights"]
+    with torch.no_grad():
+        selected = select_windows(queries, weights, step.caches, main, pooled, settings)
+    windows_per_block = SIZES["block_size"] // 4
+    start = 0
+    for request, (context, count) in enumerate(zip(contexts, new_tokens)):
+        windows = torch.arange((context + count) // 4)
+        keys = step.caches.pooled_keys[pooled.block_table[request, windows // windows_per_block].long(),
+                                       windows % windows_per_block, 0]
+        tokens = slice(start, start + count)
+        expected = pooled_index_topk_torch(queries[None, tokens], keys[None],
+                                           ((torch.arange(context, context + count) + 1) // 4)[None],
+                                           settings.topk_windows, weights[None, tokens])[0]
+        assert torch.equal(selected[tokens], expected), request
+        start += count
