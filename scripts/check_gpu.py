@@ -1,32 +1,30 @@
-"""GPU check of the IndexPool kernels: correctness against the PyTorch reference, benchmark tables, the bytes and
-launches of a decode step, and the kernels' registers / shared memory / spills compiled for sm_80 and sm_90.
+"""GPU check of the IndexPool kernels and the vLLM plugin's batched step, ending with a verdict: a PASS/FAIL table
+against the thresholds below and exit status 1 on any failure (on a GPU, any check that could not run, SKIP, is one).
 
-On a CUDA machine (about 5-10 minutes on an H100/H200), at Qwen3.8-Flash-Next sizes by default (16 query heads, 2
-key/value heads of dim 256, 16 index heads of dim 128, budget 2048 tokens):
+On one H100/H200 (torch, Triton and transformers; no vLLM, no network, nothing of the project installed), from the
+checkout's root, at Qwen3.8-Flash-Next sizes (16 query heads, 2 key/value heads of dim 256, 16 index heads of dim
+128, budget 2048 tokens); docs/check_gpu.md:
 
-    python -m hybrid_indexpool.scripts.check_gpu            # add --json results.json to keep the numbers
+    python -m hybrid_indexpool.scripts.check_gpu --quick    # the verdict's checks only: under 3 minutes
+    python -m hybrid_indexpool.scripts.check_gpu            # with every table: under 8 minutes; --json FILE keeps all
 
-1. Kernel vs reference in float32 and bfloat16: identical selections (float32), selection agreement (bfloat16),
-   output and gradient errors of the sparse attention, split decode against one program per query.
-2. Decode step of one IndexPool layer's kernels (index top-k + sparse attention) at 32K-1M tokens of context:
-   pooled r = 4 against r = 1 against dense attention over every key, same widths; achieved memory bandwidth of the
-   index step and of the sparse attention as a fraction of the device's peak (a large device copy measures what the
-   device actually reaches; the nominal peak is listed where known).
-3. Prefill throughput of the kernels at 32K tokens.
-4. Bytes and launches of one decode step (per layer, batch 1), counted on meta tensors: every PyTorch operator's
-   inputs and outputs, and what each Triton kernel must read and write by design; against the minimum (the visible
-   pooled keys read once and the selected keys/values read once).
+1. Every kernel against the PyTorch reference, float32 and bfloat16, r = 1/4/16: selections, outputs, gradients,
+   split decode.
+2. Decode step of one layer's unpaged kernels at 32K-1M tokens (r = 4, r = 1, dense), bandwidth (not in --quick).
+3. Prefill throughput of the kernels (not in --quick).
+4. Bytes and launches of one decode step, counted on meta tensors, against the minimum (any machine).
 5. Registers / shared memory / spills of every kernel compiled ahead of time for sm_80 and sm_90 (`kernels/aot.py`;
-   no GPU needed, so this runs anywhere).
-6. The vLLM plugin's batched step over paged caches (`serving/paged_step.py`, no vLLM needed): its Triton kernels
-   (paged scoring + top-k, pooled-key write, paged sparse attention) against its PyTorch path on a mixed step of
-   prefill chunks and decodes (float32 and bfloat16, pooled keys in the model's dtype and packed fp8); a decode step
-   of `--step-batch` requests at 128K and 1M tokens of context, each part's achieved bandwidth as a fraction of the
-   measured copy bandwidth; and that step captured in a CUDA graph and replayed (same output as eager, replay time).
+   no GPU needed; not in --quick).
+6. The vLLM plugin's batched step over paged caches (`serving/paged_step.py`, no vLLM needed): Triton against
+   PyTorch on a mixed step (float32/bfloat16, pooled keys in the model's dtype and packed fp8, r = 1/4/16); a decode
+   batch with padding captured in a CUDA graph, a new batch written into its tensors and replayed against an eager
+   step; the selection work per step with `max_model_len` 1M; decode steps at 128K and 1M tokens, batch 1 and 8,
+   timed from graph replays against the measured copy bandwidth, r = 4 against r = 1; the memory taken to fill the
+   caches.
 
-`python -m hybrid_indexpool.scripts.check_gpu --offline` prints sections 4 and 5 at the real sizes on a machine
-without a GPU. `TRITON_INTERPRET=1 python -m hybrid_indexpool.scripts.check_gpu --smoke` runs tiny sizes on the CPU
-(kernels in Triton's interpreter, one configuration compiled ahead of time) to check the script itself.
+`--offline` prints sections 4 and 5 at the real sizes without a GPU. `TRITON_INTERPRET=1 python -m
+hybrid_indexpool.scripts.check_gpu --smoke` runs everything at tiny sizes on the CPU (kernels in Triton's interpreter,
+one configuration compiled ahead of time) to check the script itself; what needs a GPU is then a SKIP.
 """
 
 import argparse

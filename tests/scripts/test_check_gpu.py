@@ -66,29 +66,29 @@ def test_the_command_exits_non_zero_when_a_section_fails(monkeypatch, capsys):
     assert "FAIL: 1 of 1 checks" in capsys.readouterr().out
 
 
-def test_the_file_exits_with_the_verdicts_status_from_a_checkout(tmp_path):
-    """Run as a file and as a module from the checkout's root (whatever is installed): nothing judged is a failure
-    (exit 1); --smoke without the interpreter is a usage error (exit 2)."""
+def test_from_a_checkout_the_command_runs_uninstalled_and_exits_with_its_verdict():
+    """From the checkout's root, all at once (each process spends its time importing): the subpackages import with
+    the project's own install hidden (`configuration/`, `kernels/`, ... found next to `hybrid_indexpool/`); run as
+    a file, nothing judged is a failure (exit 1); --smoke without the interpreter is a usage error (exit 2)."""
+    hide_install = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in f.__module__]; "
+    uninstalled = hide_install + ("import hybrid_indexpool.kernels.launch, hybrid_indexpool.serving.synthetic_step, "
+                                  "hybrid_indexpool.configuration as c; print(c.__file__)")
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    offline = subprocess.run([sys.executable, "scripts/check_gpu.py", "--offline", "--aot", "none"], cwd=CHECKOUT,
-                             env=environment, capture_output=True, text=True, timeout=600)
-    assert offline.returncode == 1, offline.stderr[-2000:]
-    assert "FAIL: no check ran" in offline.stdout
-    smoke = subprocess.run([sys.executable, "-m", "hybrid_indexpool.scripts.check_gpu", "--smoke"], cwd=CHECKOUT,
-                           env=environment, capture_output=True, text=True, timeout=600)
-    assert smoke.returncode == 2 and "TRITON_INTERPRET=1" in smoke.stderr
-
-
-def test_an_uninstalled_checkout_imports_its_subpackages(tmp_path):
-    """`hybrid_indexpool` from a checkout's root finds `configuration/`, `kernels/`, ... with no install (only the
-    site-packages of this interpreter's dependencies, not the project's own install)."""
-    code = ("import sys; "
-            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]; "
-            "import hybrid_indexpool.kernels.launch, hybrid_indexpool.serving.synthetic_step, "
-            "hybrid_indexpool.configuration as c; print(c.__file__)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=CHECKOUT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == str(CHECKOUT / "configuration" / "__init__.py")
+    commands = {"uninstalled": ["-c", uninstalled], "offline": ["scripts/check_gpu.py", "--offline", "--aot", "none"],
+                "smoke": ["-m", "hybrid_indexpool.scripts.check_gpu", "--smoke"]}
+    processes = {name: subprocess.Popen([sys.executable, *command], cwd=CHECKOUT, env=environment, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for name, command in commands.items()}
+    results = {}
+    for name, process in processes.items():
+        out, err = process.communicate(timeout=600)
+        results[name] = (process.returncode, out, err)
+    code, out, err = results["uninstalled"]
+    assert code == 0 and out.strip() == str(CHECKOUT / "configuration" / "__init__.py"), err[-2000:]
+    code, out, err = results["offline"]
+    assert code == 1 and "FAIL: no check ran" in out, err[-2000:]
+    code, out, err = results["smoke"]
+    assert code == 2 and "TRITON_INTERPRET=1" in err
 
 
 def test_write_into_copies_every_tensor_and_refuses_other_shapes():
@@ -134,6 +134,7 @@ def test_the_selection_work_of_item_2_is_bounded_by_the_steps_queries():
 
 
 @needs_triton
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", check_gpu.POOLS)
 def test_the_paged_steps_triton_path_passes_its_thresholds(pool):
     rows = check_gpu.check_paged_step(torch.device("cpu"), smoke_arguments(), pool)
