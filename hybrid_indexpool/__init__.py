@@ -3,6 +3,8 @@
 Importing the package registers the model with the transformers Auto classes.
 """
 
+from pathlib import Path
+
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -13,8 +15,16 @@ from transformers import (
 )
 from transformers.models.auto import modeling_auto
 
-from .configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
-from .modeling import (
+# In a checkout that is not installed, `configuration/`, `modeling/`, `kernels/`, ... sit next to this folder (setup.py
+# maps them into the package when it installs). Let the import system find them there, so that
+# `python -m hybrid_indexpool.scripts.NAME` runs from the checkout's root with nothing installed; an installed copy has
+# no such siblings and is left as it is.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "setup.py").is_file() and (_CHECKOUT / "configuration" / "__init__.py").is_file():
+    __path__.append(str(_CHECKOUT))
+
+from .configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig  # noqa: E402
+from .modeling import (  # noqa: E402
     HybridIndexPoolCache,
     HybridIndexPoolForCausalLM,
     HybridIndexPoolForConditionalGeneration,

@@ -25,7 +25,33 @@ class Launch:
     options: dict
 
     def run(self):
+        if triton_interpreted():
+            accept_scalar_loop_bounds()
         return self.kernel[self.grid](*self.args, **self.options)
+
+
+@functools.cache
+def accept_scalar_loop_bounds() -> None:
+    """Let Triton's interpreter take a kernel's runtime scalars as `range` bounds (`range(start, end, BLOCK)` over a
+    split's windows or selected entries), whatever its version and numpy's.
+
+    The interpreter holds every scalar (program ids, integer arguments) as a 1-element numpy array and turns it into a
+    Python int for `range` with `int(array)`; numpy 2 refuses `int()` of an array with a dimension, so Triton 3.6's
+    interpreter fails on every such loop. Triton 3.9's reads the array's one element (`int(data.squeeze())`); so does
+    every version once this has run. Compiled kernels are not concerned.
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "reads_one_element", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.reads_one_element = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
 
 
 @functools.lru_cache(maxsize=None)

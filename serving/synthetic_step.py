@@ -21,6 +21,9 @@ from .paged_step import (
     pooled_key_width,
 )
 
+# Cache blocks of packed fp8 pooled keys drawn (in float32) and quantized at once.
+PACKED_BLOCKS_PER_DRAW = 4096
+
 
 @dataclass
 class StepSizes:
@@ -79,7 +82,8 @@ def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes 
     r, block_size = sizes.pool_size, sizes.block_size
 
     def random(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator, device=device) * scale).to(dtype)
+        # Drawn in place in `dtype`: no float32 copy of a cache of gigabytes on the way.
+        return torch.empty(*shape, dtype=dtype, device=device).normal_(0.0, scale, generator=generator)
 
     lengths = [context + count for context, count in zip(contexts, new_tokens)]
     blocks_per_request = [-(-length // block_size) for length in lengths]
@@ -96,11 +100,18 @@ def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes 
 
     gate_width = {"learned": sizes.index_head_dim, "learned_scalar": 1}.get(sizes.weighting, 0)
     width, pooled_dtype = pooled_key_width(sizes.index_head_dim, "float8_e4m3fn" if sizes.fp8_index_keys else "auto")
-    pooled_rows = torch.randn(num_blocks, block_size // r, 1, sizes.index_head_dim, generator=generator,
-                              device=device)
+    pooled_shape = (num_blocks, block_size // r, 1, sizes.index_head_dim)
+    if pooled_dtype is None:
+        pooled_keys = random(*pooled_shape)
+    else:  # quantized from float32 rows, a block at a time: the float32 copy of the whole cache is never held
+        pooled_keys = torch.empty(*pooled_shape[:-1], width, dtype=pooled_dtype, device=device)
+        for block in range(0, num_blocks, PACKED_BLOCKS_PER_DRAW):
+            rows = torch.randn(*pooled_keys[block:block + PACKED_BLOCKS_PER_DRAW].shape[:-1], sizes.index_head_dim,
+                               generator=generator, device=device)
+            pooled_keys[block:block + PACKED_BLOCKS_PER_DRAW] = quantize_pooled_keys(rows)
     caches = PagedCaches(
         main=random(num_blocks, sizes.kv_heads, block_size, 2 * sizes.head_dim),
-        pooled_keys=quantize_pooled_keys(pooled_rows) if pooled_dtype is not None else pooled_rows.to(dtype),
+        pooled_keys=pooled_keys,
         open_window=random(len(contexts) + 1, r, 1, sizes.index_head_dim + gate_width),
     )
     assert caches.pooled_keys.shape[-1] == width
