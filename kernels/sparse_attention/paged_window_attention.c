@@ -8,11 +8,30 @@
 /* Storage of the keys and values (one dtype for both). */
 enum { CACHE_FLOAT32 = 0, CACHE_BFLOAT16 = 1 };
 
-/* Rows scored before their values are summed: a few windows, whose scores stay in L1 and whose rows the loop
-   prefetches a chunk ahead. */
+/* Rows scored before their values are summed: a few windows, whose scores stay in L1. */
 #define CHUNK_ROWS 16
 
+/* Rows ahead of the one being scored whose key and value lines are prefetched, one row at a time (a burst of a
+   whole chunk's lines at once measured slower): the rows lie in other pages, where no hardware prefetcher looks. */
+#define PREFETCH_ROWS 16
+
 static inline int64_t element_bytes(int cache_kind) { return cache_kind == CACHE_FLOAT32 ? 4 : 2; }
+
+/* Always inlined: GCC may otherwise find a helper of prefetches `const` and delete its calls. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *key_cache, const void *value_cache,
+                                                              int cache_kind, const int64_t *key_strides,
+                                                              const int64_t *value_strides, int64_t head,
+                                                              int64_t dim, int64_t block, int64_t row) {
+    int64_t size = element_bytes(cache_kind);
+    const char *key = (const char *)key_cache
+                      + size * (block * key_strides[0] + head * key_strides[1] + row * key_strides[2]);
+    const char *value = (const char *)value_cache
+                        + size * (block * value_strides[0] + head * value_strides[1] + row * value_strides[2]);
+    for (int64_t byte = 0; byte < dim * size; byte += 64) {
+        __builtin_prefetch(key + byte);
+        __builtin_prefetch(value + byte);
+    }
+}
 
 /* `count` cache rows (element offsets `offsets`) as float32 rows: in place for float32 caches, widened into
    `widened` (`count` rows of `dim`) for bfloat16 ones. */
@@ -167,25 +186,20 @@ int paged_window_attention(const float *query, const void *key_cache, const void
             float top[group], total[group];
             for (int64_t g = 0; g < group; ++g) top[g] = -INFINITY, total[g] = 0.0f;
             memset(sums, 0, group * dim * sizeof(float));
+            for (int64_t s = 0; s < PREFETCH_ROWS && s < count; ++s)
+                prefetch_row(key_cache, value_cache, cache_kind, key_strides, value_strides, head, dim, blocks[s],
+                             rows[s]);
             for (int64_t first = 0; first < count; first += CHUNK_ROWS) {
                 int64_t chunk = count - first < CHUNK_ROWS ? count - first : CHUNK_ROWS;
-                for (int64_t s = first + chunk; s < first + 2 * CHUNK_ROWS && s < count; ++s) {
-                    /* The next chunk's rows lie in other pages, where no hardware prefetcher looks. */
-                    const char *key = (const char *)key_cache + element_bytes(cache_kind) * (
-                        blocks[s] * key_strides[0] + head * key_strides[1] + rows[s] * key_strides[2]);
-                    const char *value = (const char *)value_cache + element_bytes(cache_kind) * (
-                        blocks[s] * value_strides[0] + head * value_strides[1] + rows[s] * value_strides[2]);
-                    for (int64_t byte = 0; byte < dim * element_bytes(cache_kind); byte += 64) {
-                        __builtin_prefetch(key + byte);
-                        __builtin_prefetch(value + byte);
-                    }
-                }
                 /* Scores: each key row against the group's query heads, 4 at a time while it is in L1. */
                 for (int64_t s = 0; s < chunk; ++s)
                     offsets[s] = blocks[first + s] * key_strides[0] + head * key_strides[1]
                                  + rows[first + s] * key_strides[2];
                 cache_rows(key_cache, cache_kind, offsets, chunk, dim, widened, chunk_rows);
                 for (int64_t s = 0; s < chunk; ++s) {
+                    if (first + s + PREFETCH_ROWS < count)
+                        prefetch_row(key_cache, value_cache, cache_kind, key_strides, value_strides, head, dim,
+                                     blocks[first + s + PREFETCH_ROWS], rows[first + s + PREFETCH_ROWS]);
                     float products[4];
                     int64_t g = 0;
                     for (; g + 4 <= group; g += 4) {
