@@ -275,8 +275,8 @@ def generate_one_by_one(checkpoint: Path, prompts: list[str], new_tokens: int) -
 
 
 def decode_step_operations(model: dict, args) -> list[dict]:
-    """Operators and host syncs of one IndexPool layer's batched decode step (the plugin's `indexpool_step`, PyTorch
-    path, without vLLM) at the model's widths: `--requests` requests decoding at the shortest and the longest prompt's
+    """Operators and host syncs of one IndexPool layer's batched decode step (the plugin's `indexpool_step`, CPU
+    path, without vLLM: the compiled kernels' calls are not `aten` operators) at the model's widths: `--requests` requests decoding at the shortest and the longest prompt's
     context."""
     from hybrid_indexpool.serving.synthetic_step import count_step_operations, synthetic_step
 
@@ -490,7 +490,7 @@ def main(argv=None) -> dict:
                  f"({results[name]['decode_tokens']} tokens in {results[name]['decode_seconds']:.1f} s)"
                  if "decode_seconds" in results[name] else ""))
     for row in results["decode_step_operations"]:
-        print(f"one IndexPool layer's decode step of {args.requests} requests at {row['context']} tokens (PyTorch "
+        print(f"one IndexPool layer's decode step of {args.requests} requests at {row['context']} tokens (CPU "
               f"path): {row['operators']} operators (and {row['views']} views), {row['host_syncs']} host syncs")
     print_decode_step_timing(results["decode_step_timing"])
     print(f"vLLM KV cache in {args.kv_cache_gib} GiB: {results['vllm']['kv_cache_tokens']} tokens at r = "
