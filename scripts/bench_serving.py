@@ -276,8 +276,8 @@ def generate_one_by_one(checkpoint: Path, prompts: list[str], new_tokens: int) -
 
 def decode_step_operations(model: dict, args) -> list[dict]:
     """Operators and host syncs of one IndexPool layer's batched decode step (the plugin's `indexpool_step`, CPU
-    path, without vLLM: the compiled kernels' calls are not `aten` operators) at the model's widths: `--requests` requests decoding at the shortest and the longest prompt's
-    context."""
+    path, without vLLM: the compiled kernels' calls are not `aten` operators) at the model's widths: `--requests`
+    requests decoding at the shortest and the longest prompt's context."""
     from hybrid_indexpool.serving.synthetic_step import count_step_operations, synthetic_step
 
     sizes = step_sizes(model, args)
