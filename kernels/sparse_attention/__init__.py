@@ -5,6 +5,8 @@ vLLM's pages (a serving step's flattened tokens)."""
 import torch
 
 from ..dispatch import use_fast_path
+from .cpu_impl import KERNEL as PAGED_CPU_KERNEL
+from .cpu_impl import paged_attention_cpu_applies, paged_sparse_attention_cpu
 from .reference import (
     RequestTiles,
     TileGroup,
@@ -54,7 +56,11 @@ def sparse_latent_attention(query, latents, selected_windows, query_positions, p
 
 def paged_attention_reads_request_tiles(device) -> bool:
     """Whether `paged_sparse_attention` on `device` takes its PyTorch path, the only one that reads `request_tiles`
-    (so that a caller builds them only then)."""
+    (so that a caller builds them only then): not where Triton serves CUDA tensors, nor on a CPU where the compiled
+    kernel serves (it reads every token's windows in place, prefill chunks included: 4x faster than the tiles)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return not PAGED_CPU_KERNEL.usable()
     return paged_sparse_attention_triton is None or not use_fast_path(torch.empty(0, device=device))
 
 
@@ -63,19 +69,23 @@ def paged_sparse_attention(query, key_cache, value_cache, block_table, token_req
     """Sparse attention of a step's flattened tokens over keys and values in vLLM's pages (the vLLM plugin's entry);
     see `paged_sparse_attention_torch` for shapes. Output `[tokens, heads, head_dim]`.
 
-    Triton on CUDA (`num_splits` overrides its split count, for tests), PyTorch elsewhere (`request_tiles`: its
-    prefill form; the kernel reads each query's positions straight from the pages and needs none). Inference only;
-    neither path reads a value back to the host.
+    Triton on CUDA (`num_splits` overrides its split count, for tests), the compiled CPU kernel on a CPU
+    (`cpu_impl`), PyTorch elsewhere (`request_tiles`: its prefill form; the kernels read each query's positions
+    straight from the pages and need none). Inference only; no path reads a value back to the host.
     """
     if paged_sparse_attention_triton is not None and use_fast_path(query, key_cache, value_cache):
         return paged_sparse_attention_triton(query, key_cache, value_cache, block_table, token_request,
                                              selected_windows, query_positions, pool_size, scaling, output_gate,
                                              num_splits)
+    if paged_attention_cpu_applies(query, key_cache, value_cache):
+        return paged_sparse_attention_cpu(query, key_cache, value_cache, block_table, token_request, selected_windows,
+                                          query_positions, pool_size, scaling, output_gate)
     return paged_sparse_attention_torch(query, key_cache, value_cache, block_table, token_request, selected_windows,
                                         query_positions, pool_size, scaling, output_gate, request_tiles)
 
 
 __all__ = ["sparse_attention", "sparse_attention_torch", "sparse_attention_triton", "sparse_latent_attention",
            "sparse_latent_attention_torch", "sparse_latent_attention_triton", "paged_sparse_attention",
-           "paged_sparse_attention_torch", "paged_sparse_attention_triton", "paged_attention_reads_request_tiles",
+           "paged_sparse_attention_torch", "paged_sparse_attention_triton", "paged_sparse_attention_cpu",
+           "paged_attention_reads_request_tiles",
            "RequestTiles", "TileGroup", "attention_slots", "masked_softmax"]

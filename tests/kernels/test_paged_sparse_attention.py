@@ -1,13 +1,19 @@
 """Paged IndexPool sparse attention (the vLLM plugin's keys and values in vLLM's pages): the PyTorch reference against
 the unpaged reference on the same keys/values laid out contiguously per request, the Triton kernel (in the
-interpreter on CPU, float32) against the reference, and neither reading a value back to the host.
+interpreter on CPU, float32) and the CPU kernel (float32 and bfloat16) against the reference, and none reading a
+value back to the host.
 """
+
+import shutil
 
 import pytest
 import torch
 from host_sync import HostSyncGuard
 
+from hybrid_indexpool.kernels import sparse_attention
+from hybrid_indexpool.kernels.cpu_build import ENABLE_VARIABLE
 from hybrid_indexpool.kernels.sparse_attention import (
+    cpu_impl,
     paged_sparse_attention,
     paged_sparse_attention_torch,
     paged_sparse_attention_triton,
@@ -16,6 +22,8 @@ from hybrid_indexpool.kernels.sparse_attention import (
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(paged_sparse_attention_triton is None, reason="Triton is not installed")
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                    reason="no C compiler on this machine")
 
 
 def paged_step(lengths, new_tokens, kv_heads, group, head_dim, pool_size, block_size, topk, seed, dtype=torch.float32,
@@ -138,7 +146,7 @@ def test_reference_matches_unpaged_attention_on_contiguous_keys(pool_size, group
 
 def test_reference_bounds_memory_by_its_query_chunk(monkeypatch):
     """Chunks of queries give the same result as one chunk (the reference gathers `PAGED_QUERY_CHUNK` tokens at a
-    time), and the dispatching entry takes the reference on CPU tensors."""
+    time), and the dispatching entry takes the reference on CPU tensors when the CPU kernels are off."""
     from hybrid_indexpool.kernels.sparse_attention import reference
 
     step = paged_step(**STEP, kv_heads=1, group=2, head_dim=8, pool_size=4, block_size=12, topk=4, seed=3)
@@ -146,6 +154,7 @@ def test_reference_bounds_memory_by_its_query_chunk(monkeypatch):
     monkeypatch.setattr(reference, "PAGED_QUERY_CHUNK", 3)
     chunked = paged_sparse_attention_torch(*paged_args(step), 4, 0.3, step["gate"])
     torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+    monkeypatch.setenv(ENABLE_VARIABLE, "0")
     torch.testing.assert_close(paged_sparse_attention(*paged_args(step), 4, 0.3, step["gate"]), whole, rtol=0, atol=0)
 
 
@@ -289,11 +298,13 @@ def test_the_guard_catches_host_reads():
             read()
 
 
-@pytest.mark.parametrize("path", ["reference", pytest.param("triton", marks=needs_triton)])
-def test_no_host_sync_and_shapes_independent_of_values(path):
+@pytest.mark.parametrize("path", ["reference", "cpu_kernel", pytest.param("triton", marks=needs_triton)])
+def test_no_host_sync_and_shapes_independent_of_values(path, monkeypatch):
     """After its inputs are built, a call reads nothing back from the device (the Triton entry: its planning, split
     count and allocations), and runs the same operators with the same shapes for other positions, selections and
     pages: it can be captured in a CUDA graph."""
+    if path == "reference":
+        monkeypatch.setenv(ENABLE_VARIABLE, "0")
     traces = []
     for seed, lengths in ((5, [30, 23, 61, 5]), (6, [35, 14, 70, 12])):  # the same page counts
         step = paged_step(lengths=lengths, new_tokens=[1, 7, 1, 5], kv_heads=2, group=2, head_dim=16, pool_size=4,
@@ -308,5 +319,102 @@ def test_no_host_sync_and_shapes_independent_of_values(path):
                     output = paged_sparse_attention(*args, 4, 0.25, gate)
             assert output.shape == step["query"].shape
             traces.append(guard.trace)
-    assert traces[0] and all(trace == traces[0] for trace in traces[1:] if path == "reference")
+    assert traces[0] and all(trace == traces[0] for trace in traces[1:] if path != "triton")
     assert traces[0] == traces[2] and traces[1] == traces[3]
+
+
+# bfloat16 outputs: the reference rounds the same float32 sums, summed in another order here.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def kernel_output(step, pool_size, scaling, gate=None):
+    return cpu_impl.paged_sparse_attention_cpu(*paged_args(step), pool_size, scaling, gate)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_size, block_size", [(4, 12), (4, 16), (1, 16)])
+@pytest.mark.parametrize("group", [1, 4, 6])
+def test_kernel_matches_reference(dtype, pool_size, block_size, group):
+    """Decodes and prefill chunks of four requests in a shuffled order; groups of 1, 4 and 4 + 2 query heads per
+    key/value head; a head dimension with a tail past the vector lanes (20); the gate; NaN rows never read."""
+    step = paged_step(**STEP, kv_heads=2, group=group, head_dim=20, pool_size=pool_size, block_size=block_size,
+                      topk=5, seed=group * 10 + pool_size, dtype=dtype)
+    expected = paged_sparse_attention_torch(*paged_args(step), pool_size, 0.3, step["gate"])
+    got = kernel_output(step, pool_size, 0.3, step["gate"])
+    assert got.dtype == dtype and got.shape == step["query"].shape and not got.isnan().any()
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    assert step["empty"] and torch.all(got[step["empty"]] == 0)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_selections_rescale_the_running_softmax(dtype):
+    """Decodes selecting 40 windows (160 rows and a tail: many chunks of rows), scores spread widely (the running
+    maximum grows from chunk to chunk, and rows far below it weigh nothing), head dimension 128 as served."""
+    step = paged_step(lengths=[300, 257, 420], new_tokens=[1, 1, 3], kv_heads=2, group=4, head_dim=128, pool_size=4,
+                      block_size=64, topk=40, seed=7, dtype=dtype)
+    for scaling in (128**-0.5, 2.0):
+        expected = paged_sparse_attention_torch(*paged_args(step), 4, scaling)
+        # Scores up to about 60 at the larger scaling: their float32 rounding in another order of the sums moves the
+        # weights by some 1e-5 relative.
+        tolerance = TOLERANCE[dtype] if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kernel_output(step, 4, scaling), expected, **tolerance)
+
+
+@needs_compiler
+def test_block_tables_and_cache_layouts():
+    """An int32 block table, a block table that is a view of wider rows (vLLM's persistent buffer), and caches whose
+    heads are outermost in memory: the same attention."""
+    step = paged_step(**STEP, kv_heads=2, group=2, head_dim=16, pool_size=4, block_size=12, topk=4, seed=5)
+    expected = kernel_output(step, 4, 0.3)
+    torch.testing.assert_close(expected, paged_sparse_attention_torch(*paged_args(step), 4, 0.3))
+    table = step["block_table"]
+    wide = torch.zeros(table.shape[0], table.shape[1] + 3, dtype=torch.int32)
+    wide[:, : table.shape[1]] = table
+    for other_table in (table.int(), wide[:, : table.shape[1]]):
+        got = cpu_impl.paged_sparse_attention_cpu(*paged_args(step, other_table), 4, 0.3)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    heads_outermost = step["cache"].transpose(0, 1).contiguous().transpose(0, 1)
+    got = kernel_output({**step, "cache": heads_outermost}, 4, 0.3)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@needs_compiler
+def test_custom_op_computes_the_direct_call():
+    step = paged_step(**STEP, kv_heads=1, group=2, head_dim=8, pool_size=4, block_size=12, topk=3, seed=2)
+    direct = cpu_impl.run_paged_window_attention(*paged_args(step), 4, 0.3)
+    assert direct.dtype == torch.float32
+    torch.testing.assert_close(cpu_impl.paged_window_attention(*paged_args(step), 4, 0.3), direct, rtol=0, atol=0)
+
+
+@needs_compiler
+def test_bad_inputs_say_what_is_wrong():
+    step = paged_step(**STEP, kv_heads=1, group=2, head_dim=8, pool_size=4, block_size=12, topk=3, seed=2)
+    with pytest.raises(ValueError, match="block size .* multiple of the pool size"):
+        cpu_impl.run_paged_window_attention(*paged_args(step), 5, 0.3)
+    args = list(paged_args(step))
+    args[1], args[2] = args[1].half(), args[2].half()
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_impl.run_paged_window_attention(*args, 4, 0.3)
+
+
+@needs_compiler
+def test_dispatch_sends_cpu_steps_to_the_kernel_unless_switched_off(monkeypatch):
+    """`paged_sparse_attention` on CPU tensors runs the kernel (so the metadata builder makes no request tiles);
+    with the CPU kernels off, the reference (and the tiles it reads); float16 pages, which the kernel does not take,
+    the reference."""
+    step = paged_step(**STEP, kv_heads=2, group=2, head_dim=8, pool_size=4, block_size=12, topk=3, seed=4)
+    calls = []
+    run = cpu_impl.run_paged_window_attention
+    monkeypatch.setattr(cpu_impl, "run_paged_window_attention", lambda *args: calls.append(1) or run(*args))
+    got = paged_sparse_attention(*paged_args(step), 4, 0.3, step["gate"])
+    assert calls and not sparse_attention.paged_attention_reads_request_tiles("cpu")
+    torch.testing.assert_close(got, paged_sparse_attention_torch(*paged_args(step), 4, 0.3, step["gate"]))
+    calls.clear()
+    half = {**step, "cache": step["cache"].half(), "query": step["query"].half()}
+    paged_sparse_attention(*paged_args(half), 4, 0.3)
+    assert not calls
+    monkeypatch.setenv(ENABLE_VARIABLE, "0")
+    paged_sparse_attention(*paged_args(step), 4, 0.3, step["gate"])
+    assert not calls and sparse_attention.paged_attention_reads_request_tiles("cpu")

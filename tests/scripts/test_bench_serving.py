@@ -1,17 +1,54 @@
-"""`scripts/bench_serving.py` end to end at a small size (marker `vllm`: it starts vLLM engines from the vLLM
-environment, this test's Python, and runs itself with the main environment's Python)."""
+"""`scripts/bench_serving.py`: its decode-step timing and decode-phase throughput (fast, no vLLM), and the script end
+to end at a small size (marker `vllm`: it starts vLLM engines from the vLLM environment, this test's Python, and runs
+itself with the main environment's Python)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 from vllm_reference import REFERENCE_PYTHON, REPO
 
-pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
+from hybrid_indexpool.scripts.bench_serving import decode_phase, decode_step_timing
+from hybrid_indexpool.serving.synthetic_step import StepSizes
+
+requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 
+def test_decode_phase_counts_the_tokens_after_every_request_started():
+    """Request 0's first token at 1 s, request 1's at 4 s (its prefill): the decode phase runs from 4 s to the last
+    token at 6 s and holds the tokens that came after 4 s."""
+    phase = decode_phase([[1.0, 2.0, 3.0, 4.5, 5.0], [4.0, 5.5, 6.0]])
+    assert phase["decode_seconds"] == 2.0 and phase["decode_tokens"] == 4
+    assert phase["decode_tokens_per_second"] == 2.0 and phase["first_token_seconds"] == [1.0, 4.0]
+
+
+def test_decode_step_timing_reports_both_paths_against_the_bytes(monkeypatch):
+    """Two contexts of a tiny layer: each path's step and attention times, the bytes (the budget's keys and values
+    once the context exceeds it, the pooled keys) and the ratios to their time at the copy bandwidth."""
+    from hybrid_indexpool.scripts import bench_serving
+
+    monkeypatch.setattr("hybrid_indexpool.benchmarking.copy_bandwidth", lambda: 1e10)
+    sizes = StepSizes(heads=4, kv_heads=2, head_dim=16, index_heads=2, index_head_dim=16, topk=32, block_size=16,
+                      weighting="mean")
+    timing = decode_step_timing(sizes, requests=3, contexts=[20, 100], repeats=1)
+    assert timing["copy_bandwidth"] == 1e10 and timing["threads"] == torch.get_num_threads()
+    short, long = timing["rows"]
+    assert short["attention_bytes"] == 3 * 2 * (20 + 3) * 2 * 16 * 2  # every complete window and the tail, bf16
+    assert long["attention_bytes"] == 3 * 2 * (32 + 3) * 2 * 16 * 2  # the budget and the tail
+    assert long["index_bytes"] == 3 * 25 * 16 * 2
+    for row in timing["rows"]:
+        for path in ("kernel", "torch"):
+            assert row[f"step_{path}_ms"] > 0 and row[f"attention_{path}_ms"] > 0
+            assert row[f"attention_{path}_over_bytes"] == pytest.approx(
+                row[f"attention_{path}_ms"] / (1e3 * row["attention_bytes"] / 1e10))
+    bench_serving.print_decode_step_timing(timing)
+
+
+@pytest.mark.vllm
+@requires_vllm
 def test_bench_serving_compares_the_three_servers_and_the_caches(tmp_path):
     output = tmp_path / "bench.json"
     subprocess.run([REFERENCE_PYTHON, "-m", "hybrid_indexpool.scripts.bench_serving", "--vllm-python", sys.executable,
@@ -31,16 +68,20 @@ def test_bench_serving_compares_the_three_servers_and_the_caches(tmp_path):
     assert all(row["operators"] > 0 and row["host_syncs"] == 0 for row in results["decode_step_operations"])
 
 
+@pytest.mark.vllm
+@requires_vllm
 def test_bench_serving_against_vllms_own_qwen3_next(tmp_path):
     """`--against-qwen3-next`: vLLM's native Qwen3-Next and the plugin serve the same requests, the plugin on the
-    conversion of that very Qwen3-Next checkpoint (prompts beyond the budget)."""
+    conversion of that very Qwen3-Next checkpoint (prompts beyond the budget), streamed: the decode phase too."""
     output = tmp_path / "bench.json"
     subprocess.run([REFERENCE_PYTHON, "-m", "hybrid_indexpool.scripts.bench_serving", "--vllm-python", sys.executable,
                     "--requests", "2", "--new-tokens", "3", "--min-prompt", "40", "--max-prompt", "60",
-                    "--budget", "16", "--against-qwen3-next", "--skip-transformers", "--json", str(output)],
+                    "--budget", "16", "--against-qwen3-next", "--skip-transformers", "--skip-r1", "--stream",
+                    "--decode-step-requests", "2", "--json", str(output)],
                    check=True, cwd=REPO)
     results = json.loads(output.read_text())
     for name in ("vllm", "vllm_qwen3_next"):
         assert results[name]["generated_tokens"] == 2 * 3
         assert results[name]["tokens_per_second"] > 0
+        assert 0 < results[name]["decode_tokens"] < 2 * 3 and len(results[name]["first_token_seconds"]) == 2
     assert results["model"]["index_topk"] == 16 and results["machine"]["cores"] >= 1

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybrid_indexpool.kernels import pooled_index_topk, pooled_key_write, sparse_attention
+from hybrid_indexpool.kernels.cpu_build import ENABLE_VARIABLE
 from hybrid_indexpool.serving.synthetic_step import OperationCounter, StepSizes, count_step_operations, synthetic_step
 
 pytest.importorskip("triton", reason="Triton is not installed: the step's kernels have nothing to run")
@@ -51,13 +52,15 @@ def test_triton_step_computes_what_the_pytorch_step_does(fp8_index_keys, weighti
     assert not torch.equal(fresh.main, caches.main) and not torch.equal(fresh.pooled_keys, caches.pooled_keys)
 
 
-@pytest.mark.parametrize("path", ["torch", "triton"])
-def test_the_step_reads_nothing_back_from_the_device(path, request):
+@pytest.mark.parametrize("path", ["torch", "cpu_kernel", "triton"])
+def test_the_step_reads_nothing_back_from_the_device(path, request, monkeypatch):
     if path == "triton":
         request.getfixturevalue("triton_path")
+    if path == "torch":
+        monkeypatch.setenv(ENABLE_VARIABLE, "0")
     step = synthetic_step(CONTEXTS, NEW_TOKENS, StepSizes(**SIZES), dtype=torch.float32, padding=2)
     # The builder groups queries into request tiles only for the PyTorch attention, the one that reads them.
-    assert (step.main.request_tiles is None) == (path == "triton")
+    assert (step.main.request_tiles is None) == (path != "torch")
     with torch.no_grad(), OperationCounter() as counter:
         output = step.run()
     assert output.shape == (sum(NEW_TOKENS) + 2, SIZES["heads"], SIZES["head_dim"])
