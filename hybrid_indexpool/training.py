@@ -402,7 +402,7 @@ def build_model(args: FinetuneArguments, tokenizer):
     if args.freeze_pooling:
         freeze_pooling(model)
     if args.lora:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
         # A multimodal model trains on text here: adapters in its vision tower (GLM's has gate/up/down projections
         # too) would get no gradient, so they go on the language model only.
@@ -412,8 +412,18 @@ def build_model(args: FinetuneArguments, tokenizer):
             target_modules=args.lora_target_modules, task_type="CAUSAL_LM",
             exclude_modules=r".*\bvisual\b.*" if multimodal else None,
         )
-        model = get_peft_model(model, lora_config)
+        model = add_lora_adapters(model, lora_config)
     return model
+
+
+def add_lora_adapters(model, lora_config):
+    """`peft.get_peft_model(model, lora_config)` without transformers' deprecation warning: peft reads the deprecated
+    `is_gradient_checkpointing` alias of `is_activation_checkpointing` (transformers >= 5.25 warns, "removed in v6")."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, lora_config)
 
 
 def last_complete_checkpoint(output_dir: str) -> str:
