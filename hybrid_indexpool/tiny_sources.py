@@ -22,7 +22,7 @@ QWEN4_EXP_TEXT = dict(
     head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     **MOE, hc_count=3, hc_lowrank=8, ple_layer_ids=[1, 3], ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=60,
     make_ngram_vocab_size_divisible_by=8, split_ngram_parts=4, indexer_n_heads=4, indexer_kv_heads=1,
-    indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, pad_token_id=0, eos_token_id=2,
+    indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
 # GLM-5.3-Flash: KDA and MLA layers, a shared indexer, learned pooling of r = 4, grouped MoE, Sinkhorn streams and
 # the vision tower (with its placeholder tokens among the tiny vocabulary's last ids).
@@ -36,7 +36,7 @@ GLM5_NEXT_TEXT = dict(
     qk_rope_head_dim=0, v_head_dim=16, index_n_heads=32, index_head_dim=16, index_topk=8, index_kpool=4,
     linear_num_heads=4, linear_head_dim=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
     topk_group=1, routed_scaling_factor=2.5, swiglu_limit=0.5, hc_mult=3, hc_sinkhorn_iters=5, pad_token_id=0,
-    eos_token_id=2,
+    bos_token_id=1, eos_token_id=2,
 )
 GLM5_NEXT_VISION = dict(VISION, projection_intermediate_size=32, patch_size=14)
 GLM5_NEXT_VISION_TOKENS = dict(image_token_id=258, video_token_id=257, image_start_token_id=256,
