@@ -29,7 +29,7 @@ from .modeling.attention_gqa import HybridIndexPoolAttention
 from .training import (
     ModelDataArguments,
     TrainingInputError,
-    check_output_dir,
+    check_arguments,
     freeze_pooling,
     is_pooling_parameter,
     language_model_collator,
@@ -201,11 +201,17 @@ def kl_summary(log_history: list[dict]) -> tuple[float, float] | None:
     return (values[0], values[-1]) if values else None
 
 
+def kl_summary_line(stage: str, steps: int, summary: tuple[float, float]) -> str:
+    """The line a stage ends with: its first and last indexer KL to 4 significant figures, in scientific notation
+    when small (a warmed-up KL is often below 1e-4, which fixed decimals would show as 0.0000)."""
+    return f"train_indexer: {stage} stage, {steps} steps, indexer KL {summary[0]:.4g} -> {summary[1]:.4g}"
+
+
 def run_indexer_training(args: IndexerTrainingArguments, training_args: TrainingArguments) -> dict:
     """Run the chosen stages, save the model (with its remote code), the tokenizer and the processor files, return
     per-stage metrics."""
     stages = check_indexer_arguments(args, training_args)
-    check_output_dir(args, training_args)
+    check_arguments(args, training_args)
     if training_args.ddp_find_unused_parameters is None:
         # Within the token budget the sparse stage selects nothing, so the indexer's scores may go unused.
         training_args.ddp_find_unused_parameters = True
@@ -235,8 +241,7 @@ def run_indexer_training(args: IndexerTrainingArguments, training_args: Training
                 stage_metrics.update(trainer.evaluate())
             summary = kl_summary(trainer.state.log_history)
             if summary is not None and trainer.is_world_process_zero():
-                print(f"train_indexer: {stage} stage, {trainer.state.global_step} steps, indexer KL "
-                      f"{summary[0]:.4f} -> {summary[1]:.4f}", flush=True)
+                print(kl_summary_line(stage, trainer.state.global_step, summary), flush=True)
             metrics[stage] = stage_metrics
 
     if trainer.is_world_process_zero():

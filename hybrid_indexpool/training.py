@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -402,7 +403,7 @@ def build_model(args: FinetuneArguments, tokenizer):
     if args.freeze_pooling:
         freeze_pooling(model)
     if args.lora:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
         # A multimodal model trains on text here: adapters in its vision tower (GLM's has gate/up/down projections
         # too) would get no gradient, so they go on the language model only.
@@ -412,8 +413,18 @@ def build_model(args: FinetuneArguments, tokenizer):
             target_modules=args.lora_target_modules, task_type="CAUSAL_LM",
             exclude_modules=r".*\bvisual\b.*" if multimodal else None,
         )
-        model = get_peft_model(model, lora_config)
+        model = add_lora_adapters(model, lora_config)
     return model
+
+
+def add_lora_adapters(model, lora_config):
+    """`peft.get_peft_model(model, lora_config)` without transformers' deprecation warning: peft reads the deprecated
+    `is_gradient_checkpointing` alias of `is_activation_checkpointing` (transformers >= 5.25 warns, "removed in v6")."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, lora_config)
 
 
 def last_complete_checkpoint(output_dir: str) -> str:
@@ -430,6 +441,23 @@ def last_complete_checkpoint(output_dir: str) -> str:
     return str(max(complete)[1])
 
 
+def check_arguments(args: ModelDataArguments, training_args: TrainingArguments) -> None:
+    """Refuse, before anything is loaded or written, a `--block_size` that is not positive, a
+    `--model_name_or_path` that is neither a folder nor a Hub model id, and an output folder in use
+    ([`check_output_dir`])."""
+    if args.block_size <= 0:
+        raise TrainingInputError(f"--block_size is {args.block_size}; give the number of tokens per training sequence, "
+                                 "a positive number (default 512).")
+    name = args.model_name_or_path
+    if name is not None and not Path(name).is_dir():
+        try:
+            validate_repo_id(name)
+        except HFValidationError:
+            raise TrainingInputError(f"--model_name_or_path {name}: no such folder (nor a Hub model id); give the "
+                                     "folder of a checkpoint of ours, or --init_config to train a new model.") from None
+    check_output_dir(args, training_args)
+
+
 def check_output_dir(args: ModelDataArguments, training_args: TrainingArguments) -> None:
     """Refuse to write into a non-empty output folder unless resuming from it or told to overwrite."""
     output_dir = Path(training_args.output_dir)
@@ -444,7 +472,7 @@ def check_output_dir(args: ModelDataArguments, training_args: TrainingArguments)
 def run_finetune(args: FinetuneArguments, training_args: TrainingArguments) -> dict:
     """Train, save the final model (LoRA merged unless `--merge_lora False`), the tokenizer and the processor files,
     return the metrics."""
-    check_output_dir(args, training_args)
+    check_arguments(args, training_args)
     if training_args.ddp_find_unused_parameters is None:
         # Within the token budget the indexer's scores are not needed, so its parameters get no gradient.
         training_args.ddp_find_unused_parameters = True

@@ -184,14 +184,17 @@ class CpuKernel:
         remote code, the installed package's, when they match the ones the checkpoint was saved with."""
         if self.source.is_file() and PRELUDE.is_file():
             return self.source, PRELUDE
+        # The package is not on the package index: the hints say to install it from a checkout.
         if not SOURCE_DIGESTS:
-            raise RuntimeError(f"its C source {self.source} is missing; reinstall the package "
-                               "(`pip install --force-reinstall hybrid-indexpool`) to get it back")
+            raise RuntimeError(f"its C source {self.source} is missing; reinstall the package from a checkout of this "
+                               "project's repository (`pip install --force-reinstall <path to the checkout>`; it is "
+                               "not on the package index) to get it back")
         installed = installed_kernels_folder()
         if installed is None:
             raise RuntimeError("this model runs from a checkpoint's remote code, which carries only Python files, and "
                                "the kernels' C sources come with the hybrid_indexpool package, which is not installed "
-                               "here; `pip install hybrid-indexpool` for the faster CPU kernels")
+                               "here; for the faster CPU kernels install it from a checkout of this project's "
+                               "repository (`pip install <path to the checkout>`; it is not on the package index)")
         found = {path.name: path for path in [*installed.glob("*.h"), *installed.glob("*/*.c")]}
         source, prelude = found.get(self.source.name), found.get(PRELUDE.name)
         installed_digests = source_digests(installed)

@@ -59,6 +59,7 @@ from .multi_token_prediction import MTP_CLASSES
 from .outputs import HybridIndexPoolCausalLMOutput, HybridIndexPoolModelOutput, HybridIndexPoolSequenceClassifierOutput
 from .per_layer_embedding import HybridIndexPoolNGramEmbedding, HybridIndexPoolPerLayerEmbedding
 from .residual_streams import HybridIndexPoolHyperConnection, HybridIndexPoolSinkhornHyperConnection
+from .tokenizer_fit import warn_if_tokenizer_does_not_fit
 
 # The oldest transformers the model runs on. The package installs next to older ones (vLLM pins transformers < 5.20)
 # because its vLLM plugin needs only the configuration; building a model there is refused here.
@@ -125,7 +126,8 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as usual, plus what makes the folder a self-contained Hub checkpoint: flat remote code, `auto_map`
-        in the config, and a `README.md` model card (a card the user wrote is never replaced).
+        in the config, and a `README.md` model card (a card the user wrote is never replaced); warns when a tokenizer
+        already saved in the folder does not fit the model's `vocab_size`.
 
         The code and card are written first, so that `push_to_hub=True` uploads them with the weights.
         """
@@ -134,7 +136,20 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
             write_remote_code(save_directory, multimodal=hasattr(self.config, "vision_config"))
             write_model_card(self, save_directory)
         self.config.auto_map = auto_map_for(self.config)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        saved = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            warn_if_tokenizer_does_not_fit(self.config.get_text_config().vocab_size, save_directory)
+        return saved
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' `from_pretrained`, plus a warning when the folder's tokenizer does not fit the model's
+        `vocab_size` (ids without an embedding, or many ids that decode to nothing)."""
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # with output_loading_info
+        if pretrained_model_name_or_path is not None and os.path.isdir(pretrained_model_name_or_path):
+            warn_if_tokenizer_does_not_fit(model.config.get_text_config().vocab_size, pretrained_model_name_or_path)
+        return loaded
 
     def router_aux_loss(self, router_logits: tuple[torch.Tensor, ...] | None,
                         attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -99,8 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
-        exit_with_error('the server needs FastAPI, Uvicorn and openai: pip install "hybrid-indexpool[serve]".')
-    app = typer.Typer(add_completion=False)
+        exit_with_error("the server needs FastAPI, Uvicorn and openai: in a checkout of this project, "
+                        "pip install -e '.[serve]'.")
+    # Plain help (click's): rich's table cuts the long option names of transformers' serve to fit the terminal.
+    app = typer.Typer(add_completion=False, rich_markup_mode=None)
     app.command()(_serve_command())
     app(args=sys.argv[1:] if argv is None else argv, prog_name="python -m hybrid_indexpool.scripts.serve")
 

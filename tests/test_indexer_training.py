@@ -116,3 +116,12 @@ def test_key_formats_change_nothing_within_the_budget_and_unknown_ones_are_refus
                                                       "per_layer_overlap": [1.0]}}
     with pytest.raises(ValueError, match="Unknown index key formats"):
         index_key_format_measures(model, torch.randint(1, 97, (1, 45)), formats=["int4"])
+
+
+def test_the_kl_summary_line_keeps_small_figures_readable():
+    from hybrid_indexpool.indexer_training import kl_summary_line
+
+    assert kl_summary_line("warmup", 10, (3.2e-5, 4.1e-7)) == \
+        "train_indexer: warmup stage, 10 steps, indexer KL 3.2e-05 -> 4.1e-07"
+    assert kl_summary_line("sparse", 2, (0.51234, 0.25)) == \
+        "train_indexer: sparse stage, 2 steps, indexer KL 0.5123 -> 0.25"

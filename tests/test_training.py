@@ -72,7 +72,9 @@ def test_lora_trains_merges_saves_and_reloads_with_the_same_logits(tmp_path, tex
                              lora_r=4)
     run_finetune(args, training_arguments(tmp_path / "lora", max_steps=8, save_steps=100, learning_rate=1e-2))
 
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from hybrid_indexpool.training import add_lora_adapters
 
     # The merged checkpoint has no adapter weights and fits the training text better than the base model.
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora")
@@ -84,7 +86,7 @@ def test_lora_trains_merges_saves_and_reloads_with_the_same_logits(tmp_path, tex
     input_ids = torch.randint(3, 259, (1, 50))
 
     # Merging is exact: an adapted model gives the same logits before and after merge, save and reload.
-    adapted = get_peft_model(original, LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv", "down_proj"],
+    adapted = add_lora_adapters(original, LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv", "down_proj"],
                                                   init_lora_weights=False))
     with torch.no_grad():
         before = adapted(input_ids).logits

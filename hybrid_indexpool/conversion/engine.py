@@ -400,6 +400,22 @@ def _own_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 
+def shard_size_bytes(max_shard_size: int | str) -> int:
+    """`max_shard_size` in bytes: an int, a string of digits, or a size with a unit as transformers reads it ("5GB",
+    "500MB", "2GiB"). ConversionError naming the value unless it is a positive size."""
+    text = str(max_shard_size).strip()
+    try:
+        size = int(text) if text.isdigit() else convert_file_size_to_int(text)
+    except ValueError:
+        size = None
+    if size is None or size <= 0:
+        raise ConversionError(
+            f"max_shard_size {max_shard_size!r} (--max_shard_size) is not a positive size; give a number of bytes or "
+            "a size with a unit, such as 5GB or 500MB."
+        )
+    return size
+
+
 def convert_checkpoint(
     source: SourceCheckpoint,
     plan: ConversionPlan,
@@ -440,7 +456,7 @@ def convert_checkpoint(
             raise ConversionError(f"Output path {output_dir} exists and is not a folder; remove it or choose another.")
         if output_dir.resolve() == source.folder.resolve():
             raise ConversionError(f"Output folder {output_dir} is the source folder; write the conversion elsewhere.")
-    max_shard_size = convert_file_size_to_int(max_shard_size)
+    max_shard_size = shard_size_bytes(max_shard_size)
 
     ignored = plan.check(source.weight_names)
     for reason, names in ignored.items():

@@ -26,6 +26,7 @@ from .engine import (
     ConversionReport,
     convert_checkpoint,
     expected_weights,
+    shard_size_bytes,
 )
 from .errors import ConversionError, names_preview
 
@@ -132,6 +133,32 @@ def open_our_checkpoint(folder) -> tuple[SourceCheckpoint, PretrainedConfig]:
     return checkpoint, config
 
 
+# The source families by the `model_type` a conversion stores in `source_config`: (family, its export's script).
+SOURCE_FAMILIES = {
+    "qwen4_exp": ("Qwen4-Exp", "export_qwen4_exp"),
+    "qwen4_exp_text": ("Qwen4-Exp", "export_qwen4_exp"),
+    "glm5_next": ("GLM-5.3-Flash", "export_glm5_next"),
+    "qwen3_next": ("Qwen3-Next", None),
+    "qwen3_5": ("Qwen3.5", None),
+    "qwen3_5_text": ("Qwen3.5", None),
+    "qwen3_5_moe": ("Qwen3.5", None),
+    "qwen3_5_moe_text": ("Qwen3.5", None),
+}
+
+
+def check_converted_from(folder, config: PretrainedConfig, family: str) -> None:
+    """ConversionError when the checkpoint in `folder` was converted from another family than `family` (as its
+    stored `source_config` says), naming the family it came from and the export that writes it back. A model without
+    a stored source (built here) is left to the format checks."""
+    source_type = (config.get_text_config().source_config or {}).get("model_type")
+    if source_type is None or SOURCE_FAMILIES.get(source_type, (None,))[0] == family:
+        return
+    source_family, script = SOURCE_FAMILIES.get(source_type, (f"a {source_type!r} checkpoint", None))
+    fix = (f"export it with {script} (python -m hybrid_indexpool.scripts.{script})" if script else
+           f"{source_family} conversions have no export (their indexers are new): keep the model in our format")
+    raise ConversionError(f"{folder} was converted from {source_family}, not {family}; {fix}.")
+
+
 class ExportWarning(UserWarning):
     """An export that goes ahead without something the target format ships (its tokenizer or processor files)."""
 
@@ -178,6 +205,7 @@ def export_checkpoint(
     folder is refused unless `overwrite`, and the result appears only once complete. A folder without the tokenizer
     files, or without the processor files of a multimodal model, exports with an `ExportWarning`.
     """
+    max_shard_size = shard_size_bytes(max_shard_size)  # refused before any warning about the files
     for missing in missing_shipped_files(checkpoint.folder, hasattr(source_config, "vision_config")):
         # Not an error: the weights export all the same, and the files can be added afterwards.
         warnings.warn(

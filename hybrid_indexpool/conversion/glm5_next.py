@@ -23,7 +23,7 @@ from .engine import (
     to_multimodal_name,
 )
 from .errors import ConversionError, names_preview
-from .export import export_checkpoint, open_our_checkpoint
+from .export import check_converted_from, export_checkpoint, open_our_checkpoint
 
 # The command that converts these sources, named when a source of another model type is refused.
 SCRIPT = "scripts/convert_glm5_next.py"
@@ -331,6 +331,7 @@ def export_glm5_next(
     checkpoint in `output_dir`, loadable by transformers' `Glm5NextForConditionalGeneration` and the engines that
     serve GLM-5.3-Flash: the same weight names, shapes and values as the converted source."""
     checkpoint, config = open_our_checkpoint(folder)
+    check_converted_from(folder, config, "GLM-5.3-Flash")
     source_config = glm_config_from_ours(config)
     return export_checkpoint(checkpoint, config, source_config, Glm5NextForConditionalGeneration, build_plan,
                              output_dir, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress,

@@ -22,7 +22,7 @@ from .engine import (
     to_multimodal_name,
 )
 from .errors import ConversionError
-from .export import export_checkpoint, open_our_checkpoint
+from .export import check_converted_from, export_checkpoint, open_our_checkpoint
 from .qwen import (
     qwen_attention_parts,
     qwen_hybrid_settings,
@@ -400,6 +400,7 @@ def export_qwen4_exp(
     `Qwen4ExpForConditionalGeneration` / `Qwen4ExpForCausalLM` and the engines that serve Qwen4-Exp: the same weight
     names, shapes and values as the converted source."""
     checkpoint, config = open_our_checkpoint(folder)
+    check_converted_from(folder, config, "Qwen4-Exp")
     source_config = qwen4_config_from_ours(config)
     model_class = (Qwen4ExpForConditionalGeneration if isinstance(config, HybridIndexPoolMultimodalConfig)
                    else Qwen4ExpForCausalLM)

@@ -50,11 +50,13 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_is_refused_with_the_merge_for_the_right_class_until_merged(converted, tmp_path, family):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from hybrid_indexpool.training import add_lora_adapters
 
     export, auto_class, adapted = FAMILIES[family]
     source, ours = converted[family]
-    model = get_peft_model(auto_class.from_pretrained(ours), LoraConfig(r=2, target_modules=["o_proj"]))
+    model = add_lora_adapters(auto_class.from_pretrained(ours), LoraConfig(r=2, target_modules=["o_proj"]))
     with torch.no_grad():  # trained adapters: B starts at zero, which would merge to nothing
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
@@ -187,3 +189,25 @@ def test_the_export_command_prints_the_warning_plainly(converted, tmp_path, caps
         warnings.simplefilter("default", ExportWarning)
         export_qwen4_exp_script.main(["--source", str(folder), "--output", str(tmp_path / "out"), "--no_progress"])
     assert f"warning: {folder} has no tokenizer files" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_conversion_of_the_other_family_is_refused_with_its_own_export_named(converted, tmp_path, family):
+    other = next(name for name in FAMILIES if name != family)
+    export = FAMILIES[family][0]
+    source_family, script = {"qwen4_exp": ("Qwen4-Exp", "export_qwen4_exp"),
+                             "glm5_next": ("GLM-5.3-Flash", "export_glm5_next")}[other]
+    with pytest.raises(ConversionError, match=rf"was converted from {source_family}, not .*; export it with {script} "
+                                              rf"\(python -m hybrid_indexpool.scripts.{script}\)"):
+        export(converted[other][1], tmp_path / "out", **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_export_command_refuses_a_bad_shard_size_in_one_line(converted, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        export_qwen4_exp_script.main(["--source", str(converted["qwen4_exp"][1]), "--output", str(tmp_path / "out"),
+                                      "--max_shard_size", "0", "--no_progress"])
+    printed = capsys.readouterr().err
+    assert stop.value.code == 2 and printed == ("error: max_shard_size '0' (--max_shard_size) is not a positive size; "
+                                                "give a number of bytes or a size with a unit, such as 5GB or 500MB.\n")
+    assert list(tmp_path.iterdir()) == []

@@ -57,14 +57,14 @@ def check(results):
         assert row.spills <= spill_allowance(row), f"{where}: {row.spills} registers spilled"
 
 
-def show(results, capsys):
-    with capsys.disabled():
-        print("\n" + aot.format_table(results))
+def show(results):
+    """The register table, captured: pytest shows it when the test fails, and `pytest -s` always."""
+    print("\n" + aot.format_table(results))
 
 
-def test_every_kernel_compiles_for_sm90_and_sm80_within_their_limits(capsys):
+def test_every_kernel_compiles_for_sm90_and_sm80_within_their_limits():
     results = aot.compile_sizes(aot.default_sizes())
-    show(results, capsys)
+    show(results)
     for mode, kernels in (("decode", DECODE_KERNELS), ("prefill", KERNELS - DECODE_ONLY)):
         assert {row.kernel for row in results if row.mode == mode} == kernels
     # The paged kernels at Qwen3.8-Flash-Next's widths (16 heads on 2 key/value heads of 256, r = 4), with the output
@@ -86,11 +86,11 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_their_limits(capsys):
     check(results)
 
 
-def test_glm_sizes_compile_for_sm90_and_sm80_within_their_limits(capsys):
+def test_glm_sizes_compile_for_sm90_and_sm80_within_their_limits():
     """GLM-5.3-Flash: the indexer's 32 heads x 128 at r = 16 (float and fp8 keys) and MLA's 64 heads on one latent of
     512, budget 2048, decode and prefill."""
     results = aot.compile_sizes(aot.glm_sizes())
-    show(results, capsys)
+    show(results)
     assert {row.kernel for row in results} == {"pooled_index_scores", "paged_pooled_index_scores", "pooled_key_write",
                                                "sparse_latent_attention", "combine_splits"}
     assert any("HEADS=64" in row.config and "LATENT_DIM=512" in row.config and "POOL=16" in row.config
@@ -99,11 +99,11 @@ def test_glm_sizes_compile_for_sm90_and_sm80_within_their_limits(capsys):
 
 
 @pytest.mark.slow
-def test_the_whole_size_matrix_compiles_within_the_limits(request, capsys):
+def test_the_whole_size_matrix_compiles_within_the_limits(request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the whole matrix compiles for about 20 minutes on 2 cores: run it with `pytest -m slow`")
     results = aot.compile_sizes(aot.full_sizes())
-    show(results, capsys)
+    show(results)
     check(results)
 
 

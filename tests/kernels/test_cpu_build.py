@@ -119,3 +119,13 @@ def test_the_op_falls_back_to_the_reference_when_the_build_fails(tmp_path):
     # What a compiled graph that chose the op runs if the build then fails. In a fresh process (as a cold compiled
     # step is), so that no kernel library another test loaded is there.
     run_in_fresh_process(__file__, "check_the_ops_fall_back_when_the_build_fails", str(tmp_path / "no-such-compiler"))
+
+
+def test_a_checkpoint_without_the_package_says_how_to_install_it_from_a_checkout(monkeypatch, tmp_path):
+    # As in a checkpoint's remote code: no C source beside the module, sources saved with digests, no package.
+    monkeypatch.setattr(cpu_build, "SOURCE_DIGESTS", {"decode_linear.c": "0" * 64})
+    monkeypatch.setattr(cpu_build, "installed_kernels_folder", lambda: None)
+    kernel = CpuKernel("missing", tmp_path / "decode_linear.c", linear_impl.KERNEL.declare)
+    with pytest.raises(RuntimeError, match=r"install it from a checkout of this project's repository "
+                                           r"\(`pip install <path to the checkout>`; it is not on the package index\)"):
+        kernel._sources()

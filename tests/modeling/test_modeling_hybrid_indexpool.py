@@ -118,7 +118,7 @@ def test_backward_gives_finite_gradients_and_checkpointing_gives_the_same_ones()
     assert reference["model.layers.0.linear_attn.A_log"].abs().sum() > 0
     assert reference["model.layers.3.self_attn.q_proj.weight"].abs().sum() > 0
     model.zero_grad()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model(input_ids, labels=input_ids).loss.backward()
     for name, grad in reference.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=1e-6, rtol=1e-5)

@@ -65,3 +65,21 @@ def test_bad_input_ends_with_an_error_line_and_status_2(tmp_path, capsys, change
     printed = capsys.readouterr().err
     assert stop.value.code == 2 and "\nerror: " in "\n" + printed and message in printed
     assert "Traceback" not in printed and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--block_size", "0"], "error: --block_size is 0; give the number of tokens per training sequence, a positive "
+                            "number (default 512).\n"),
+    (["--model_name_or_path", "/nonexistent"], "error: --model_name_or_path /nonexistent: no such folder (nor a Hub "
+                                               "model id); give the folder of a checkpoint of ours, or --init_config "
+                                               "to train a new model.\n"),
+])
+def test_an_argument_refused_before_anything_loads_is_one_error_line(tmp_path, capsys, change, message):
+    argv = command_line(tmp_path)
+    if change[0] == "--model_name_or_path":
+        del argv[:2]  # instead of --init_config
+    argv += change
+    with pytest.raises(SystemExit) as stop:
+        finetune.main(argv)
+    assert stop.value.code == 2 and capsys.readouterr().err == message
+    assert not (tmp_path / "out").exists()

@@ -140,3 +140,14 @@ def test_the_model_classes_become_known_to_transformers():
 
     serve.register_with_transformers()
     assert transformers.HybridIndexPoolForCausalLM is serve.hybrid_indexpool.HybridIndexPoolForCausalLM
+
+
+def test_help_shows_every_option_name_whole_in_a_narrow_terminal(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as stop:
+        serve.main(["--help"])
+    printed = capsys.readouterr().out
+    assert stop.value.code == 0
+    for option in ("--continuous-batching / --no-continuous-batching", "--attn-implementation", "--compile"):
+        assert option in printed
+    assert "…" not in printed

@@ -95,6 +95,7 @@ def test_both_stages_from_scratch(tmp_path, checkpoint_and_data):
     (["--max_steps", "5"], "--dense_warmup_steps and --sparse_steps, not --max_steps"),
     (["--stage", "sparse", "--sparse_steps", "0"], "--sparse_steps is 0"),
     (["--resume_from_checkpoint", "last"], "does not resume inside a stage"),
+    (["--block_size", "0"], "--block_size is 0; give the number of tokens per training sequence"),
 ])
 def test_bad_options_are_refused(tmp_path, capsys, checkpoint_and_data, extra, message):
     base, data = checkpoint_and_data

@@ -1,0 +1,106 @@
+"""Every code example of the README and of `docs/*.md` runs as written: each fenced `python` block in a fresh
+process, in the default suite; each shell block (`bash`, `sh`, `shell`) under the `slow` marker (they install,
+convert and train: minutes). Each runs in a scratch folder, with `python` the interpreter running the tests. A block
+preceded by the line `<!-- not run: REASON -->` is skipped with its reason; the reason is required."""
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\s*$")
+NOT_RUN = re.compile(r"^<!-- not run:(.*)-->\s*$")
+LANGUAGES = {"python": "python", "bash": "shell", "sh": "shell", "shell": "shell"}
+TIMEOUT_S = {"python": 300, "shell": 1200}
+
+
+@dataclass(frozen=True)
+class Example:
+    """One fenced block: where it is, its language (`python` or `shell`), its code and why it is not run (None: it
+    runs)."""
+
+    page: Path
+    line: int
+    language: str
+    code: str
+    not_run: str | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def examples(page: Path) -> list[Example]:
+    """The python and shell blocks of `page`, with the `not run` reason of the line right before each fence."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    found, index = [], 0
+    while index < len(lines):
+        opening = FENCE.match(lines[index])
+        if opening is None:
+            index += 1
+            continue
+        end = next((at for at in range(index + 1, len(lines)) if lines[at].startswith("```")), len(lines))
+        marker = NOT_RUN.match(lines[index - 1]) if index else None
+        language = LANGUAGES.get(opening.group(1))
+        if language is not None:
+            found.append(Example(page, index + 1, language, "\n".join(lines[index + 1:end]) + "\n",
+                                 marker.group(1).strip() if marker else None))
+        index = end + 1
+    return found
+
+
+ALL = [example for page in PAGES for example in examples(page)]
+
+
+def run(example: Example, folder: Path) -> subprocess.CompletedProcess:
+    """Run the block in `folder`, `python` resolving to this interpreter, offline (tiny models need no downloads)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-c", example.code] if example.language == "python" else \
+        ["bash", "-euo", "pipefail", "-c", example.code]
+    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S[example.language])
+
+
+def check(example: Example, tmp_path: Path) -> None:
+    if example.not_run is not None:
+        pytest.skip(f"not run: {example.not_run}")
+    result = run(example, tmp_path)
+    assert result.returncode == 0, f"{example.name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("example", [example for example in ALL if example.language == "python"],
+                         ids=lambda example: example.name)
+def test_python_example_runs(example, tmp_path):
+    check(example, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", [example for example in ALL if example.language == "shell"],
+                         ids=lambda example: example.name)
+def test_shell_example_runs(example, tmp_path):
+    check(example, tmp_path)
+
+
+def test_every_not_run_marker_gives_a_reason_and_sits_right_before_a_fence():
+    for page in PAGES:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for number, line in enumerate(lines):
+            if line.startswith("<!-- not run"):
+                marker = NOT_RUN.match(line)
+                assert marker is not None and marker.group(1).strip(), f"{page.name}:{number + 1}: give a reason"
+                assert number + 1 < len(lines) and FENCE.match(lines[number + 1]), \
+                    f"{page.name}:{number + 1}: the marker must be the line right before the fence"
+
+
+def test_the_readme_examples_are_run():
+    # The landing page's use and long-context examples run in the default suite, its round trip under `slow`.
+    readme = [example for example in ALL if example.page.name == "README.md" and example.page.parent == ROOT]
+    assert sum(example.language == "python" and example.not_run is None for example in readme) >= 2
+    assert any("make_tiny_source" in example.code and example.not_run is None for example in readme)
