@@ -213,6 +213,7 @@ class LinearAttentionLayerCache(_LayerCache):
     """
 
     _batch_tensors = ("conv_state", "recurrent_state", "ple_token_context", "ple_conv_state")
+    is_croppable = True  # with a recording (generate() activates it for assisted decoding)
 
     def __init__(self):
         self.conv_state: torch.Tensor | None = None
