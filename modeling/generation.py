@@ -76,6 +76,9 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
             )
         # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
         model_kwargs["cache"] = HybridIndexPoolCache(self.config.get_text_config(), max_cache_len=max_cache_length)
+        if generation_config.is_assistant:  # a draft model: its drafts are rolled back (as transformers' own caches)
+            model_kwargs["cache"].activate_past_recording(
+                recurrent_states_to_keep=generation_config.num_assistant_tokens)
 
     def _assisted_decoding(self, input_ids, *args, **model_kwargs):
         """transformers' assisted decoding (`prompt_lookup_num_tokens`, `assistant_model`), refusing a batch up front
