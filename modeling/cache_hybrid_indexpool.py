@@ -35,6 +35,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kernels.fp8_index_keys import packed_width
+from .layers import last_real_entries
 
 # Positions a growing (non-reserved) cache adds at least, and the fraction of its size it adds at most beyond need.
 GROWTH_CHUNK = 256
@@ -70,6 +71,56 @@ def _mark_static(*tensors: torch.Tensor | None) -> None:
             torch._dynamo.mark_static_address(tensor)
 
 
+def _compact_last(sequence: torch.Tensor, kept: torch.Tensor, count: int) -> torch.Tensor:
+    """The last `count` entries of each row among those `kept [batch, n]` marks, along the last dimension of
+    `sequence [batch, ..., n]` whose first `count` entries are always kept (the state before the new tokens)."""
+    # A stable sort brings each row's kept entries to the front in order, then the state ends at its last kept one.
+    order = torch.sort((~kept).to(torch.uint8), dim=1, stable=True).indices
+    order = order.view(order.shape[0], *([1] * (sequence.dim() - 2)), -1).expand_as(sequence)
+    compacted = sequence.gather(-1, order)
+    index = (kept.sum(dim=1) - count)[:, None] + torch.arange(count, device=sequence.device)
+    index = index.view(index.shape[0], *([1] * (sequence.dim() - 2)), count).expand(*sequence.shape[:-1], count)
+    return compacted.gather(-1, index)
+
+
+def _kept_tokens(token_is_real: torch.Tensor, tokens_to_remove: int) -> torch.Tensor:
+    """`[batch, n]`: the real tokens of each row but its last `tokens_to_remove` ones."""
+    counts = token_is_real.long().cumsum(dim=1)
+    return token_is_real & (counts <= counts[:, -1:] - tokens_to_remove)
+
+
+class _WindowRecording:
+    """A state made of the last `count` real entries of a sequence (a convolution's input window, an n-gram's token
+    context), recorded since a checkpoint so that a crop can rebuild it for fewer tokens: the checkpoint state and the
+    new entries of every forward since, with their real-token masks."""
+
+    def __init__(self, checkpoint: torch.Tensor):
+        self.checkpoint = checkpoint  # [batch, ..., count]
+        self.entries: list[torch.Tensor] = []  # [batch, ..., new] per forward
+        self.token_is_real: list[torch.Tensor] = []  # [batch, new] per forward
+
+    def add(self, entries: torch.Tensor, token_is_real: torch.Tensor) -> None:
+        self.entries.append(entries)
+        self.token_is_real.append(token_is_real)
+
+    def rebuild(self, kept: torch.Tensor) -> torch.Tensor:
+        """The state after the recorded tokens `kept [batch, recorded]` marks."""
+        count = self.checkpoint.shape[-1]
+        sequence = torch.cat([self.checkpoint, *[entries.to(self.checkpoint.dtype) for entries in self.entries]], -1)
+        always = kept.new_ones(kept.shape[0], count)
+        return _compact_last(sequence, torch.cat([always, kept], dim=1), count)
+
+
+@dataclass
+class _RecurrentRecording:
+    """What a linear-attention layer needs to return to any point of the tokens recorded since a checkpoint: the
+    recurrent state at the checkpoint and the rule's inputs of every token since (replayed by `crop`)."""
+
+    rule: Callable  # `rule(query, key, value, log_decay, beta, initial_state, mode=...) -> (output, final_state)`
+    checkpoint: torch.Tensor | None
+    inputs: list[tuple[torch.Tensor, ...]]  # (query, key, value, log_decay, beta) per forward, `[batch, new, ...]`
+
+
 class _LayerCache:
     """Shared batch bookkeeping: every tensor attribute named in `_batch_tensors` has the batch first."""
 
@@ -77,6 +128,27 @@ class _LayerCache:
     is_compileable = True
     is_croppable = False
     supports_early_init = False
+    # transformers' past recording (`Cache.activate_past_recording`): while on, every forward records what `crop`
+    # needs to remove its tokens again; a long forward records only its last `recurrent_states_to_keep + 1` tokens.
+    record_past = False
+    recurrent_states_to_keep: int | None = None
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Record, from the next forward on, what `crop(-n)` needs to remove the last `n` tokens, for `n` up to
+        `recurrent_states_to_keep + 1` (any `n` when None) or the tokens fed since the last crop, if more."""
+        self.record_past = True
+        self.recurrent_states_to_keep = recurrent_states_to_keep
+        self._drop_recording()
+
+    def _drop_recording(self) -> None:
+        """Forget what was recorded (a crop keeps the tokens before it for good)."""
+
+    def _recording_start(self, num_new: int, extra: int = 0) -> int:
+        """The first of `num_new` new columns to record: a forward longer than the `recurrent_states_to_keep + 1`
+        tokens a crop may remove (plus `extra`) records only its last ones, and restarts the recording there."""
+        if self.recurrent_states_to_keep is None:
+            return 0
+        return max(0, num_new - self.recurrent_states_to_keep - 1 - extra)
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in self._batch_tensors:
@@ -104,6 +176,7 @@ class _LayerCache:
         """Forget everything (the next forward starts a new sequence)."""
         for name in self._batch_tensors:
             setattr(self, name, None)
+        self._drop_recording()
 
     def offload(self) -> None:  # called by `Cache` only when offloading, which this cache does not do
         raise NotImplementedError("HybridIndexPoolCache does not support offloading.")
@@ -130,41 +203,179 @@ class LinearAttentionLayerCache(_LayerCache):
     """Convolution state `[batch, conv_dim, kernel - 1]` and recurrent state `[batch, heads, key_dim, value_dim]` of
     a linear-attention layer (Kimi Delta Attention keeps its convolution state in float32);
     on a PLE layer also the last `ple_ngram_size - 1` token ids and the PLE convolution's input history. Their sizes do
-    not depend on the context."""
+    not depend on the context.
+
+    Rollback (`crop(-n)` after `activate_past_recording`) is by checkpoint and replay: the first recorded forward
+    keeps the states it starts from, and every recorded forward keeps its tokens' delta-rule inputs (query, key,
+    value, log decay, beta) and convolution inputs. A crop replays the rule from the checkpoint over the tokens it
+    keeps (the removed ones masked to no-ops: zero beta and log decay) and rebuilds the convolution and PLE windows
+    from the kept inputs; removing nothing replays nothing.
+    """
 
     _batch_tensors = ("conv_state", "recurrent_state", "ple_token_context", "ple_conv_state")
+    is_croppable = True  # with a recording (generate() activates it for assisted decoding)
 
     def __init__(self):
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
         self.ple_token_context: torch.Tensor | None = None
         self.ple_conv_state: torch.Tensor | None = None
+        self._recurrent: _RecurrentRecording | None = None
+        self._conv: _WindowRecording | None = None
+        self._ple_tokens: _WindowRecording | None = None
+        self._ple_conv: _WindowRecording | None = None
+
+    @property
+    def is_compileable(self) -> bool:
+        # Recording keeps lists of per-forward tensors on the host side: such forwards run eagerly.
+        return not self.record_past
+
+    def _drop_recording(self) -> None:
+        self._recurrent = self._conv = self._ple_tokens = self._ple_conv = None
 
     def update(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         """Store the states after the new tokens."""
         self.conv_state = _store(self.conv_state, conv_state)
         self.recurrent_state = _store(self.recurrent_state, recurrent_state)
 
-    def update_ple(self, token_context: torch.Tensor, conv_state: torch.Tensor) -> None:
-        """Store the PLE token context and convolution history after the new tokens."""
-        self.ple_token_context = _store(self.ple_token_context, token_context)
-        self.ple_conv_state = _store(self.ple_conv_state, conv_state)
+    def run_rule(self, rule: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 log_decay: torch.Tensor, beta: torch.Tensor, conv_input: torch.Tensor, token_is_real: torch.Tensor,
+                 mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a layer's delta rule `rule(query, key, value, log_decay, beta, initial_state, mode=...)` over the new
+        tokens from the cached recurrent state and return its output and final state, recording (while
+        `record_past`) what a crop needs: the rule's inputs, and the convolution inputs `conv_input [batch, channels,
+        kernel - 1 + new]` (state, then the new tokens). A forward longer than the tokens a crop may remove runs the
+        rule in two pieces, so that the state where its recording starts is known."""
+        state = self.recurrent_state
+        if not self.record_past:
+            self._drop_recording()
+            return rule(query, key, value, log_decay, beta, state, mode=mode)
+        inputs = (query, key, value, log_decay, beta)
+        start = self._recording_start(query.shape[1])
+        width = conv_input.shape[-1] - query.shape[1]  # kernel - 1
+        head = None
+        if start > 0 or self._recurrent is None:
+            if start > 0:
+                head, state = rule(*(x[:, :start] for x in inputs), state, mode="chunk")
+            elif state is not None:
+                state = state.clone()  # the cache's own state is overwritten in place by `update`
+            self._recurrent = _RecurrentRecording(rule, state, [])
+            self._conv = _WindowRecording(
+                last_real_entries(conv_input[..., : width + start], token_is_real[:, :start].sum(dim=1), width))
+        tail = tuple(x[:, start:] for x in inputs)
+        self._recurrent.inputs.append(tail)
+        self._conv.add(conv_input[..., width + start:], token_is_real[:, start:])
+        output, final_state = rule(*tail, state, mode=mode if head is None else "chunk")
+        return (output if head is None else torch.cat([head, output], dim=1)), final_state
+
+    def update_ple(self, token_history: torch.Tensor, conv_input: torch.Tensor, token_is_real: torch.Tensor) -> None:
+        """Store the PLE token context and convolution history after the new tokens, from `token_history [batch,
+        context + new]` (the context, then the new token ids) and `conv_input [batch, channels, history + new]`
+        (recorded while `record_past`); each row's real tokens come first."""
+        num_new = token_is_real.shape[1]
+        context, history = token_history.shape[1] - num_new, conv_input.shape[-1] - num_new
+        if not self.record_past:
+            self._drop_recording()
+        else:
+            start = self._recording_start(num_new)
+            if start > 0 or self._ple_tokens is None:
+                real_before = token_is_real[:, :start].sum(dim=1)
+                self._ple_tokens = _WindowRecording(
+                    last_real_entries(token_history[:, : context + start], real_before, context))
+                self._ple_conv = _WindowRecording(
+                    last_real_entries(conv_input[..., : history + start], real_before, history))
+            self._ple_tokens.add(token_history[:, context + start:], token_is_real[:, start:])
+            self._ple_conv.add(conv_input[..., history + start:], token_is_real[:, start:])
+        num_real = token_is_real.sum(dim=1)
+        self.ple_token_context = _store(self.ple_token_context, last_real_entries(token_history, num_real, context))
+        self.ple_conv_state = _store(self.ple_conv_state, last_real_entries(conv_input, num_real, history))
+
+    def recorded_tokens(self) -> torch.Tensor | None:
+        """`[batch, recorded]` the real tokens recorded since the checkpoint (None when nothing is recorded)."""
+        recording = self._conv or self._ple_tokens
+        return None if recording is None else torch.cat(recording.token_is_real, dim=1)
 
     def check_crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0 and self.is_initialized:
+        if tokens_to_remove <= 0 or not self.is_initialized:
+            return
+        recorded = self.recorded_tokens()
+        if recorded is None:
             raise ValueError(
-                "HybridIndexPoolCache cannot crop a linear-attention layer: its recurrent state cannot be rolled back. "
-                "Cropping works only for models whose layers are all IndexPool attention."
+                f"Cannot crop {tokens_to_remove} tokens: a linear-attention layer rolls back only the tokens fed "
+                "since cache.activate_past_recording(recurrent_states_to_keep=k) (generate() calls it for assisted "
+                "decoding) and the last crop; activate it before the forward whose tokens may be removed."
+            )
+        fewest = int(recorded.sum(dim=1).min())
+        if tokens_to_remove > fewest:
+            raise ValueError(
+                f"Cannot crop {tokens_to_remove} tokens: a linear-attention layer recorded only {fewest} since its "
+                f"last crop (a long forward records its last recurrent_states_to_keep + 1 = "
+                f"{(self.recurrent_states_to_keep or 0) + 1}); activate past recording with a larger "
+                "recurrent_states_to_keep."
             )
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `tokens_to_remove` tokens of every row (replaying the recorded ones it keeps), and forget
+        the recording: `crop(0)` keeps every token for good."""
         self.check_crop(tokens_to_remove)
+        recorded = self.recorded_tokens()
+        if tokens_to_remove > 0 and recorded is not None:
+            kept = _kept_tokens(recorded, tokens_to_remove)
+            if self._conv is not None:
+                self.conv_state = _store(self.conv_state, self._conv.rebuild(kept))
+                query, key, value, log_decay, beta = (torch.cat(parts, dim=1) for parts in zip(*self._recurrent.inputs))
+                # A removed token becomes a no-op of the rule: it neither decays nor writes the state.
+                log_decay = log_decay * kept.view(*kept.shape, *[1] * (log_decay.dim() - 2))
+                beta = beta * kept.view(*kept.shape, *[1] * (beta.dim() - 2)).to(beta.dtype)
+                checkpoint = self._recurrent.checkpoint
+                mode = "recurrent" if checkpoint is not None and query.shape[1] == 1 else "chunk"
+                _, state = self._recurrent.rule(query, key, value, log_decay, beta, checkpoint, mode=mode)
+                self.recurrent_state = _store(self.recurrent_state, state)
+            if self._ple_tokens is not None:
+                self.ple_token_context = _store(self.ple_token_context, self._ple_tokens.rebuild(kept))
+                self.ple_conv_state = _store(self.ple_conv_state, self._ple_conv.rebuild(kept))
+        self._drop_recording()
 
     def memory_footprint(self) -> dict[str, tuple[int, int]]:
-        """`{component: (bytes in use, bytes reserved)}`; fixed-size states are entirely in use."""
+        """`{component: (bytes in use, bytes reserved)}`; fixed-size states are entirely in use, and so is what a
+        recording holds (`rollback`)."""
         ple = _bytes(self.ple_token_context) + _bytes(self.ple_conv_state)
         conv, recurrent = _bytes(self.conv_state), _bytes(self.recurrent_state)
-        return {"conv_state": (conv, conv), "recurrent_state": (recurrent, recurrent), "ple_state": (ple, ple)}
+        rollback = self.rollback_bytes()
+        return {"conv_state": (conv, conv), "recurrent_state": (recurrent, recurrent), "ple_state": (ple, ple),
+                "rollback": (rollback, rollback)}
+
+    def rollback_bytes(self) -> int:
+        """Bytes the recording holds: checkpoints and the recorded tokens' inputs."""
+        total = 0
+        if self._recurrent is not None:
+            total += _bytes(self._recurrent.checkpoint) + sum(_bytes(x) for part in self._recurrent.inputs
+                                                              for x in part)
+        for recording in (self._conv, self._ple_tokens, self._ple_conv):
+            if recording is not None:
+                total += _bytes(recording.checkpoint) + sum(_bytes(x) for x in recording.entries)
+        return total
+
+
+@dataclass
+class _OpenWindowRecording:
+    """The raw indexer keys (and pooling-gate logits, rotary positions) of the tokens an IndexPool layer received
+    since a checkpoint, with their positions, plus the open window it held there: whatever a crop needs to reopen a
+    window that these tokens completed and pooled. One entry per forward, each `[batch, n, ...]`."""
+
+    keys: list[torch.Tensor]
+    gate_logits: list[torch.Tensor] | None
+    rope_positions: list[torch.Tensor]  # [batch, n, streams]
+    positions: list[torch.Tensor]  # [batch, n]
+    valid: list[torch.Tensor]  # [batch, n]
+
+    def add(self, keys, gate_logits, rope_positions, positions, valid) -> None:
+        self.keys.append(keys)
+        if self.gate_logits is not None:
+            self.gate_logits.append(gate_logits)
+        self.rope_positions.append(rope_positions)
+        self.positions.append(positions)
+        self.valid.append(valid)
 
 
 @dataclass
@@ -223,7 +434,6 @@ class IndexPoolLayerCache(_LayerCache):
         self.pool_size = pool_size
         self.max_cache_len = max_cache_len
         self.fp8_index_keys = fp8_index_keys
-        self.is_compileable = max_cache_len is not None
         self.key_storage: torch.Tensor | None = None
         self.value_storage: torch.Tensor | None = None
         self.pooled_storage: torch.Tensor | None = None
@@ -236,6 +446,15 @@ class IndexPoolLayerCache(_LayerCache):
         # prefill; a decode step adds one (not maintained inside a compiled step, where the capacity is fixed).
         self.length_bound = 0
         self._planned_capacity = 0
+        self._open_windows: _OpenWindowRecording | None = None
+
+    @property
+    def is_compileable(self) -> bool:
+        """Reserved storage (fixed shapes) and no recording (which keeps host-side lists)."""
+        return self.max_cache_len is not None and not self.record_past
+
+    def _drop_recording(self) -> None:
+        self._open_windows = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -374,10 +593,51 @@ class IndexPoolLayerCache(_LayerCache):
         """
         if self.key_storage is None or self._planned_capacity > self.capacity:
             self._allocate(key_states, value_states, raw_index_keys, gate_logits, rope_positions.shape[0])
+        if not self.record_past or raw_index_keys is None:
+            self._drop_recording()
+        else:
+            self._record(raw_index_keys, gate_logits, token_is_real, rope_positions)
         write = self._write_one if key_states.shape[-2] == 1 else self._write_many
         completed = write(key_states, value_states, raw_index_keys, gate_logits, token_is_real, rope_positions)
         self.lengths.add_(token_is_real.sum(dim=1))
         return self.keys, self.values, completed
+
+    def _record(self, raw_index_keys, gate_logits, token_is_real, rope_positions) -> None:
+        """Record the new tokens' raw indexer keys and gate logits by position (before they are stored); the first
+        recorded forward also records the open window it starts from. A long forward records its last
+        `recurrent_states_to_keep + r` tokens: a crop of up to `recurrent_states_to_keep + 1` reopens a window that
+        starts at most `r - 1` tokens earlier."""
+        start = self._recording_start(raw_index_keys.shape[1], extra=self.pool_size - 1)
+        if start > 0 or self._open_windows is None:
+            logits = None if gate_logits is None else []
+            self._open_windows = _OpenWindowRecording([], logits, [], [], [])
+            if start == 0 and self.pool_size > 1:
+                slots = torch.arange(self.pool_size - 1, device=self.lengths.device)
+                self._open_windows.add(
+                    self.open_index_keys.clone(), None if gate_logits is None else self.open_gate_logits.clone(),
+                    self.open_window_position[:, None].expand(-1, self.pool_size - 1, -1).clone(),
+                    self.num_pooled[:, None] * self.pool_size + slots, slots < self.num_open[:, None])
+        positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1
+        self._open_windows.add(
+            raw_index_keys[:, start:], None if gate_logits is None else gate_logits[:, start:].float(),
+            rope_positions[:, :, start:].permute(1, 2, 0), positions[:, start:], token_is_real[:, start:])
+
+    def _reopened_window(self, tokens_to_remove: int):
+        """Where the recording holds each row's open window after removing `tokens_to_remove` tokens: `(index
+        [batch, r - 1] into the recorded entries, needed [batch, r - 1])`; raises if an entry was not recorded."""
+        recording, r = self._open_windows, self.pool_size
+        remaining = self.lengths - tokens_to_remove
+        wanted = (remaining // r * r)[:, None] + torch.arange(r - 1, device=remaining.device)  # [batch, r - 1]
+        needed = wanted < remaining[:, None]
+        positions, valid = torch.cat(recording.positions, dim=1), torch.cat(recording.valid, dim=1)
+        match = valid[:, None, :] & (positions[:, None, :] == wanted[..., None])  # [batch, r - 1, entries]
+        if bool((needed & ~match.any(dim=-1)).any()):
+            raise ValueError(
+                f"Cannot crop {tokens_to_remove} tokens: the window this cut reopens starts before the tokens this "
+                f"IndexPool layer recorded (a long forward records its last recurrent_states_to_keep + "
+                f"index_pool_size tokens); activate past recording with a larger recurrent_states_to_keep."
+            )
+        return match.to(torch.uint8).argmax(dim=-1), needed
 
     def store_pooled_index_keys(self, windows: CompletedWindows, pooled: torch.Tensor) -> torch.Tensor:
         """Store the pooled keys `[batch, windows, width]` of `windows` (as `update` returned them) and return the
@@ -517,25 +777,54 @@ class IndexPoolLayerCache(_LayerCache):
         if bool((remaining < 0).any()):
             raise ValueError(
                 f"Cannot crop {tokens_to_remove} tokens: a row holds only {int(self.lengths.min())} real tokens.")
+        if self._open_windows is not None:
+            self._reopened_window(tokens_to_remove)
+            return
         inside_open = remaining >= (self.lengths // self.pool_size) * self.pool_size
         on_boundary = remaining % self.pool_size == 0
         if self.pooled_storage is not None and not bool((inside_open | on_boundary).all()):
             raise ValueError(
                 f"Cannot crop {tokens_to_remove} tokens: the cut falls inside a window that is already pooled, whose "
                 f"raw indexer keys are gone. Crop to a multiple of index_pool_size ({self.pool_size}) or within the "
-                "open window."
+                "open window, or call cache.activate_past_recording() before the forward whose tokens may be "
+                "removed (generate() does for assisted decoding)."
             )
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `tokens_to_remove` real tokens of every row (as generated tokens are).
+        """Drop the last `tokens_to_remove` real tokens of every row (as generated tokens are), and forget the
+        recording (`crop(0)` keeps every token for good).
 
-        Pooled windows keep no raw keys, so a cut must fall inside each row's open window or on a window boundary.
+        Keys and values are stored by position: nothing moves. Pooled windows keep no raw keys, so without a
+        recording a cut must fall inside each row's open window or on a window boundary; with one
+        (`activate_past_recording`), a cut anywhere in the recorded tokens reopens its window from the recording.
         Entries beyond the new lengths stay in the storage and are overwritten by the next tokens.
         """
         self.check_crop(tokens_to_remove)
         if tokens_to_remove > 0 and self.lengths is not None:
+            if self._open_windows is not None and self.pool_size > 1:
+                self._reopen_window(tokens_to_remove)
             self.lengths.sub_(tokens_to_remove)
             self.length_bound = max(0, self.length_bound - tokens_to_remove)
+        self._drop_recording()
+
+    def _reopen_window(self, tokens_to_remove: int) -> None:
+        """Put back, from the recording, the raw keys, gate logits and first rotary position of each row's open
+        window after the cut (a window the removed tokens completed was pooled; its stale pooled key is beyond the
+        new length, invisible, and overwritten when the window completes again)."""
+        index, needed = self._reopened_window(tokens_to_remove)
+        recording = self._open_windows
+
+        def gathered(parts, current):
+            entries = torch.cat(parts, dim=1)
+            picked = entries.gather(1, index[..., None].expand(-1, -1, entries.shape[-1]))
+            return torch.where(needed[..., None], picked.to(current.dtype), current)
+
+        self.open_index_keys.copy_(gathered(recording.keys, self.open_index_keys))
+        if self.open_gate_logits is not None:
+            self.open_gate_logits.copy_(gathered(recording.gate_logits, self.open_gate_logits))
+        rope_positions = torch.cat(recording.rope_positions, dim=1)  # [batch, entries, streams]
+        first = rope_positions.gather(1, index[:, :1, None].expand(-1, 1, rope_positions.shape[-1]))[:, 0]
+        self.open_window_position.copy_(torch.where(needed[:, :1], first, self.open_window_position))
 
     def memory_footprint(self) -> dict[str, tuple[int, int]]:
         """`{component: (bytes in use, bytes reserved)}`."""
@@ -656,7 +945,6 @@ class HybridIndexPoolCache(Cache):
         self.max_cache_len = max(self.max_cache_len or 0, max_cache_len)
         for layer in self.index_layers:
             layer.max_cache_len = self.max_cache_len
-            layer.is_compileable = True
             layer.reserve(max(to_come, 0))
 
     def extend_to(self, num_tokens: int) -> None:
@@ -704,8 +992,10 @@ class HybridIndexPoolCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`).
 
-        Every layer is checked before any changes: a linear-attention layer cannot roll back, and an IndexPool layer
-        can cut only inside its open window or on a window boundary.
+        Every layer is checked before any changes. After `activate_past_recording(recurrent_states_to_keep=k)` every
+        layer type rolls back the tokens recorded since the last crop (a long forward records its last `k + 1`), as
+        if they had never been fed; a crop then forgets the recording. Without a recording a linear-attention layer
+        cannot roll back, and an IndexPool layer can cut only inside its open window or on a window boundary.
         """
         if tokens_to_remove > 0:
             raise ValueError(
@@ -713,7 +1003,9 @@ class HybridIndexPoolCache(Cache):
                 "transformers convention); cropping to an absolute length is not supported."
             )
         count = -tokens_to_remove
-        if count == 0:
+        if count == 0:  # keeps every token for good: forget what was recorded
+            for layer in self.layers:
+                layer._drop_recording()
             return
         if count > self.get_seq_length():
             raise ValueError(f"Cannot crop {count} tokens from a cache of {self.get_seq_length()}.")
@@ -722,6 +1014,12 @@ class HybridIndexPoolCache(Cache):
         for layer in self.layers:
             layer.crop(count)
         self.seen_tokens.sub_(count)
+
+    def deactivate_past_recording(self) -> None:
+        """Stop recording (what `activate_past_recording` started) and forget what was recorded."""
+        for layer in self.layers:
+            layer.record_past = False
+            layer._drop_recording()
 
     def memory_footprint(self) -> dict[str, int]:
         """Bytes per component, summed over layers: in use under each component's name, reserved under

@@ -76,6 +76,26 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
             )
         # generate() knows the final length: reserve it once (padding excepted) and let the decode step compile.
         model_kwargs["cache"] = HybridIndexPoolCache(self.config.get_text_config(), max_cache_len=max_cache_length)
+        if generation_config.is_assistant:  # a draft model: its drafts are rolled back (as transformers' own caches)
+            model_kwargs["cache"].activate_past_recording(
+                recurrent_states_to_keep=generation_config.num_assistant_tokens)
+
+    def _assisted_decoding(self, input_ids, *args, **model_kwargs):
+        """transformers' assisted decoding (`prompt_lookup_num_tokens`, `assistant_model`), refusing a batch up front
+        and leaving a returned cache recording nothing: a further plain decode then records nothing it never
+        crops (generate() turns recording on, with `activate_past_recording`, for the verify forwards)."""
+        if input_ids.shape[0] > 1:
+            raise ValueError(
+                f"Assisted decoding (prompt_lookup_num_tokens, assistant_model) verifies one sequence at a time in "
+                f"transformers, but the input has {input_ids.shape[0]} rows; call generate() once per row, or drop "
+                "the drafting arguments to decode the batch together."
+            )
+        output = super()._assisted_decoding(input_ids, *args, **model_kwargs)
+        cache = model_kwargs.get("cache")
+        if isinstance(cache, HybridIndexPoolCache):
+            cache.crop(0)
+            cache.deactivate_past_recording()
+        return output
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
         """None: the model counts each row's real tokens itself, from the attention mask and the cache, which

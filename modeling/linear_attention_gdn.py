@@ -74,7 +74,11 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
 
         initial_state = None if layer_cache is None else layer_cache.recurrent_state
         mode = "recurrent" if initial_state is not None and seq_len == 1 else "chunk"
-        core, final_state = gated_delta_rule(query, key, value, log_decay, beta, initial_state, mode=mode)
+        if layer_cache is not None and layer_cache.record_past:  # keeps what a crop (speculative decoding) replays
+            core, final_state = layer_cache.run_rule(gated_delta_rule, query, key, value, log_decay, beta, conv_input,
+                                                     token_is_real, mode)
+        else:
+            core, final_state = gated_delta_rule(query, key, value, log_decay, beta, initial_state, mode=mode)
         if layer_cache is not None:
             layer_cache.update(self.conv1d.next_state(conv_input, token_is_real), final_state)
 

@@ -1,5 +1,7 @@
 """Kimi Delta Attention (KDA), the linear-attention token mixer of Kimi Linear and GLM-5.3-Flash."""
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -124,9 +126,12 @@ class HybridIndexPoolKimiDeltaAttention(nn.Module):
 
         initial_state = None if layer_cache is None else layer_cache.recurrent_state
         mode = "recurrent" if initial_state is not None and seq_len == 1 else "chunk"
-        core, final_state = kimi_delta_rule(
-            query, key, value, log_decay, beta, initial_state, mode=mode, gate_lower_bound=self.gate_lower_bound
-        )
+        rule = partial(kimi_delta_rule, gate_lower_bound=self.gate_lower_bound)
+        if layer_cache is not None and layer_cache.record_past:  # keeps what a crop (speculative decoding) replays
+            core, final_state = layer_cache.run_rule(rule, query, key, value, log_decay, beta, conv_input,
+                                                     token_is_real, mode)
+        else:
+            core, final_state = rule(query, key, value, log_decay, beta, initial_state, mode=mode)
         if layer_cache is not None:
             layer_cache.update(self.conv1d.next_state(conv_input, token_is_real), final_state)
 

@@ -97,7 +97,11 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
         if layer_cache is not None:
             token_context, conv_state = layer_cache.ple_token_context, layer_cache.ple_conv_state
         num_real = token_is_real.sum(dim=1)  # each row's real tokens come first
-        embeddings, token_context = self.ple_embedding(token_ids, token_context, num_real)
+        if token_context is None:  # the start of the sequence (as the n-gram embedding would fill it)
+            token_context = token_ids.new_full((token_ids.shape[0], self.ple_embedding.ngram_size - 1),
+                                               self.ple_embedding.eos_token_id)
+        token_history = torch.cat([token_context, token_ids], dim=1)
+        embeddings, _ = self.ple_embedding(token_ids, token_context, num_real)
         keys = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
         queries = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
         gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)  # [batch, seq, hc_count, 1]
@@ -112,6 +116,6 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
             conv_state = conv_input.new_zeros(*conv_input.shape[:2], self.conv_state_length)
         conv_input = torch.cat([conv_state.to(conv_input.dtype), conv_input], dim=-1)
         if layer_cache is not None:
-            layer_cache.update_ple(token_context, last_real_entries(conv_input, num_real, self.conv_state_length))
+            layer_cache.update_ple(token_history, conv_input, token_is_real)
         conv_output = F.conv1d(conv_input, self.conv1d.weight, dilation=self.conv_dilation, groups=conv_input.shape[1])
         return gated_values + F.silu(conv_output).transpose(1, 2)

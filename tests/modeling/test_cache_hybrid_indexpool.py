@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from model_factory import tiny_model
+from model_factory import KIMI_DELTA, MLA, tiny_model
 
 from hybrid_indexpool import HybridIndexPoolCache
 from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
@@ -119,7 +119,7 @@ def test_batch_operations_reorder_repeat_select_and_reset():
         torch.testing.assert_close(fresh, model(input_ids[:1]).logits, atol=1e-5, rtol=0)
 
 
-def test_crop_rolls_back_an_attention_only_model_and_refuses_recurrent_layers():
+def test_crop_without_recording_rolls_back_attention_only_and_refuses_recurrent_layers():
     model = tiny_model(num_hidden_layers=2, layer_types=["indexpool_attention"] * 2)
     input_ids = torch.randint(1, 97, (1, 30))
     with torch.no_grad():
@@ -140,7 +140,7 @@ def test_crop_rolls_back_an_attention_only_model_and_refuses_recurrent_layers():
     with torch.no_grad():
         cache = hybrid(input_ids, use_cache=True).cache
     lengths = [layer.lengths.clone() for layer in cache.index_layers]
-    with pytest.raises(ValueError, match="recurrent state cannot be rolled back"):
+    with pytest.raises(ValueError, match="activate_past_recording"):
         cache.crop(-2)
     # Refused before any layer changed, the IndexPool layers before the first Gated DeltaNet layer included.
     assert all(torch.equal(layer.lengths, before) for layer, before in zip(cache.index_layers, lengths))
@@ -335,3 +335,75 @@ def test_extend_to_counts_synthetic_content_and_refuses_beyond_the_reservation()
     assert all(layer.lengths.tolist() == [40] for layer in cache.index_layers)
     with pytest.raises(ValueError, match="reserve"):
         cache.extend_to(10_000)
+
+
+HC_PLE = dict(hc_count=3, hc_lowrank=8, ple_layers=[0, 2], ple_ngram_size=3, ple_heads_per_ngram=2, ple_embed_dim=12,
+              eos_token_id=2)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(),  # Gated DeltaNet + GQA, r = 4
+    dict(index_pool_size=1, index_topk=4),
+    dict(index_pool_size=16, index_topk=16),
+    dict(index_key_cache_dtype="float8_e4m3fn"),
+    dict(**KIMI_DELTA, **MLA, indexer_types=["full", "full", "full", "shared"], layer_types=[
+        "linear_attention", "indexpool_attention", "linear_attention", "indexpool_attention"]),
+    HC_PLE,
+], ids=["gdn-r4", "r1", "r16", "fp8", "kda-mla-shared", "hc-ple"])
+def test_crop_after_a_recorded_forward_leaves_the_cache_as_if_only_the_kept_tokens_were_fed(variant):
+    """Every layer type rolls back: a verify forward of k + 1 tokens (k = 5, crossing window boundaries), a long
+    forward (prompt and drafts at once, as generate's first iteration) and a draft model's one-token steps; each then
+    continues exactly as a fresh forward over the kept tokens."""
+    model = tiny_model(**variant)
+    input_ids = torch.randint(3, 97, (1, 48))
+    with torch.no_grad():
+        reference = model(input_ids).logits
+        for removed in (0, 1, 3, 6):
+            for pieces in ([21, 6], [27], [19, 2, 1, 1, 1, 1, 1]):
+                cache = HybridIndexPoolCache(model.config)
+                cache.activate_past_recording(recurrent_states_to_keep=5)
+                start = 0
+                for index, size in enumerate(pieces):
+                    model(input_ids[:, start:start + size], cache=cache, use_cache=True)
+                    start += size
+                    if index == 0 and len(pieces) > 1:
+                        cache.crop(0)  # the prompt is kept for good
+                cache.crop(-removed)
+                kept = start - removed
+                assert cache.get_seq_length() == kept
+                assert all(int(layer.lengths[0]) == kept for layer in cache.index_layers)
+                continued = model(input_ids[:, kept:], cache=cache, use_cache=True).logits
+                torch.testing.assert_close(continued, reference[:, kept:], atol=1e-4, rtol=0)
+
+
+def test_crop_refuses_more_than_was_recorded_and_changes_nothing():
+    model = tiny_model()
+    input_ids = torch.randint(3, 97, (1, 30))
+    with torch.no_grad():
+        cache = HybridIndexPoolCache(model.config)
+        cache.activate_past_recording(recurrent_states_to_keep=2)
+        model(input_ids, cache=cache, use_cache=True)  # a long forward records its last 3 tokens
+        linear = [layer for layer in cache.layers if getattr(layer, "recurrent_state", None) is not None]
+        states = [layer.recurrent_state.clone() for layer in linear]
+        with pytest.raises(ValueError, match="recorded only 3"):
+            cache.crop(-4)
+        assert cache.get_seq_length() == 30 and all(int(layer.lengths[0]) == 30 for layer in cache.index_layers)
+        assert all(torch.equal(layer.recurrent_state, before) for layer, before in zip(linear, states))
+        cache.crop(-3)
+        assert cache.get_seq_length() == 27
+        with pytest.raises(ValueError, match="activate_past_recording"):
+            cache.crop(-1)  # a crop commits the recording
+
+
+def test_recording_makes_the_cache_non_compileable_and_reports_its_bytes():
+    model = tiny_model()
+    cache = HybridIndexPoolCache(model.config, max_cache_len=40)
+    with torch.no_grad():
+        model(torch.randint(3, 97, (1, 20)), cache=cache, use_cache=True)
+        assert cache.is_compileable and cache.memory_footprint()["rollback"] == 0
+        cache.activate_past_recording(recurrent_states_to_keep=3)
+        assert not cache.is_compileable and cache.get_recurrent_states_to_keep() == 3
+        model(torch.randint(3, 97, (1, 4)), cache=cache, use_cache=True)
+        assert cache.memory_footprint()["rollback"] > 0
+        cache.crop(-2)
+        assert cache.memory_footprint()["rollback"] == 0
