@@ -10,7 +10,8 @@ whose tokens `i .. i + k + 2` belong to one sequence (a packed block's next exam
 before). The frozen main pass builds no autograd graph, so a step costs little more than a forward of the model.
 
 Logged per logging step: `mtp_loss` (the training loss) and `mtp_accuracy_k`, the fraction of depth `k`'s top-1
-predictions that equal the token: under greedy decoding, the rate at which a draft of that depth is accepted.
+predictions that equal the token: under greedy decoding, the rate at which a draft of that depth is accepted (given
+the drafts before it were). An evaluation on `--validation_files` reports `eval_mtp_loss` and `eval_mtp_accuracy_k`.
 """
 
 from dataclasses import dataclass, field
@@ -146,12 +147,12 @@ def mtp_loss_and_accuracy(mtp_logits: tuple[torch.Tensor, ...], labels: torch.Te
 
 class MTPTrainer(Trainer):
     """A `Trainer` whose loss is the MTP loss alone (`mtp_loss_and_accuracy`) and whose logs carry each depth's
-    top-1 accuracy, averaged since the last log over this process's batches."""
+    top-1 accuracy, averaged over this process's batches since the last log (`mtp_accuracy_k`) or over an evaluation
+    (`eval_mtp_accuracy_k`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._accuracy_sums: list[float] = []
-        self._logged_count = 0
+        self._accuracies = {"train": [], "eval": []}  # per batch since the last log: one value per depth
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
@@ -160,19 +161,17 @@ class MTPTrainer(Trainer):
         if outputs.mtp_logits is None:
             raise TrainingInputError("The model returned no MTP logits: it has no MTP layers.")
         loss, accuracies = mtp_loss_and_accuracy(outputs.mtp_logits, labels, inputs.get("position_ids"))
-        if model.training:
-            values = [accuracy.item() for accuracy in accuracies]
-            self._accuracy_sums = [total + value for total, value in
-                                   zip(self._accuracy_sums or [0.0] * len(values), values)]
-            self._logged_count += 1
+        self._accuracies["train" if model.training else "eval"].append([value.item() for value in accuracies])
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._logged_count and "loss" in logs:
-            logs["mtp_loss"] = logs["loss"]
-            for depth, total in enumerate(self._accuracy_sums):
-                logs[f"mtp_accuracy_{depth}"] = round(total / self._logged_count, 5)
-            self._accuracy_sums, self._logged_count = [], 0
+        for kind, prefix, loss_key in (("train", "", "loss"), ("eval", "eval_", "eval_loss")):
+            batches = self._accuracies[kind]
+            if batches and loss_key in logs:
+                logs[f"{prefix}mtp_loss"] = logs[loss_key]
+                for depth, values in enumerate(zip(*batches)):
+                    logs[f"{prefix}mtp_accuracy_{depth}"] = round(sum(values) / len(values), 5)
+                self._accuracies[kind] = []
         super().log(logs, start_time)
 
 

@@ -26,6 +26,7 @@ def checkpoints_and_data(tmp_path_factory):
         byte_level_tokenizer().save_pretrained(folder / name)
     data = folder / "train.txt"
     data.write_text(Path(json.__file__).read_text())
+    (folder / "validation.txt").write_text(Path(json.__file__).read_text()[:1500])  # a few blocks: a quick evaluation
     return folder, data
 
 
@@ -53,11 +54,13 @@ def test_a_fresh_head_trains_alone_lowers_its_loss_and_is_saved_with_the_model(t
                                                                                 capsys):
     folder, data = checkpoints_and_data
     metrics = train_mtp.main(command_line(folder / "plain", data, tmp_path / "out", "--num_mtp_layers", "1",
-                                          "--max_steps", "6", "--learning_rate", "1e-2"))
+                                          "--max_steps", "6", "--learning_rate", "1e-2",
+                                          "--validation_files", str(folder / "validation.txt")))
     losses = [entry["mtp_loss"] for entry in metrics["log_history"] if "mtp_loss" in entry]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert all("mtp_accuracy_0" in entry for entry in metrics["log_history"] if "mtp_loss" in entry)
     assert "train_mtp: 6 steps, MTP loss" in capsys.readouterr().out
+    assert metrics["eval_mtp_loss"] == metrics["eval_loss"] and 0 <= metrics["eval_mtp_accuracy_0"] <= 1
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert (trained.config.num_mtp_layers, trained.config.mtp_type) == (1, "deepseek")
     changed = changed_weights(folder / "plain", tmp_path / "out")
