@@ -14,6 +14,7 @@ predictions that equal the token: under greedy decoding, the rate at which a dra
 the drafts before it were). An evaluation on `--validation_files` reports `eval_mtp_loss` and `eval_mtp_accuracy_k`.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -131,15 +132,17 @@ def mtp_targets(labels: torch.Tensor, position_ids: torch.Tensor | None, depth: 
 def mtp_loss_and_accuracy(mtp_logits: tuple[torch.Tensor, ...], labels: torch.Tensor,
                           position_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The MTP loss (the mean over depths of each depth's mean cross-entropy on its targets, `mtp_targets`) and each
-    depth's top-1 accuracy on them; `mtp_logits` holds one `[batch, seq, vocab]` per depth."""
+    depth's top-1 accuracy on them; `mtp_logits` holds one `[batch, seq, vocab]` per depth. A depth without targets
+    in the batch (rows shorter than `depth + 3` tokens) adds a zero loss and a NaN accuracy."""
     losses, accuracies = [], []
     for depth, logits in enumerate(mtp_logits):
         targets = mtp_targets(labels.to(logits.device), None if position_ids is None else
                               position_ids.to(logits.device), depth)
         real = targets != -100
-        if not real.any():
-            raise TrainingInputError(f"No token has a depth-{depth} MTP target: raise --block_size above "
-                                     f"{depth + 2} tokens, or lower --num_mtp_layers.")
+        if not real.any():  # a zero that keeps the graph, so every process's backward reaches the same parameters
+            losses.append(logits.sum() * 0.0)
+            accuracies.append(torch.tensor(float("nan")))
+            continue
         losses.append(F.cross_entropy(logits[real].float(), targets[real]))
         accuracies.append((logits[real].argmax(-1) == targets[real]).float().mean())
     return torch.stack(losses).mean(), accuracies
@@ -170,7 +173,9 @@ class MTPTrainer(Trainer):
             if batches and loss_key in logs:
                 logs[f"{prefix}mtp_loss"] = logs[loss_key]
                 for depth, values in enumerate(zip(*batches)):
-                    logs[f"{prefix}mtp_accuracy_{depth}"] = round(sum(values) / len(values), 5)
+                    counted = [value for value in values if not math.isnan(value)]  # batches with targets
+                    if counted:
+                        logs[f"{prefix}mtp_accuracy_{depth}"] = round(sum(counted) / len(counted), 5)
                 self._accuracies[kind] = []
         super().log(logs, start_time)
 
@@ -208,6 +213,10 @@ def run_mtp_training(args: MTPTrainingArguments, training_args: TrainingArgument
     tokenizer = load_tokenizer(args)
     model = load_model(args, tokenizer)
     prepare_mtp_model(model, args)
+    deepest = model.config.get_text_config().num_mtp_layers + 2  # the shift of the last depth's targets
+    if args.block_size <= deepest:
+        raise TrainingInputError(f"--block_size {args.block_size} leaves the deepest MTP layer no target (it predicts "
+                                 f"{deepest} tokens ahead); use blocks of more than {deepest} tokens.")
     train_dataset, eval_dataset = load_datasets(args, tokenizer)
     trainer = MTPTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,

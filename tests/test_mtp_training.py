@@ -93,3 +93,13 @@ def test_a_head_trained_here_on_a_qwen4_exp_conversion_exports_in_its_format(tmp
     assert any(name.startswith("mtp.layers.0.self_attn.") for name in exported)
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config.get("mtp_num_hidden_layers", config.get("text_config", {}).get("mtp_num_hidden_layers")) == 1
+
+
+def test_a_depth_without_targets_adds_a_zero_loss_that_keeps_the_graph():
+    logits = torch.randn(1, 3, 5, requires_grad=True)
+    labels = torch.tensor([[1, 2, 3]])
+    loss, accuracies = mtp_loss_and_accuracy((logits, logits), labels, None)  # depth 1 needs 4 tokens
+    expected = torch.nn.functional.cross_entropy(logits[0, :1], labels[0, 2:]) / 2
+    assert torch.allclose(loss, expected) and torch.isnan(accuracies[1])
+    loss.backward()
+    assert logits.grad is not None

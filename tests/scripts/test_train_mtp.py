@@ -83,6 +83,7 @@ def test_an_existing_head_is_realigned_from_its_own_weights(tmp_path, checkpoint
 @pytest.mark.parametrize("extra, message", [
     ((), "has no MTP layers: give it fresh ones with --num_mtp_layers N"),
     (("--num_mtp_layers", "1", "--mtp_type", "qwen4_exp"), "reads Qwen4-Exp's residual streams"),
+    (("--num_mtp_layers", "1", "--block_size", "3"), "--block_size 3 leaves the deepest MTP layer no target"),
 ])
 def test_bad_options_are_refused_in_one_line(tmp_path, checkpoints_and_data, capsys, extra, message):
     folder, data = checkpoints_and_data
