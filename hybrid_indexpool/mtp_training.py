@@ -96,8 +96,14 @@ def add_mtp_layers(model: torch.nn.Module, num_mtp_layers: int, mtp_type: str | 
     embedding = text_model.embed_tokens.weight
     mtp = MTP_CLASSES[mtp_type](config)
     mtp.apply(model._init_weights)
-    text_model.mtp = mtp.to(device=embedding.device, dtype=embedding.dtype)
-    # The linear attentions' float32 parameters stay float32 in a half-precision model; the MTP layers have none.
+    mtp.to(device=embedding.device, dtype=embedding.dtype)
+    # The parameters the model keeps in float32 at load (a grouped router's, the decay parameters) stay float32 here
+    # too, so the head trains as it will run once saved and loaded.
+    with torch.no_grad():
+        for name, parameter in mtp.named_parameters():
+            if any(kept in name for kept in text_model._keep_in_fp32_modules_strict):
+                parameter.data = parameter.data.float()
+    text_model.mtp = mtp
 
 
 def is_mtp_parameter(name: str) -> bool:

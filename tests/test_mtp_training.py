@@ -103,3 +103,12 @@ def test_a_depth_without_targets_adds_a_zero_loss_that_keeps_the_graph():
     assert torch.allclose(loss, expected) and torch.isnan(accuracies[1])
     loss.backward()
     assert logits.grad is not None
+
+
+def test_a_fresh_head_in_a_half_precision_model_keeps_the_float32_parameters_the_model_loads_so():
+    model = tiny_model(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_layer_types=["sparse"] * 4,
+                       moe_router_type="sigmoid_grouped", n_group=2, topk_group=1).to(torch.bfloat16)
+    add_mtp_layers(model, 1)
+    dtypes = {name: parameter.dtype for name, parameter in model.model.mtp.named_parameters()}
+    assert dtypes["layers.0.block.mlp.gate.weight"] == torch.float32
+    assert dtypes["layers.0.input_proj.weight"] == torch.bfloat16
