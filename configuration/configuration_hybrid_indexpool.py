@@ -26,7 +26,7 @@ CHOICES = {
     "linear_output_gate_act": ("silu", "sigmoid"),
     "moe_router_type": ("softmax", "sigmoid_grouped"),
     "hc_type": ("qwen4_exp", "sinkhorn"),
-    "mtp_type": ("deepseek", "qwen4_exp"),
+    "mtp_type": ("deepseek", "qwen3_next", "qwen4_exp"),
 }
 # Per-layer lists (None: their default), one entry per layer, and the values of an entry.
 LAYER_CHOICES = {
@@ -244,7 +244,8 @@ class HybridIndexPoolConfig(PreTrainedConfig):
             each is one IndexPool decoder layer with its own indexer (and the MLP of the last decoder layer).
         mtp_type (`str`): How an MTP layer reads its inputs: `"deepseek"` (DeepSeek-V3 / GLM-5.3-Flash: the normed
             token embedding, zero at position 0, and the normed final hidden state, concatenated and projected
-            (`input_proj`), then a plain pre-norm decoder layer without residual streams, then `output_norm`) or
+            (`input_proj`), then a plain pre-norm decoder layer without residual streams, then `output_norm`),
+            `"qwen3_next"` (Qwen3-Next / Qwen3.5: the same layer, with the embedding kept at position 0) or
             `"qwen4_exp"` (Qwen4-Exp: the main model's residual streams before the final mix, normed together and
             projected stream by stream, plus the projected normed embedding in every stream; then decoder layers with
             hyper-connections, one per depth, and the MTP's own final mix). `"qwen4_exp"` needs `hc_type

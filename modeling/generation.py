@@ -58,6 +58,21 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
             return labels is not None and text_config.num_mtp_layers > 0 and text_config.mtp_loss_weight > 0
         return bool(output_mtp_logits)
 
+    def _get_candidate_generator(self, generation_config, *args, **kwargs):
+        """Refuse `use_mtp=True` in one line saying why: transformers' MTP drafting builds its own copy of the MTP
+        layers by known layer patterns, which ours are not, and drafting here needs a cache that rolls back."""
+        if generation_config.use_mtp:
+            text_config = self.config.get_text_config()
+            has_head = (f"its {text_config.num_mtp_layers} MTP layers ({text_config.mtp_type!r}) are kept for "
+                        "training, evaluation (output_mtp_logits=True) and export" if text_config.num_mtp_layers
+                        else "it has no MTP layers (scripts/train_mtp.py gives it some)")
+            raise ValueError(
+                f"generate(use_mtp=True) is not supported by HybridIndexPool yet: {has_head}, but drafting with them "
+                "needs a cache that rolls back rejected drafts. Generate without use_mtp, or serve an export with "
+                "vLLM's MTP drafting (see docs/multi_token_prediction.md)."
+            )
+        return super()._get_candidate_generator(generation_config, *args, **kwargs)
+
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ):

@@ -35,12 +35,14 @@ def next_token_embeddings(inputs_embeds: torch.Tensor, depth: int) -> torch.Tens
 
 
 class HybridIndexPoolDeepSeekMTPLayer(nn.Module):
-    """One MTP layer of DeepSeek-V3 (GLM-5.3-Flash's next-n layer): the normed token embedding (zero at position 0,
-    as vLLM computes it) and the normed hidden state, concatenated and projected to `hidden_size`, then a pre-norm
-    IndexPool decoder layer without residual streams, then a final norm."""
+    """One MTP layer of DeepSeek-V3 (GLM-5.3-Flash's next-n layer) or of Qwen3-Next / Qwen3.5: the normed token
+    embedding and the normed hidden state, concatenated and projected to `hidden_size`, then a pre-norm IndexPool
+    decoder layer without residual streams, then a final norm. DeepSeek's zeroes the embedding at position 0 (as vLLM
+    computes it); Qwen3-Next's keeps it (vLLM's `qwen3_next_mtp`)."""
 
     def __init__(self, config: HybridIndexPoolConfig, depth: int):
         super().__init__()
+        self.zero_first_embedding = config.mtp_type == "deepseek"
         self.embedding_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
         self.hidden_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
         self.input_proj = HybridIndexPoolLinear(2 * config.hidden_size, config.hidden_size, bias=False)
@@ -50,15 +52,16 @@ class HybridIndexPoolDeepSeekMTPLayer(nn.Module):
     def forward(self, hidden_states, next_embeds, position_embeddings, step: LayerStep) -> torch.Tensor:
         """`hidden_states`, `next_embeds` `[batch, seq, hidden]` -> the normed output `[batch, seq, hidden]`, which is
         both what the head reads and the next depth's hidden state."""
-        next_embeds = next_embeds.masked_fill((step.positions == 0).unsqueeze(-1), 0)
+        if self.zero_first_embedding:
+            next_embeds = next_embeds.masked_fill((step.positions == 0).unsqueeze(-1), 0)
         hidden_states = self.input_proj(torch.cat([self.embedding_norm(next_embeds), self.hidden_norm(hidden_states)],
                                                   dim=-1))
         return self.output_norm(self.block(hidden_states, position_embeddings, step))
 
 
 class HybridIndexPoolDeepSeekMTP(nn.Module):
-    """DeepSeek-V3's MTP: one [`HybridIndexPoolDeepSeekMTPLayer`] per depth, chained, reading the final normed
-    hidden states."""
+    """DeepSeek-V3's (and Qwen3-Next's) MTP: one [`HybridIndexPoolDeepSeekMTPLayer`] per depth, chained, reading the
+    final normed hidden states."""
 
     reads_residual_streams = False
 
@@ -116,4 +119,5 @@ class HybridIndexPoolQwen4ExpMTP(nn.Module):
         return outputs
 
 
-MTP_CLASSES = {"deepseek": HybridIndexPoolDeepSeekMTP, "qwen4_exp": HybridIndexPoolQwen4ExpMTP}
+MTP_CLASSES = {"deepseek": HybridIndexPoolDeepSeekMTP, "qwen3_next": HybridIndexPoolDeepSeekMTP,
+               "qwen4_exp": HybridIndexPoolQwen4ExpMTP}

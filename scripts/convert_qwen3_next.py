@@ -1,7 +1,9 @@
 """Convert a Qwen3-Next or Qwen3.5 text checkpoint into a HybridIndexPool checkpoint.
 
 Every weight is mapped; each full-attention layer becomes an IndexPool layer with the same attention weights and a
-freshly initialised indexer (learned pooling starts at the mean). Within the token budget (`--index_topk`) the
+freshly initialised indexer (learned pooling starts at the mean). The multi-token-prediction head (`mtp.*`, which
+transformers leaves out at load and vLLM serves as `qwen3_next_mtp`) is kept as MTP layers of `mtp_type` 'qwen3_next',
+each with a fresh indexer too. Within the token budget (`--index_topk`) the
 converted model computes exactly what the source does; beyond it the indexer chooses the attended windows and needs
 the indexer training first (see the README).
 

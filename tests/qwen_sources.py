@@ -69,6 +69,50 @@ def save_source(model: torch.nn.Module, folder: Path, max_shard_size: str = "80K
     return folder
 
 
+def qwen3_next_mtp_modules(model: torch.nn.Module, seed: int = 1) -> tuple[dict, int]:
+    """A random Qwen3-Next / Qwen3.5 MTP head for `model` as vLLM's `qwen3_next_mtp` builds it, of the source's own
+    classes: the embedding and hidden-state norms (copies of the final norm), `fc` over both, one full-attention
+    decoder layer (a copy of the last one) and a final norm, all perturbed. Returns `({name under mtp.: module},
+    index of the layer the MTP layer was copied from)`."""
+    text = model.config.get_text_config()
+    language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    attention = max(index for index, kind in enumerate(text.layer_types) if kind == "full_attention")
+    modules = {
+        "pre_fc_norm_embedding": copy.deepcopy(language_model.norm),
+        "pre_fc_norm_hidden": copy.deepcopy(language_model.norm),
+        "fc": torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False),
+        "layers.0": copy.deepcopy(language_model.layers[attention]),
+        "norm": copy.deepcopy(language_model.norm),
+    }
+    perturb(modules.values(), seed)
+    return modules, attention
+
+
+def save_source_with_mtp(model: torch.nn.Module, folder: Path, count_field: str) -> tuple[Path, dict]:
+    """Save `model` as `save_source` does, plus a Qwen3-Next-style MTP head with one layer (`mtp.`, in a shard of its
+    own: transformers' classes do not hold it), declared in the config's `count_field`. Returns the folder and the
+    MTP modules."""
+    save_source(model, folder)
+    modules, source_layer = qwen3_next_mtp_modules(model)
+    add_mtp_shard(folder, mtp_tensors(model, modules, source_layer), count_field)
+    return folder, modules
+
+
+def mtp_tensors(model: torch.nn.Module, modules: dict, source_layer: int) -> dict:
+    """The tensors of an MTP head's `modules` under the checkpoint's names (`mtp.`): its decoder layer (`layers.0`,
+    a copy of decoder layer `source_layer`) as `save_pretrained` writes that layer, the rest as they are."""
+    text_prefix = "model.language_model." if hasattr(model.model, "language_model") else "model."
+    layer = f"{text_prefix}layers.{source_layer}."
+    state = {f"{layer}{key}": tensor for key, tensor in modules["layers.0"].state_dict().items()}
+    tensors = {name.replace(layer, "mtp.layers.0.", 1): tensor.contiguous()
+               for name, tensor in revert_weight_conversion(model, state).items()}
+    for name, module in modules.items():
+        if name != "layers.0":
+            tensors.update({f"mtp.{name}.{key}": tensor.detach().clone()
+                            for key, tensor in module.state_dict().items()})
+    return tensors
+
+
 # Qwen4-Exp with every feature on: hyper-connections (3 streams), PLE on two Gated DeltaNet layers (n-gram tables
 # stored in 4 parts), MoE, and a QSA indexer with a budget of 8 tokens (r = 4), so 48-token inputs are sparse.
 QWEN4_TEXT = dict(
@@ -131,16 +175,7 @@ def save_qwen4_source(model: torch.nn.Module, folder: Path, mtp: bool = True,
     if not mtp:
         return folder, None
     modules, source_layer = qwen4_mtp_modules(model)
-    text_prefix = "model.language_model." if hasattr(model.model, "language_model") else "model."
-    layer = f"{text_prefix}layers.{source_layer}."
-    state = {f"{layer}{key}": tensor for key, tensor in modules["layers.0"].state_dict().items()}
-    tensors = {name.replace(layer, "mtp.layers.0.", 1): tensor.contiguous()
-               for name, tensor in revert_weight_conversion(model, state).items()}
-    for name, module in modules.items():
-        if name != "layers.0":
-            tensors.update({f"mtp.{name}.{key}": tensor.detach().clone()
-                            for key, tensor in module.state_dict().items()})
-    add_mtp_shard(folder, tensors, "mtp_num_hidden_layers")
+    add_mtp_shard(folder, mtp_tensors(model, modules, source_layer), "mtp_num_hidden_layers")
     return folder, modules
 
 

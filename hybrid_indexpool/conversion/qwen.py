@@ -60,12 +60,11 @@ def qwen_text_prefix(multimodal: bool) -> str:
     return "model.language_model." if multimodal else "model."
 
 
-def qwen_outer_plan(config: HybridIndexPoolConfig, multimodal: bool, keep_vision: bool = False,
-                    keep_mtp: bool = False) -> ConversionPlan:
+def qwen_outer_plan(config: HybridIndexPoolConfig, multimodal: bool, keep_vision: bool = False) -> ConversionPlan:
     """The part of a Qwen hybrid's plan outside the layers: the embedding, the head (or its tie), and what is left
-    out (the MTP head unless `keep_mtp`, a multimodal checkpoint's vision tower unless `keep_vision`)."""
+    out (a multimodal checkpoint's vision tower unless `keep_vision`). The MTP head is each family's to map."""
     groups = [rename(f"{qwen_text_prefix(multimodal)}embed_tokens.weight", "model.embed_tokens.weight")]
-    ignore = [] if keep_mtp else [IgnoreRule(r"mtp\.", "multi-token-prediction head: not converted from this family")]
+    ignore = []
     if multimodal and not keep_vision:
         ignore.append(IgnoreRule(r"model\.visual\.", "vision tower: the converted model reads text only"))
     if config.tie_word_embeddings:

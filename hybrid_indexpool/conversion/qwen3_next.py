@@ -1,7 +1,9 @@
 """Qwen3-Next and Qwen3.5 text checkpoints to ours: every weight mapped, each full-attention layer an IndexPool layer
-with the same attention weights and a freshly initialised indexer (`IndexerSettings`). The command line is
-`scripts/convert_qwen3_next.py`."""
+with the same attention weights and a freshly initialised indexer (`IndexerSettings`), and the multi-token-prediction
+(MTP) head kept (`mtp.*`, which transformers leaves out at load and vLLM serves as `qwen3_next_mtp`). The command line
+is `scripts/convert_qwen3_next.py`."""
 
+import re
 from dataclasses import dataclass
 from functools import partial
 
@@ -10,7 +12,15 @@ import torch
 from ..configuration import HybridIndexPoolConfig
 from ..modeling.indexer import HybridIndexPoolIndexer
 from .checkpoint_io import SourceCheckpoint
-from .engine import ConversionPlan, ConversionReport, WeightGroup, convert_checkpoint, fresh_weights, rename
+from .engine import (
+    ConversionPlan,
+    ConversionReport,
+    WeightGroup,
+    convert_checkpoint,
+    count_mtp_layers,
+    fresh_weights,
+    rename,
+)
 from .errors import ConversionError
 from .qwen import (
     qwen_attention_parts,
@@ -67,6 +77,8 @@ def build_config(source: SourceCheckpoint, indexer: IndexerSettings) -> HybridIn
     try:
         return HybridIndexPoolConfig(
             **qwen_hybrid_settings(full, text),
+            num_mtp_layers=mtp_layer_count(source, text),
+            mtp_type="qwen3_next",
             # MoE sources have no dense MLP width; ours keeps its default there (no layer uses it).
             intermediate_size=getattr(text, "intermediate_size", None) or HybridIndexPoolConfig.intermediate_size,
             layer_types=layer_types,
@@ -124,6 +136,58 @@ def split_ba(source: str, targets: tuple[str, str], config: HybridIndexPoolConfi
     return WeightGroup((source,), targets, build)
 
 
+# The source's MTP weights outside its decoder layers (`mtp.` at the top of the checkpoint, text or multimodal) -> ours
+# in each MTP layer (`model.mtp.layers.N.`). The source shares them between its MTP layers (vLLM reuses them at every
+# draft step); ours keeps them per layer, so a source with several MTP layers gets a copy in each.
+MTP_SHARED_WEIGHTS = {
+    "pre_fc_norm_embedding.weight": "embedding_norm.weight",
+    "pre_fc_norm_hidden.weight": "hidden_norm.weight",
+    "fc.weight": "input_proj.weight",
+    "norm.weight": "output_norm.weight",
+}
+# How a Qwen3-Next / Qwen3.5 config declares its MTP layers (vLLM reads the same fields, 1 when absent).
+MTP_COUNT_FIELDS = {"qwen3_next": "num_nextn_predict_layers"}
+MTP_COUNT_FIELD = "mtp_num_hidden_layers"  # the Qwen3.5 family
+
+
+def mtp_layer_count(source: SourceCheckpoint, text) -> int:
+    """The source's MTP decoder layers (`mtp.layers.N.`); ConversionError when the config declares another count.
+
+    transformers drops the declaration of some of these configs as it reads them; the count then comes from the
+    weights alone."""
+    pattern = re.compile(r"mtp\.layers\.(\d+)\.")
+    found = (int(match.group(1)) for name in source.weight_names if (match := pattern.match(name)))
+    field = MTP_COUNT_FIELDS.get(source.model_type, MTP_COUNT_FIELD)
+    return count_mtp_layers(found, 0, getattr(text, field, None), field)
+
+
+def shared_mtp_weight(source: str, target: str, num_mtp_layers: int) -> WeightGroup:
+    """One MTP weight the source shares between its MTP layers -> a copy in each of ours (the same tensor: a layer
+    the source never trained apart from the others starts equal)."""
+    targets = tuple(f"model.mtp.layers.{depth}.{target}" for depth in range(num_mtp_layers))
+    return WeightGroup((source,), targets, lambda tensors: dict.fromkeys(targets, tensors[source]),
+                       lambda tensors: {source: tensors[targets[0]]})
+
+
+def mtp_plan(config: HybridIndexPoolConfig, names) -> list[WeightGroup]:
+    """The groups of the source's MTP head: its shared input norms, projection and final norm, and its decoder layers
+    (full attention, which becomes an IndexPool layer with a fresh indexer, and the model's MLP kind)."""
+    if not config.num_mtp_layers:
+        return []
+    groups = [shared_mtp_weight(f"mtp.{name}", ours, config.num_mtp_layers) for name, ours in
+              MTP_SHARED_WEIGHTS.items()]
+    for depth in range(config.num_mtp_layers):
+        src, dst = f"mtp.layers.{depth}.", f"model.mtp.layers.{depth}.block."
+        parts = ["input_layernorm.weight", "post_attention_layernorm.weight", *qwen_attention_parts(config)]
+        if config.num_experts == 0:
+            parts += [f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
+        else:
+            moe_parts, moe_groups = qwen_moe_plan(src, dst, config, names)
+            parts, groups = parts + moe_parts, groups + moe_groups
+        groups += [rename(src + part, dst + part) for part in parts]
+    return groups
+
+
 def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> ConversionPlan:
     """Which source weights become which of ours, and which are left out."""
     model_type = source.model_type
@@ -132,6 +196,7 @@ def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> Conve
     names = set(source.weight_names)
     outer = qwen_outer_plan(config, multimodal)
     groups, ignore = outer.groups + [rename(f"{prefix}norm.weight", "model.norm.weight")], outer.ignore
+    groups += mtp_plan(config, names)
     for index, kind in enumerate(config.layer_types):
         src, dst = f"{prefix}layers.{index}.", f"model.layers.{index}."
         parts = ["input_layernorm.weight", "post_attention_layernorm.weight"]
@@ -157,13 +222,12 @@ def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> Conve
 
 
 def indexer_weights(config: HybridIndexPoolConfig, seed: int) -> dict[str, torch.Tensor]:
-    """A freshly initialised indexer for every IndexPool layer (our `_init_weights`, deterministic for `seed`)."""
+    """A freshly initialised indexer for every IndexPool layer and MTP layer (our `_init_weights`, deterministic for
+    `seed`)."""
     layers = [index for index, kind in enumerate(config.layer_types) if kind == "indexpool_attention"]
-    return fresh_weights(
-        config,
-        {f"model.layers.{index}.self_attn.indexer": partial(HybridIndexPoolIndexer, config) for index in layers},
-        seed,
-    )
+    prefixes = [f"model.layers.{index}.self_attn.indexer" for index in layers]
+    prefixes += [f"model.mtp.layers.{depth}.block.self_attn.indexer" for depth in range(config.num_mtp_layers)]
+    return fresh_weights(config, {prefix: partial(HybridIndexPoolIndexer, config) for prefix in prefixes}, seed)
 
 
 def convert_qwen3_next(

@@ -152,7 +152,7 @@ def build_text_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig, kee
     multimodal = source.model_type == MULTIMODAL_MODEL_TYPE
     prefix = qwen_text_prefix(multimodal)
     names = source.weight_names
-    outer = qwen_outer_plan(config, multimodal, keep_vision, keep_mtp=True)
+    outer = qwen_outer_plan(config, multimodal, keep_vision)
     groups, ignore, concatenations = list(outer.groups), outer.ignore, []
     # A final mix writes nothing back; vLLM drops such weights where a checkpoint stores them, and so do we.
     ignore.append(IgnoreRule(rf"(mtp\.|{re.escape(prefix)})hyper_connection_mixer\.block_inject_weight$",

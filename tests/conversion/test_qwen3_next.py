@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-from qwen_sources import INDEXER, save_source, tiny_source_model
+from qwen_sources import INDEXER, save_source, save_source_with_mtp, tiny_source_model
 from transformers import AutoModelForCausalLM
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
-from hybrid_indexpool.conversion import SourceCheckpoint, convert_qwen3_next
+from hybrid_indexpool.conversion import ConversionError, SourceCheckpoint, convert_qwen3_next
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -119,3 +119,54 @@ def test_config_in_the_older_hub_layout_converts(tmp_path):
     assert ours.config.layer_types == ["linear_attention"] * 3 + ["indexpool_attention"]
     assert ours.config.rotary_dim == 8 and ours.dtype == torch.float32
     assert max_logit_difference(source, ours, torch.randint(1, 97, (1, 19))) <= 1e-4
+
+
+# Where each source family declares its MTP layers (vLLM reads the same fields).
+MTP_COUNT_FIELDS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5_moe_text": "mtp_num_hidden_layers",
+                    "qwen3_5": "mtp_num_hidden_layers"}
+
+
+@pytest.mark.parametrize("kind", list(MTP_COUNT_FIELDS))
+def test_the_mtp_head_is_kept_and_computes_what_the_source_modules_compute(tmp_path, kind):
+    """Our next-next-token logits against the source's own modules composed as vLLM's `qwen3_next_mtp` does
+    (transformers has no MTP): the normed embedding of the next token (not zeroed at position 0) and the normed final
+    hidden state, concatenated, through `fc`, one full-attention decoder layer, the final norm and the head. Within
+    the budget the fresh indexer of our MTP layer selects every window, so the attention is the source's."""
+    source = tiny_source_model(kind)
+    folder, mtp = save_source_with_mtp(source, tmp_path / "source", MTP_COUNT_FIELDS[kind])
+    report = convert_qwen3_next(folder, tmp_path / "ours", INDEXER, progress=False, log=lambda message: None)
+    assert not [name for names in report.ignored.values() for name in names if name.startswith("mtp.")]
+    assert any(name.startswith("model.mtp.layers.0.block.self_attn.indexer.") for name in report.fresh)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", trust_remote_code=True).eval()
+    assert (ours.config.num_mtp_layers, ours.config.mtp_type) == (1, "qwen3_next")
+
+    language_model = source.model.language_model if kind == "qwen3_5" else source.model
+    captured = {}
+    language_model.layers[3].register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(layer=kwargs), with_kwargs=True)
+    input_ids = torch.randint(1, 97, (1, INDEXER.topk + INDEXER.pool_size), generator=torch.Generator().manual_seed(0))
+    length = input_ids.shape[1] - 1  # 19 MTP entries: within the budget
+    with torch.no_grad():
+        actual = ours(input_ids, output_mtp_logits=True, use_cache=False).mtp_logits[0][:, :length]
+        hidden = language_model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :length]
+        cos, sin = captured["layer"]["position_embeddings"]
+        mask = captured["layer"]["attention_mask"]
+        embedded = mtp["pre_fc_norm_embedding"](language_model.embed_tokens(input_ids[:, 1:]))
+        states = mtp["fc"](torch.cat([embedded, mtp["pre_fc_norm_hidden"](hidden)], dim=-1))
+        states = mtp["layers.0"](states, position_embeddings=(cos[..., :length, :], sin[..., :length, :]),
+                                 attention_mask=None if mask is None else mask[..., :length, :length])
+        expected = source.lm_head(mtp["norm"](states))
+    difference = (actual - expected).abs().max().item()
+    print(f"{kind}: max |MTP logit difference| {difference:.2e}")
+    assert difference <= 1e-4
+    # Unchanged next-token logits: the MTP head is beside the model, not in it.
+    assert max_logit_difference(source, ours, input_ids[:, :19]) <= 1e-4
+
+
+def test_a_declared_mtp_count_that_the_weights_do_not_hold_is_refused(tmp_path):
+    folder, _ = save_source_with_mtp(tiny_source_model("qwen3_next"), tmp_path / "source", "num_nextn_predict_layers")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 2
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match="num_nextn_predict_layers = 2.*1 multi-token-prediction layers"):
+        convert_qwen3_next(folder, tmp_path / "ours", INDEXER, progress=False, log=lambda message: None)
