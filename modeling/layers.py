@@ -9,6 +9,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.decode_linear import decode_linear
 
+# Tokens per row up to which a forward over a cache takes the decode path of every layer (the recurrent delta rules,
+# the IndexPool decode selection), as a decode step or a speculative verify forward (the last accepted token and up
+# to 7 drafts) does: such a forward reads the weights once and costs about one step.
+FEW_TOKENS = 8
+
 
 class HybridIndexPoolLinear(nn.Linear):
     """`nn.Linear` whose inference products of a few tokens on CPU (the decode step) run the streaming

@@ -7,7 +7,7 @@ from torch import nn
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.gated_delta_rule import gated_delta_rule
 from .cache_hybrid_indexpool import LinearAttentionLayerCache
-from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNormGated, tensor_parallel_rank
+from .layers import FEW_TOKENS, HybridIndexPoolLinear, HybridIndexPoolRMSNormGated, tensor_parallel_rank
 from .short_convolution import HybridIndexPoolShortConvolution
 
 
@@ -73,7 +73,8 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         log_decay = log_decay * real
 
         initial_state = None if layer_cache is None else layer_cache.recurrent_state
-        mode = "recurrent" if initial_state is not None and seq_len == 1 else "chunk"
+        # Token by token over a cache for a few tokens (decode, a verify forward): no chunk padding to 64 tokens.
+        mode = "recurrent" if initial_state is not None and seq_len <= FEW_TOKENS else "chunk"
         if layer_cache is not None and layer_cache.record_past:  # keeps what a crop (speculative decoding) replays
             core, final_state = layer_cache.run_rule(gated_delta_rule, query, key, value, log_decay, beta, conv_input,
                                                      token_is_real, mode)

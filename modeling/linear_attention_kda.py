@@ -10,7 +10,7 @@ from transformers.activations import ACT2FN
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.kimi_delta_rule import kimi_delta_rule
 from .cache_hybrid_indexpool import LinearAttentionLayerCache
-from .layers import HybridIndexPoolLinear, tensor_parallel_rank
+from .layers import FEW_TOKENS, HybridIndexPoolLinear, tensor_parallel_rank
 from .short_convolution import HybridIndexPoolShortConvolution
 
 
@@ -125,7 +125,8 @@ class HybridIndexPoolKimiDeltaAttention(nn.Module):
         beta = self.b_proj(hidden_states).sigmoid() * real  # [batch, seq, heads]
 
         initial_state = None if layer_cache is None else layer_cache.recurrent_state
-        mode = "recurrent" if initial_state is not None and seq_len == 1 else "chunk"
+        # Token by token over a cache for a few tokens (decode, a verify forward): no chunk padding to 64 tokens.
+        mode = "recurrent" if initial_state is not None and seq_len <= FEW_TOKENS else "chunk"
         rule = partial(kimi_delta_rule, gate_lower_bound=self.gate_lower_bound)
         if layer_cache is not None and layer_cache.record_past:  # keeps what a crop (speculative decoding) replays
             core, final_state = layer_cache.run_rule(rule, query, key, value, log_decay, beta, conv_input,

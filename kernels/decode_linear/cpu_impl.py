@@ -27,7 +27,7 @@ except ImportError:  # torch built without distributed support: no DTensor can r
     DTensor = ()
 
 # Input rows (tokens) up to which the streaming product beats the BLAS (beyond it the BLAS runs a real GEMM).
-MAX_ROWS = 4
+MAX_ROWS = 8
 
 
 def _declare(library) -> None:

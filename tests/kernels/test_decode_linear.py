@@ -12,7 +12,7 @@ requires_kernel = pytest.mark.skipif(cpu_impl.KERNEL.load() is None,
 
 
 @requires_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (7, 13), (64, 40), (130, 257)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_products_match_f_linear(rows, out_features, in_features, with_bias):
@@ -63,22 +63,24 @@ def test_weight_rows_with_a_larger_stride():
 @requires_kernel
 def test_dispatch_only_for_inference_products_of_a_few_rows(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_impl, "run_linear_rows", lambda *args: calls.append(1) or torch.zeros(1, 8))
+    monkeypatch.setattr(cpu_impl, "run_linear_rows", lambda *args: calls.append(1) or torch.zeros(len(args[0]), 8))
     weight = torch.randn(8, 16)
     decode_linear(torch.randn(1, 1, 16), weight)  # a decode step: the kernel
     assert len(calls) == 1
-    decode_linear(torch.randn(5, 16), weight)  # five rows: a GEMM for the BLAS
+    decode_linear(torch.randn(8, 16), weight)  # a verify forward of 8 tokens: the kernel
+    assert len(calls) == 2
+    decode_linear(torch.randn(9, 16), weight)  # nine rows: a GEMM for the BLAS
     decode_linear(torch.randn(1, 16).double(), weight.double())  # float64
     decode_linear(torch.randn(1, 16), weight.requires_grad_())  # training: autograd needs F.linear
     with torch.no_grad():
         decode_linear(torch.randn(1, 16), weight)  # ... but not under no_grad
-    assert len(calls) == 2
+    assert len(calls) == 3
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert decode_linear(torch.randn(1, 16), weight).dtype == torch.bfloat16  # autocast's rules: F.linear
-    assert len(calls) == 2
+    assert len(calls) == 3
     monkeypatch.setenv("HYBRID_INDEXPOOL_BACKEND", "torch")
     decode_linear(torch.randn(1, 16), weight.detach())
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 @requires_kernel

@@ -1,0 +1,169 @@
+"""What speculative decoding costs and gains, measured on one machine side by side: the time of a verify forward
+(`k + 1` tokens over a cache) against a one-token decode step, and `generate()` with plain greedy decoding, prompt
+lookup and the model's MTP layers (tokens per second, mean accepted tokens per verify forward, cache bytes).
+
+`verify_cost` uses only the package's public classes and this module only `torch` besides, so that a benchmark can
+run this very file (`runpy.run_path`) under another checkout's interpreter and time the code before a change in the
+same run (`scripts/bench_speculative.py --baseline-python`).
+"""
+
+import statistics
+import time
+
+import torch
+
+# Draft methods of `generation_row`: how each is asked of `generate()` for `k` drafted tokens per verify forward.
+METHODS = ("greedy", "prompt_lookup", "mtp")
+
+
+def bench_width_config(layers: int = 8, hidden_size: int = 2048, vocab_size: int = 16384, **overrides):
+    """A `HybridIndexPoolConfig` at Qwen3.8-Flash-Next's layer widths (16 query heads of 256, 2 key/value heads, Gated
+    DeltaNet of 16 key and 32 value heads of 128, an indexer of 4 heads of 128, budget 2048, r = 4), three Gated
+    DeltaNet layers per IndexPool layer, a dense MLP of 1024 and a small vocabulary: a model whose decode step reads
+    its weights (hundreds of MB in bfloat16), as the real one's does."""
+    from hybrid_indexpool import HybridIndexPoolConfig
+
+    if layers % 4:
+        raise ValueError(f"layers is {layers}; give a multiple of 4 (three Gated DeltaNet layers per IndexPool one).")
+    settings = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=1024, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        index_n_heads=4, index_head_dim=128, index_topk=2048, index_pool_size=4, index_pool_weighting="mean",
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "indexpool_attention"] * (layers // 4),
+    )
+    settings.update(overrides)
+    return HybridIndexPoolConfig(**settings)
+
+
+def verify_cost(config_kwargs: dict, dtype: str, context: int, widths=(1, 2, 4, 8), repeats: int = 5,
+                threads: int | None = None, seed: int = 0) -> dict:
+    """Median seconds of a forward of `w` tokens over a cache holding `context` tokens, for each `w` in `widths`, on a
+    random model of `bench_width_config(**config_kwargs)` in `dtype`; the widths take turns within each repeat (so
+    load on the machine reaches all alike). Each forward appends its tokens (the context grows by `sum(widths)` per
+    repeat). Returns `{"seconds": {w: s}, "ratio": {w: s / s_1}}` (`1` must be among the widths)."""
+    from hybrid_indexpool import HybridIndexPoolCache, HybridIndexPoolForCausalLM
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    config = bench_width_config(**config_kwargs)
+    torch.manual_seed(seed)
+    model = HybridIndexPoolForCausalLM(config).eval().to(getattr(torch, dtype))
+    generator = torch.Generator().manual_seed(seed)
+    cache = HybridIndexPoolCache(config, max_cache_len=context + (repeats + 1) * sum(widths))
+    samples = {width: [] for width in widths}
+    with torch.no_grad():
+        model(torch.randint(1, config.vocab_size, (1, context), generator=generator), cache=cache, use_cache=True)
+        for repeat in range(repeats + 1):  # the first round warms up (kernel builds, allocator)
+            for width in widths:
+                ids = torch.randint(1, config.vocab_size, (1, width), generator=generator)
+                start = time.perf_counter()
+                model(ids, cache=cache, use_cache=True)
+                if repeat:
+                    samples[width].append(time.perf_counter() - start)
+    seconds = {width: statistics.median(values) for width, values in samples.items()}
+    return {"seconds": seconds, "ratio": {width: value / seconds[1] for width, value in seconds.items()}}
+
+
+class _ForwardCounter:
+    """Counts a model's forwards and the tokens each feeds, and notes when the first one (the prefill) ended."""
+
+    def __init__(self, model):
+        self.widths: list[int] = []
+        self.prefill_end: float | None = None
+        self.handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
+                        model.register_forward_hook(self._after)]
+
+    def _before(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.widths.append(0 if ids is None else ids.shape[-1])
+
+    def _after(self, module, args, output):
+        if self.prefill_end is None:
+            self.prefill_end = time.perf_counter()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def generate_kwargs(method: str, draft_tokens: int) -> dict:
+    """The `generate()` arguments of a draft method drafting `draft_tokens` tokens per verify forward."""
+    if method == "greedy":
+        return {}
+    if method == "prompt_lookup":
+        return {"prompt_lookup_num_tokens": draft_tokens}
+    if method == "mtp":
+        return {"use_mtp": True, "num_assistant_tokens": draft_tokens, "num_assistant_tokens_schedule": "constant"}
+    raise ValueError(f"method is {method!r}; use one of {list(METHODS)}.")
+
+
+def generation_row(model, prompt: torch.Tensor, new_tokens: int, method: str, draft_tokens: int = 0,
+                   greedy_tokens: torch.Tensor | None = None) -> dict:
+    """`generate()` of exactly `new_tokens` tokens after `prompt [1, length]` with one draft method, greedy.
+
+    Returns tokens per second after the prefill, the model's forwards after it (`verify_forwards`) and the tokens
+    each of them yields on average (`mean_accepted_per_verify`: the tokens after the prefill's own one, over those
+    forwards; 1 for plain greedy, `a + 1` for a verify forward that accepts `a` drafts), the cache's reserved bytes,
+    and whether the tokens equal `greedy_tokens`; or `error`, the first line of what `generate()` raised (a method
+    this model does not support)."""
+    row = {"method": method, "draft_tokens": draft_tokens, "context": prompt.shape[1]}
+    counter = _ForwardCounter(model)
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            output = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                    return_dict_in_generate=True, **generate_kwargs(method, draft_tokens))
+        end = time.perf_counter()
+    except (ValueError, NotImplementedError, TypeError, RuntimeError) as error:
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        return row
+    finally:
+        counter.remove()
+    tokens = output.sequences[0, prompt.shape[1]:]
+    decode_seconds = end - (counter.prefill_end or start)
+    verify_forwards = max(len(counter.widths) - 1, 1)
+    cache = output.past_key_values
+    row.update(
+        tokens_per_second=len(tokens) / decode_seconds, decode_seconds=decode_seconds, generated=len(tokens),
+        verify_forwards=verify_forwards, mean_accepted_per_verify=(len(tokens) - 1) / verify_forwards,
+        mean_verify_width=statistics.mean(counter.widths[1:]) if len(counter.widths) > 1 else 1.0,
+        cache_reserved_bytes=cache.memory_footprint()["reserved"] if hasattr(cache, "memory_footprint") else None,
+    )
+    if greedy_tokens is not None:
+        row["same_tokens_as_greedy"] = bool(torch.equal(tokens, greedy_tokens[: len(tokens)]))
+    row["tokens"] = tokens.tolist()
+    return row
+
+
+def compare_methods(model, prompt: torch.Tensor, new_tokens: int, draft_lengths=(1, 2, 3),
+                    prompt_lookup_tokens: int = 5, methods=METHODS) -> list[dict]:
+    """`generation_row` for plain greedy, prompt lookup (`prompt_lookup_tokens` drafts) and MTP at each draft length,
+    one after another on the same prompt; each row adds its speedup over greedy's tokens per second and its extra
+    cache bytes over greedy's cache."""
+    greedy = generation_row(model, prompt, new_tokens, "greedy")
+    if "error" in greedy:
+        raise RuntimeError(f"plain greedy decoding failed: {greedy['error']}")
+    reference = torch.tensor(greedy["tokens"])
+    rows = [greedy]
+    if "prompt_lookup" in methods:
+        rows.append(generation_row(model, prompt, new_tokens, "prompt_lookup", prompt_lookup_tokens, reference))
+    if "mtp" in methods:
+        rows += [generation_row(model, prompt, new_tokens, "mtp", k, reference) for k in draft_lengths]
+    for row in rows:
+        if "error" not in row:
+            row["speedup"] = row["tokens_per_second"] / greedy["tokens_per_second"]
+            if row["cache_reserved_bytes"] is not None and greedy["cache_reserved_bytes"] is not None:
+                row["extra_cache_bytes"] = row["cache_reserved_bytes"] - greedy["cache_reserved_bytes"]
+    return rows
+
+
+def copying_prompt(passage: torch.Tensor, repeat_marker: torch.Tensor, copies: int = 2) -> torch.Tensor:
+    """A copying task: `passage` `[length]` token ids `copies` times, each after `repeat_marker`, then the marker and
+    the passage's first token, so that continuing it means repeating the passage (what prompt lookup drafts)."""
+    pieces = []
+    for _ in range(copies):
+        pieces += [repeat_marker, passage]
+    pieces += [repeat_marker, passage[:1]]
+    return torch.cat(pieces)[None]
