@@ -178,14 +178,17 @@ def mtp_plan(config: HybridIndexPoolConfig, names) -> list[WeightGroup]:
               MTP_SHARED_WEIGHTS.items()]
     for depth in range(config.num_mtp_layers):
         src, dst = f"mtp.layers.{depth}.", f"model.mtp.layers.{depth}.block."
-        parts = ["input_layernorm.weight", "post_attention_layernorm.weight", *qwen_attention_parts(config)]
-        if config.num_experts == 0:
-            parts += [f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
-        else:
-            moe_parts, moe_groups = qwen_moe_plan(src, dst, config, names)
-            parts, groups = parts + moe_parts, groups + moe_groups
-        groups += [rename(src + part, dst + part) for part in parts]
+        mlp_parts, mlp_groups = qwen_mlp_plan(src, dst, config, names)
+        parts = ["input_layernorm.weight", "post_attention_layernorm.weight", *qwen_attention_parts(config), *mlp_parts]
+        groups += mlp_groups + [rename(src + part, dst + part) for part in parts]
     return groups
+
+
+def qwen_mlp_plan(src: str, dst: str, config: HybridIndexPoolConfig, weight_names) -> tuple[list[str], list]:
+    """A decoder block's MLP: the dense gate/up/down projections, or the MoE block (`qwen_moe_plan`)."""
+    if config.num_experts == 0:
+        return [f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")], []
+    return qwen_moe_plan(src, dst, config, weight_names)
 
 
 def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> ConversionPlan:
@@ -212,12 +215,8 @@ def build_plan(source: SourceCheckpoint, config: HybridIndexPoolConfig) -> Conve
                 parts += [f"linear_attn.in_proj_{name}.weight" for name in ("qkv", "z", "b", "a")]
         else:
             parts += qwen_attention_parts(config)
-        if config.num_experts == 0:
-            parts += [f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
-        else:
-            moe_parts, moe_groups = qwen_moe_plan(src, dst, config, names)
-            parts, groups = parts + moe_parts, groups + moe_groups
-        groups += [rename(src + part, dst + part) for part in parts]
+        mlp_parts, mlp_groups = qwen_mlp_plan(src, dst, config, names)
+        groups += mlp_groups + [rename(src + part, dst + part) for part in parts + mlp_parts]
     return ConversionPlan(groups, ignore)
 
 
