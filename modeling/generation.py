@@ -152,6 +152,12 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, **kwargs):
+        """transformers' inputs, where a first forward continuing a given cache feeds only the tokens that cache lacks:
+        plain decoding's prefill slices them off, assisted decoding's first verify forward does not (it would feed
+        the whole sequence again)."""
+        if (is_first_iteration and next_sequence_length is None and isinstance(cache, HybridIndexPoolCache)
+                and cache.get_seq_length() > 0 and inputs_embeds is None):
+            next_sequence_length = input_ids.shape[1] - cache.get_seq_length()
         model_inputs = super().prepare_inputs_for_generation(
             input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,

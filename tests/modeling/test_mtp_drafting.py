@@ -143,9 +143,9 @@ def test_an_mtp_head_that_agrees_with_the_model_has_every_draft_accepted(k):
     torch.testing.assert_close(drafted, greedy(model, input_ids), rtol=0, atol=0)
     generator = model.last_mtp_candidate_generator
     assert generator.num_accepted_tokens == generator.num_drafted_tokens > 0
-    # Each verify forward yields its k drafts and a token of its own (the last rounds draft fewer, within max_length).
-    assert generator.num_verify_forwards == -(-(NEW_TOKENS - 1) // (k + 1))
-    assert generator.mean_accepted_per_verify == generator.num_accepted_tokens / generator.num_verify_forwards
+    # Each verify forward yields its k drafts and a token of its own; the 13 tokens after the prefill's leave a last
+    # one that no room remains to draft for.
+    assert generator.num_verify_forwards == (NEW_TOKENS - 1) // (k + 1) and generator.mean_accepted_per_verify == k
 
 
 def test_drafts_accepted_in_part_leave_the_greedy_tokens(monkeypatch):
