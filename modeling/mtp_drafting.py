@@ -41,7 +41,8 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         logits_processor: applied to the drafts' logits, as to the model's.
 
     Counters, for benchmarks: `num_verify_forwards` (forwards that verified drafts), `num_drafted_tokens`,
-    `num_accepted_tokens` (drafts the model kept), and `mean_accepted_per_verify`.
+    `num_accepted_tokens` (drafts the model kept), and `mean_accepted_per_verify`; after `release()` (at the end of
+    `generate()`), `mtp_cache_footprint`, the MTP cache's bytes (`reserved`, `total` in use, per component).
     """
 
     requires_model_outputs = True
@@ -68,6 +69,7 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         self.carry = [None] * self.num_layers  # depth-d outputs at [verified[d + 1], verified[d]), for depth d + 1
         self.drafted_last = 0
         self.num_verify_forwards = self.num_drafted_tokens = self.num_accepted_tokens = 0
+        self.mtp_cache_footprint: dict[str, int] | None = None
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -118,7 +120,10 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
             self.num_accepted_tokens += int(num_matches)
 
     def release(self) -> None:
-        """Drop the MTP cache and round state (the counters stay)."""
+        """Drop the MTP cache and round state; the counters stay, and so does the cache's last `memory_footprint()`
+        (`mtp_cache_footprint`)."""
+        if self.cache is not None:
+            self.mtp_cache_footprint = self.cache.memory_footprint()
         self.cache = self.carry = None
 
     def _check_padding(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> None:

@@ -147,6 +147,12 @@ def test_an_mtp_head_that_agrees_with_the_model_has_every_draft_accepted(k):
     # Each verify forward yields its k drafts and a token of its own; the 9 tokens after the prefill's leave a last
     # one that no room remains to draft for.
     assert generator.num_verify_forwards == (NEW_TOKENS - 1) // (k + 1) and generator.mean_accepted_per_verify == k
+    # The MTP cache is dropped when generate() returns; its bytes stay readable: keys/values reserved once for
+    # max_length + k entries (rounded up to r = 4), float32 keys and values of 2 heads of 16.
+    footprint, max_length = generator.mtp_cache_footprint, input_ids.shape[1] + NEW_TOKENS
+    per_entry = 2 * 2 * 16 * 4
+    assert generator.cache is None and footprint["key_value_reserved"] == per_entry * -(-(max_length + k) // 4) * 4
+    assert 0 < footprint["key_value"] < footprint["key_value_reserved"]
 
 
 def test_drafts_accepted_in_part_leave_the_greedy_tokens(monkeypatch):
