@@ -164,7 +164,7 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
                 position = last + depth - self.num_layers
                 hidden, head_input = self._run_layer(layer, hidden[:, -1:], drafts[-1], position)
                 self.stored[layer] += 1
-            token, logits = self._pick(head_input[:, -1], torch.cat([input_ids, *drafts], dim=1))
+            token, logits = self._pick(head_input[:, -1], input_ids, drafts)
             drafts.append(token)
             draft_logits.append(logits)
         return torch.cat(drafts, dim=1), torch.stack(draft_logits, dim=1)
@@ -189,12 +189,13 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         next_embeds = self.text_model.embed_tokens(next_ids)
         return self.text_model.mtp.layer_step(layer, hidden, next_embeds, position_embeddings, step, cache=self.cache)
 
-    def _pick(self, head_input, sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pick(self, head_input, input_ids, drafts) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft `[1, 1]` from the head's input `[1, hidden]` and its logits `[1, vocab]` (after the logits
-        processors, which see `sequence`, the tokens before it): the argmax, or a sample when sampling."""
+        processors, which see the tokens before it: `input_ids` and the earlier `drafts`): the argmax, or a sample
+        when sampling."""
         logits = self.lm_head(head_input).float()
-        if self.logits_processor is not None:
-            logits = self.logits_processor(sequence, logits)
+        if self.logits_processor:  # none in plain greedy decoding: the sequence is not rebuilt for nothing
+            logits = self.logits_processor(torch.cat([input_ids, *drafts], dim=1), logits)
         if self.do_sample:
             token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
         else:
