@@ -3,9 +3,12 @@
 import torch
 import torch.nn.functional as F
 from transformers.generation import GenerationMixin
+from transformers.utils import logging
 
 from .cache_hybrid_indexpool import HybridIndexPoolCache
 from .outputs import HybridIndexPoolCausalLMOutput
+
+logger = logging.get_logger(__name__)
 
 
 class HybridIndexPoolGenerationMixin(GenerationMixin):
@@ -134,3 +137,17 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
     def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs):
         """The layers build their own selections from the 2-D padding mask: `generate()` passes it through."""
         return attention_mask
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """transformers' criteria, saying why a `compile_config` is not used while drafting: the verify forwards
+        record what a crop replays (host-side lists of per-forward tensors) and vary in width, so they run eagerly;
+        a plain decode (no drafting) compiles."""
+        cache = model_kwargs.get("cache")
+        recording = isinstance(cache, HybridIndexPoolCache) and any(layer.record_past for layer in cache.layers)
+        if recording and generation_config.compile_config is not None:
+            logger.warning(
+                "compile_config is not used while drafting (prompt_lookup_num_tokens, assistant_model, use_mtp): the "
+                "verify forwards record what a rollback replays and vary in width, so they run eagerly; generate "
+                "without drafting to decode compiled."
+            )
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)

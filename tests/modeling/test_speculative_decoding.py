@@ -127,13 +127,19 @@ def test_assisted_decoding_refuses_a_batch_with_a_clear_error():
         greedy(model, input_ids, prompt_lookup_num_tokens=3)
 
 
-def test_a_compile_config_with_drafting_runs_the_verify_forwards_eagerly_with_the_greedy_tokens():
-    """While the cache records (every verify forward) it is not compileable, so generate() verifies eagerly."""
+def test_a_compile_config_with_drafting_runs_the_verify_forwards_eagerly_with_the_greedy_tokens(monkeypatch, caplog):
+    """While the cache records (every verify forward) it is not compileable, so generate() verifies eagerly, says
+    why, and gives the greedy tokens."""
     model = tiny_model()
     input_ids = repetitive_prompt(30, seed=5)
     config = CompileConfig(fullgraph=True)
     config._compile_all_devices = True
-    drafted = greedy(model, input_ids, prompt_lookup_num_tokens=4, compile_config=config)
+    compiled = []
+    monkeypatch.setattr(model, "get_compiled_call", lambda compile_config: compiled.append(compile_config))
+    with caplog.at_level("WARNING"):
+        drafted = greedy(model, input_ids, prompt_lookup_num_tokens=4, compile_config=config)
+    assert compiled == []
+    assert "compile_config is not used while drafting" in caplog.text
     torch.testing.assert_close(drafted, greedy(model, input_ids), rtol=0, atol=0)
 
 
