@@ -15,7 +15,7 @@ from hybrid_indexpool import HybridIndexPoolCache
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 HC_PLE = dict(hc_count=3, hc_lowrank=8, ple_layers=[0, 2], ple_ngram_size=3, ple_heads_per_ngram=2, ple_embed_dim=12,
-              eos_token_id=2)
+              ple_ngram_vocab_size_base=40, ple_vocab_size_multiple=8, eos_token_id=2)  # small n-gram tables
 GLM_STYLE = dict(**KIMI_DELTA, **MLA, indexer_types=["full", "full", "full", "shared"], layer_types=[
     "linear_attention", "indexpool_attention", "linear_attention", "indexpool_attention"])
 VARIANTS = {
