@@ -147,12 +147,17 @@ class _LayerCache:
     def _drop_recording(self) -> None:
         """Forget what was recorded (a crop keeps the tokens before it for good)."""
 
-    def _recording_start(self, num_new: int, extra: int = 0) -> int:
-        """The first of `num_new` new columns to record: a forward longer than the `recurrent_states_to_keep + 1`
-        tokens a crop may remove (plus `extra`) records only its last ones, and restarts the recording there."""
-        if self.recurrent_states_to_keep is None:
+    def _recording_start(self, token_is_real: torch.Tensor, extra: int = 0) -> int:
+        """The first of the new columns `token_is_real [batch, new]` to record: a forward longer than the
+        `recurrent_states_to_keep + 1` tokens a crop may remove (plus `extra`) records only the columns that hold each
+        row's last ones (padding may lie anywhere: the layers see each row's real tokens first), and restarts the
+        recording there. Reads the device for a long forward (recording forwards run eagerly)."""
+        keep = None if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep + 1 + extra
+        if keep is None or token_is_real.shape[1] <= keep:
             return 0
-        return max(0, num_new - self.recurrent_states_to_keep - 1 - extra)
+        after = token_is_real.flip(1).long().cumsum(dim=1).flip(1)  # [batch, new] real tokens from each column on
+        enough = (after >= after[:, :1].clamp(max=keep)).all(dim=0)  # true up to the latest column that is enough
+        return int(enough.long().cumsum(dim=0).max()) - 1
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in self._batch_tensors:
@@ -255,7 +260,7 @@ class LinearAttentionLayerCache(_LayerCache):
             self._drop_recording()
             return rule(query, key, value, log_decay, beta, state, mode=mode)
         inputs = (query, key, value, log_decay, beta)
-        start = self._recording_start(query.shape[1])
+        start = self._recording_start(token_is_real)
         width = conv_input.shape[-1] - query.shape[1]  # kernel - 1
         head = None
         if start > 0 or self._recurrent is None:
@@ -282,7 +287,7 @@ class LinearAttentionLayerCache(_LayerCache):
         if not self.record_past:
             self._drop_recording()
         else:
-            start = self._recording_start(num_new)
+            start = self._recording_start(token_is_real)
             if start > 0 or self._ple_tokens is None:
                 real_before = token_is_real[:, :start].sum(dim=1)
                 self._ple_tokens = _WindowRecording(
@@ -618,7 +623,7 @@ class IndexPoolLayerCache(_LayerCache):
         recorded forward also records the open window it starts from. A long forward records its last
         `recurrent_states_to_keep + r` tokens: a crop of up to `recurrent_states_to_keep + 1` reopens a window that
         starts at most `r - 1` tokens earlier."""
-        start = self._recording_start(raw_index_keys.shape[1], extra=self.pool_size - 1)
+        start = self._recording_start(token_is_real, extra=self.pool_size - 1)
         if start > 0 or self._open_windows is None:
             logits = None if gate_logits is None else []
             self._open_windows = _OpenWindowRecording([], logits, [], [], [])

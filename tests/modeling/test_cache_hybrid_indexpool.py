@@ -454,3 +454,21 @@ def test_a_long_recorded_forward_holds_only_what_it_reports():
                         if isinstance(part, torch.Tensor):
                             held[part.untyped_storage().data_ptr()] = part.untyped_storage().nbytes()
     assert sum(held.values()) == cache.memory_footprint()["rollback"]
+
+
+def test_a_long_recorded_forward_of_left_padded_rows_rolls_back_each_row():
+    """The layers see each row's real tokens first, so a long forward's last columns may be padding: the recording
+    keeps every row's last real tokens wherever they lie, and a crop then continues each row as a fresh forward."""
+    model = tiny_model(**HC_PLE)
+    input_ids = torch.randint(3, 97, (2, 30))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :9] = 0
+    with torch.no_grad():
+        cache = HybridIndexPoolCache(model.config)
+        cache.activate_past_recording(recurrent_states_to_keep=3)
+        model(input_ids[:, :26], attention_mask=mask[:, :26], cache=cache, use_cache=True)
+        cache.crop(-4)
+        continued = model(input_ids[:, 22:], attention_mask=mask, cache=cache, use_cache=True).logits
+        for row, first in ((0, 0), (1, 9)):
+            alone = model(input_ids[row:row + 1, first:]).logits
+            torch.testing.assert_close(continued[row], alone[0, 22 - first:], atol=1e-4, rtol=0)
