@@ -83,7 +83,7 @@ def test_the_model_as_its_own_assistant_accepts_every_draft(draft_length, monkey
     assert log.removed and all(removed == 0 for removed in log.removed[1::2])  # the target's crops: nothing removed
 
 
-@pytest.mark.parametrize("variant", ["gdn-r4", "glm-style", "qwen4-exp-style"])
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
 def test_a_smaller_hybrid_assistant_gives_the_greedy_tokens(variant):
     model = tiny_model(**VARIANTS[variant])
     assistant = tiny_model(seed=1, num_hidden_layers=2, layer_types=["linear_attention", "indexpool_attention"])
@@ -114,6 +114,10 @@ def test_the_cache_returned_by_assisted_generate_continues_exactly(variant):
         sequence, cache = output.sequences, output.cache
         assert cache.get_seq_length() == sequence.shape[1] - 1  # the last token is not fed yet
         assert not any(layer.record_past for layer in cache.layers)  # recording ends with generate
+        # ... leaving the plain decode's fixed shapes: compileable, the storage reserved once for the whole call
+        assert cache.is_compileable and cache.memory_footprint()["rollback"] == 0
+        assert all(layer.capacity == -(-(33 + NEW_TOKENS - 1) // layer.pool_size) * layer.pool_size
+                   for layer in cache.index_layers)
         more = torch.randint(3, 97, (1, 6))
         continued = model(torch.cat([sequence[:, -1:], more], dim=1), cache=cache, use_cache=True).logits
         fresh = model(torch.cat([sequence, more], dim=1)).logits[:, -7:]
