@@ -1112,5 +1112,4 @@ class HybridIndexPoolCache(Cache):
         return footprint
 
 
-__all__ = ["CompletedWindows", "HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache",
-           "recording_bytes"]
+__all__ = ["CompletedWindows", "HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache"]
