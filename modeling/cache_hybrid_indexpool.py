@@ -1085,6 +1085,14 @@ class HybridIndexPoolCache(Cache):
             layer.crop(count)
         self.seen_tokens.sub_(count)
 
+    def keep_recurrent_states(self, recurrent_states_to_keep: int) -> None:
+        """Let a long forward record what a crop of up to `recurrent_states_to_keep + 1` tokens needs, from the next
+        forward on, keeping what is recorded: generate() calls it before a verify forward whose drafts outnumber what
+        recording was activated for (transformers' heuristic schedule grows the draft count after accepted drafts)."""
+        for layer in self.layers:
+            if layer.record_past and layer.recurrent_states_to_keep is not None:
+                layer.recurrent_states_to_keep = max(layer.recurrent_states_to_keep, recurrent_states_to_keep)
+
     def deactivate_past_recording(self) -> None:
         """Stop recording (what `activate_past_recording` started) and forget what was recorded."""
         for layer in self.layers:

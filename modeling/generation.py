@@ -127,6 +127,8 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
         )
         cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
+        if isinstance(cache, HybridIndexPoolCache) and next_sequence_length is not None and next_sequence_length > 1:
+            cache.keep_recurrent_states(next_sequence_length - 1)  # a verify forward: its drafts may have grown
         if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
             # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
             # every length: say so up front instead of recompiling once the length changes.

@@ -203,3 +203,22 @@ def test_speculative_sampling_keeps_the_target_distribution(drafting, calls, mon
     expected = probabilities.double().sum(dim=0)
     bound = math.sqrt(ranks.numel() * math.log(2 * TOP_K / FALSE_FAILURE_RATE) / 2)
     assert (observed - expected).abs().max() < bound, (observed.tolist(), expected.tolist(), bound)
+
+
+def test_drafts_that_grow_past_the_recording_activated_for_roll_back(monkeypatch):
+    """transformers' heuristic schedule adds 2 drafts after every fully accepted round: recording was activated for
+    the first count (2), yet a later verify forward's rejected drafts (more than 3) roll back."""
+    model = tiny_model()
+    assistant = copy.deepcopy(model)
+    with torch.no_grad():  # agrees with the target on long runs, then not
+        noise = torch.randn(assistant.lm_head.weight.shape, generator=torch.Generator().manual_seed(1))
+        assistant.lm_head.weight.add_(0.01 * noise)
+    assistant.generation_config.num_assistant_tokens = 2
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
+    input_ids = torch.randint(3, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+    log = CropLog(monkeypatch)
+    with torch.no_grad():
+        drafted = model.generate(input_ids, max_new_tokens=60, do_sample=False, assistant_model=assistant)
+        expected = model.generate(input_ids, max_new_tokens=60, do_sample=False)
+    torch.testing.assert_close(drafted, expected, rtol=0, atol=0)
+    assert max(log.removed) > 3
