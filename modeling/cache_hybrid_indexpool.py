@@ -100,8 +100,12 @@ class _WindowRecording:
         self.token_is_real: list[torch.Tensor] = []  # [batch, new] per forward
 
     def add(self, entries: torch.Tensor, token_is_real: torch.Tensor) -> None:
-        self.entries.append(entries)
-        self.token_is_real.append(token_is_real)
+        # Copies: a slice of a forward's input would keep the whole input alive until the crop.
+        self.entries.append(entries.clone())
+        self.token_is_real.append(token_is_real.clone())
+
+    def nbytes(self) -> int:
+        return _bytes(self.checkpoint) + sum(_bytes(x) for x in self.entries + self.token_is_real)
 
     def rebuild(self, kept: torch.Tensor) -> torch.Tensor:
         """The state after the recorded tokens `kept [batch, recorded]` marks."""
@@ -143,12 +147,17 @@ class _LayerCache:
     def _drop_recording(self) -> None:
         """Forget what was recorded (a crop keeps the tokens before it for good)."""
 
-    def _recording_start(self, num_new: int, extra: int = 0) -> int:
-        """The first of `num_new` new columns to record: a forward longer than the `recurrent_states_to_keep + 1`
-        tokens a crop may remove (plus `extra`) records only its last ones, and restarts the recording there."""
-        if self.recurrent_states_to_keep is None:
+    def _recording_start(self, token_is_real: torch.Tensor, extra: int = 0) -> int:
+        """The first of the new columns `token_is_real [batch, new]` to record: a forward longer than the
+        `recurrent_states_to_keep + 1` tokens a crop may remove (plus `extra`) records only the columns that hold each
+        row's last ones (padding may lie anywhere: the layers see each row's real tokens first), and restarts the
+        recording there. Reads the device for a long forward (recording forwards run eagerly)."""
+        keep = None if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep + 1 + extra
+        if keep is None or token_is_real.shape[1] <= keep:
             return 0
-        return max(0, num_new - self.recurrent_states_to_keep - 1 - extra)
+        after = token_is_real.flip(1).long().cumsum(dim=1).flip(1)  # [batch, new] real tokens from each column on
+        enough = (after >= after[:, :1].clamp(max=keep)).all(dim=0)  # true up to the latest column that is enough
+        return int(enough.long().cumsum(dim=0).max()) - 1
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in self._batch_tensors:
@@ -251,7 +260,7 @@ class LinearAttentionLayerCache(_LayerCache):
             self._drop_recording()
             return rule(query, key, value, log_decay, beta, state, mode=mode)
         inputs = (query, key, value, log_decay, beta)
-        start = self._recording_start(query.shape[1])
+        start = self._recording_start(token_is_real)
         width = conv_input.shape[-1] - query.shape[1]  # kernel - 1
         head = None
         if start > 0 or self._recurrent is None:
@@ -263,7 +272,8 @@ class LinearAttentionLayerCache(_LayerCache):
             self._conv = _WindowRecording(
                 last_real_entries(conv_input[..., : width + start], token_is_real[:, :start].sum(dim=1), width))
         tail = tuple(x[:, start:] for x in inputs)
-        self._recurrent.inputs.append(tail)
+        # Copies: slices of the projections would keep the whole forward's buffers (a prompt's) alive until the crop.
+        self._recurrent.inputs.append(tuple(x.clone() for x in tail))
         self._conv.add(conv_input[..., width + start:], token_is_real[:, start:])
         output, final_state = rule(*tail, state, mode=mode if head is None else "chunk")
         return (output if head is None else torch.cat([head, output], dim=1)), final_state
@@ -277,7 +287,7 @@ class LinearAttentionLayerCache(_LayerCache):
         if not self.record_past:
             self._drop_recording()
         else:
-            start = self._recording_start(num_new)
+            start = self._recording_start(token_is_real)
             if start > 0 or self._ple_tokens is None:
                 real_before = token_is_real[:, :start].sum(dim=1)
                 self._ple_tokens = _WindowRecording(
@@ -347,14 +357,15 @@ class LinearAttentionLayerCache(_LayerCache):
                 "rollback": (rollback, rollback)}
 
     def rollback_bytes(self) -> int:
-        """Bytes the recording holds: checkpoints and the recorded tokens' inputs."""
+        """Bytes the recording holds: checkpoints and the recorded tokens' inputs and masks (see `recording_bytes`
+        for them by formula)."""
         total = 0
         if self._recurrent is not None:
             total += _bytes(self._recurrent.checkpoint) + sum(_bytes(x) for part in self._recurrent.inputs
                                                               for x in part)
         for recording in (self._conv, self._ple_tokens, self._ple_conv):
             if recording is not None:
-                total += _bytes(recording.checkpoint) + sum(_bytes(x) for x in recording.entries)
+                total += recording.nbytes()
         return total
 
 
@@ -371,12 +382,17 @@ class _OpenWindowRecording:
     valid: list[torch.Tensor]  # [batch, n]
 
     def add(self, keys, gate_logits, rope_positions, positions, valid) -> None:
-        self.keys.append(keys)
+        # Copies: a slice of a forward's keys would keep all of them (a prompt's) alive until the crop.
+        self.keys.append(keys.clone())
         if self.gate_logits is not None:
-            self.gate_logits.append(gate_logits)
-        self.rope_positions.append(rope_positions)
-        self.positions.append(positions)
-        self.valid.append(valid)
+            self.gate_logits.append(gate_logits.clone())
+        self.rope_positions.append(rope_positions.clone())
+        self.positions.append(positions.clone())
+        self.valid.append(valid.clone())
+
+    def nbytes(self) -> int:
+        parts = self.keys + (self.gate_logits or []) + self.rope_positions + self.positions + self.valid
+        return sum(_bytes(x) for x in parts)
 
 
 @dataclass
@@ -594,8 +610,8 @@ class IndexPoolLayerCache(_LayerCache):
         """
         if self.key_storage is None or self._planned_capacity > self.capacity:
             self._allocate(key_states, value_states, raw_index_keys, gate_logits, rope_positions.shape[0])
-        if not self.record_past or raw_index_keys is None:
-            self._drop_recording()
+        if not self.record_past or raw_index_keys is None or self.pool_size == 1:
+            self._drop_recording()  # at r = 1 every token is its own window: a crop never reopens one
         else:
             self._record(raw_index_keys, gate_logits, token_is_real, rope_positions)
         write = self._write_one if key_states.shape[-2] == 1 else self._write_many
@@ -608,15 +624,15 @@ class IndexPoolLayerCache(_LayerCache):
         recorded forward also records the open window it starts from. A long forward records its last
         `recurrent_states_to_keep + r` tokens: a crop of up to `recurrent_states_to_keep + 1` reopens a window that
         starts at most `r - 1` tokens earlier."""
-        start = self._recording_start(raw_index_keys.shape[1], extra=self.pool_size - 1)
+        start = self._recording_start(token_is_real, extra=self.pool_size - 1)
         if start > 0 or self._open_windows is None:
             logits = None if gate_logits is None else []
             self._open_windows = _OpenWindowRecording([], logits, [], [], [])
             if start == 0 and self.pool_size > 1:
                 slots = torch.arange(self.pool_size - 1, device=self.lengths.device)
                 self._open_windows.add(
-                    self.open_index_keys.clone(), None if gate_logits is None else self.open_gate_logits.clone(),
-                    self.open_window_position[:, None].expand(-1, self.pool_size - 1, -1).clone(),
+                    self.open_index_keys, None if gate_logits is None else self.open_gate_logits,
+                    self.open_window_position[:, None].expand(-1, self.pool_size - 1, -1),
                     self.num_pooled[:, None] * self.pool_size + slots, slots < self.num_open[:, None])
         positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1
         self._open_windows.add(
@@ -830,7 +846,8 @@ class IndexPoolLayerCache(_LayerCache):
     def memory_footprint(self) -> dict[str, tuple[int, int]]:
         """`{component: (bytes in use, bytes reserved)}`."""
         if self.lengths is None:
-            return {"key_value": (0, 0), "pooled_index_keys": (0, 0), "open_window": (0, 0), "bookkeeping": (0, 0)}
+            return {"key_value": (0, 0), "pooled_index_keys": (0, 0), "open_window": (0, 0), "bookkeeping": (0, 0),
+                    "rollback": (0, 0)}
         total_tokens = int(self.lengths.sum())
         total_windows = int((self.lengths // self.pool_size).sum())
         total_open = total_tokens - total_windows * self.pool_size
@@ -842,12 +859,19 @@ class IndexPoolLayerCache(_LayerCache):
             open_per_token = self.open_index_keys.shape[-1] * (self.open_index_keys.element_size() + (
                 0 if self.open_gate_logits is None else self.open_gate_logits.element_size()))
         bookkeeping = _bytes(self.lengths) + _bytes(self.open_window_position)
+        rollback = self.rollback_bytes()
         return {
             "key_value": (total_tokens * key_value_per_token, _bytes(self.key_storage) + _bytes(self.value_storage)),
             "pooled_index_keys": (total_windows * pooled_bytes, _bytes(self.pooled_storage)),
             "open_window": (total_open * open_per_token, _bytes(self.open_index_keys) + _bytes(self.open_gate_logits)),
             "bookkeeping": (bookkeeping, bookkeeping),
+            "rollback": (rollback, rollback),
         }
+
+    def rollback_bytes(self) -> int:
+        """Bytes the recording holds: the recorded tokens' raw indexer keys, gate logits and positions, and the open
+        window at the checkpoint (see `recording_bytes` for them by formula)."""
+        return 0 if self._open_windows is None else self._open_windows.nbytes()
 
     def unpooled_index_bytes(self) -> int:
         """Bytes a per-token (r = 1) indexer key cache of the same storage would hold for the same tokens."""
@@ -864,6 +888,52 @@ def cache_layout(config) -> dict:
              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "ple_layers", "hc_count")
     return {name: (list(value) if isinstance(value := getattr(config, name), (list, tuple)) else value)
             for name in names}
+
+
+def recording_bytes(config, recorded_tokens: int, dtype: torch.dtype = torch.bfloat16, batch_size: int = 1,
+                    rope_streams: int = 1) -> list[int]:
+    """Bytes each layer's recording holds (its `rollback_bytes()`) after one recorded forward of `recorded_tokens`
+    tokens over a cache that holds earlier ones: a verify forward of `k` drafts and the token before them, after
+    `activate_past_recording(recurrent_states_to_keep=k)` or the crop of the previous one. By formula, for a model in
+    `dtype` (rotary positions in `rope_streams` streams: 3 for a multimodal model's); one entry per layer.
+
+    A linear-attention layer keeps a checkpoint (its float32 recurrent state and convolution window) and, per token,
+    the rule's inputs (query, key, value, log decay, beta) and the convolution input (plus the PLE token and
+    convolution histories on a PLE layer). An IndexPool layer with its own indexer and r > 1 keeps, per token, the
+    raw indexer key, gate logits and positions, and the open window at the checkpoint; its keys and values are stored
+    by position anyway, so a crop only lowers the lengths."""
+    element = torch.empty((), dtype=dtype).element_size()
+    tokens, float32, int64, mask = recorded_tokens, 4, 8, 1
+    kimi = config.linear_attention_type == "kimi_delta"
+    key_heads, key_dim = config.linear_num_key_heads, config.linear_key_head_dim
+    value_heads, value_dim = config.linear_num_value_heads, config.linear_value_head_dim
+    conv_channels = 2 * key_heads * key_dim + value_heads * value_dim
+    conv_element = float32 if kimi else element  # KDA convolves in float32
+    decay_width = value_heads * (key_dim if kimi else 1)  # KDA decays per key channel
+    beta_element = float32 if kimi else element
+    linear_checkpoint = value_heads * key_dim * value_dim * float32 + conv_channels * (
+        config.linear_conv_kernel_dim - 1) * conv_element
+    linear_per_token = (conv_channels * element + decay_width * float32 + value_heads * beta_element
+                        + conv_channels * conv_element + mask)
+    ple_history = (config.ple_conv_kernel_size - 1) * config.ple_ngram_size
+    ple_width = config.hc_count * config.hidden_size
+    ple_checkpoint = (config.ple_ngram_size - 1) * int64 + ple_width * ple_history * element
+    ple_per_token = int64 + ple_width * element + 2 * mask
+    gate_width = {"learned": config.index_head_dim, "learned_scalar": 1}.get(config.index_pool_weighting, 0)
+    index_entry = config.index_head_dim * element + gate_width * float32 + rope_streams * int64 + int64 + mask
+    indexer_types = config.indexer_types or ["full"] * len(config.layer_types)
+    sizes = []
+    for layer, layer_type in enumerate(config.layer_types):
+        if layer_type == "linear_attention":
+            size = linear_checkpoint + tokens * linear_per_token
+            if layer in config.ple_layers:
+                size += ple_checkpoint + tokens * ple_per_token
+        elif config.index_pool_size > 1 and indexer_types[layer] != "shared":
+            size = (config.index_pool_size - 1 + tokens) * index_entry
+        else:
+            size = 0
+        sizes.append(batch_size * size)
+    return sizes
 
 
 class HybridIndexPoolCache(Cache):
@@ -1016,6 +1086,14 @@ class HybridIndexPoolCache(Cache):
             layer.crop(count)
         self.seen_tokens.sub_(count)
 
+    def keep_recurrent_states(self, recurrent_states_to_keep: int) -> None:
+        """Let a long forward record what a crop of up to `recurrent_states_to_keep + 1` tokens needs, from the next
+        forward on, keeping what is recorded: generate() calls it before a verify forward whose drafts outnumber what
+        recording was activated for (transformers' heuristic schedule grows the draft count after accepted drafts)."""
+        for layer in self.layers:
+            if layer.record_past and layer.recurrent_states_to_keep is not None:
+                layer.recurrent_states_to_keep = max(layer.recurrent_states_to_keep, recurrent_states_to_keep)
+
     def deactivate_past_recording(self) -> None:
         """Stop recording (what `activate_past_recording` started) and forget what was recorded."""
         for layer in self.layers:
@@ -1085,7 +1163,7 @@ class MultiTokenPredictionCache:
 
     def memory_footprint(self) -> dict[str, int]:
         """Bytes summed over the layers: in use under each component's name, reserved under `<name>_reserved`;
-        `total` and `reserved` sum them (a recording's raw keys are not counted: they last one draft round)."""
+        `total` and `reserved` sum them; a draft round's recording is under `rollback`."""
         used: dict[str, int] = {}
         reserved: dict[str, int] = {}
         for layer in self.layers.values():
@@ -1100,4 +1178,4 @@ class MultiTokenPredictionCache:
 
 
 __all__ = ["CompletedWindows", "HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache",
-           "MultiTokenPredictionCache"]
+           "MultiTokenPredictionCache", "recording_bytes"]

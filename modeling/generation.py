@@ -3,10 +3,13 @@
 import torch
 import torch.nn.functional as F
 from transformers.generation import GenerationMixin
+from transformers.utils import logging
 
 from .cache_hybrid_indexpool import HybridIndexPoolCache
 from .mtp_drafting import HybridIndexPoolMTPCandidateGenerator
 from .outputs import HybridIndexPoolCausalLMOutput
+
+logger = logging.get_logger(__name__)
 
 
 class HybridIndexPoolGenerationMixin(GenerationMixin):
@@ -163,6 +166,8 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
         )
         cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
+        if isinstance(cache, HybridIndexPoolCache) and next_sequence_length is not None and next_sequence_length > 1:
+            cache.keep_recurrent_states(next_sequence_length - 1)  # a verify forward: its drafts may have grown
         if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
             # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
             # every length: say so up front instead of recompiling once the length changes.
@@ -173,3 +178,17 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
     def create_masks_for_generate(config, inputs_embeds, attention_mask, cache, **kwargs):
         """The layers build their own selections from the 2-D padding mask: `generate()` passes it through."""
         return attention_mask
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """transformers' criteria, saying why a `compile_config` is not used while drafting: the verify forwards
+        record what a crop replays (host-side lists of per-forward tensors) and vary in width, so they run eagerly;
+        a plain decode (no drafting) compiles."""
+        cache = model_kwargs.get("cache")
+        recording = isinstance(cache, HybridIndexPoolCache) and any(layer.record_past for layer in cache.layers)
+        if recording and generation_config.compile_config is not None:
+            logger.warning(
+                "compile_config is not used while drafting (prompt_lookup_num_tokens, assistant_model, use_mtp): the "
+                "verify forwards record what a rollback replays and vary in width, so they run eagerly; generate "
+                "without drafting to decode compiled."
+            )
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)

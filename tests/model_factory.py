@@ -65,7 +65,7 @@ MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_d
 # The variants every drafting mode of generate() is checked on: r = 4, 1 and 16, fp8 pooled keys, GLM-5.3-Flash's style
 # (KDA + MLA, a shared indexer) and Qwen4-Exp's (hyper-connections, PLE).
 HC_PLE = dict(hc_count=3, hc_lowrank=8, ple_layers=[0, 2], ple_ngram_size=3, ple_heads_per_ngram=2, ple_embed_dim=12,
-              eos_token_id=2)
+              ple_ngram_vocab_size_base=40, ple_vocab_size_multiple=8, eos_token_id=2)  # small n-gram tables
 GLM_STYLE = dict(**KIMI_DELTA, **MLA, indexer_types=["full", "full", "full", "shared"], layer_types=[
     "linear_attention", "indexpool_attention", "linear_attention", "indexpool_attention"])
 DRAFTING_VARIANTS = {

@@ -5,7 +5,7 @@ import torch
 from model_factory import KIMI_DELTA, MLA, tiny_model
 
 from hybrid_indexpool import HybridIndexPoolCache
-from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
+from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache, recording_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -338,7 +338,7 @@ def test_extend_to_counts_synthetic_content_and_refuses_beyond_the_reservation()
 
 
 HC_PLE = dict(hc_count=3, hc_lowrank=8, ple_layers=[0, 2], ple_ngram_size=3, ple_heads_per_ngram=2, ple_embed_dim=12,
-              eos_token_id=2)
+              ple_ngram_vocab_size_base=40, ple_vocab_size_multiple=8, eos_token_id=2)  # small n-gram tables
 
 
 @pytest.mark.parametrize("variant", [
@@ -407,3 +407,68 @@ def test_recording_makes_the_cache_non_compileable_and_reports_its_bytes():
         assert cache.memory_footprint()["rollback"] > 0
         cache.crop(-2)
         assert cache.memory_footprint()["rollback"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", [
+    dict(),
+    dict(index_pool_size=1, index_topk=4),
+    dict(index_pool_size=16, index_topk=16),
+    dict(index_key_cache_dtype="float8_e4m3fn"),
+    dict(index_pool_weighting="learned_scalar"),
+    dict(index_pool_weighting="mean"),
+    dict(**KIMI_DELTA, **MLA, indexer_types=["full", "full", "full", "shared"], layer_types=[
+        "linear_attention", "indexpool_attention", "linear_attention", "indexpool_attention"]),
+    HC_PLE,
+], ids=["gdn-r4", "r1", "r16", "fp8", "learned-scalar", "mean", "kda-mla-shared", "hc-ple"])
+def test_recording_bytes_gives_what_each_layer_records_for_a_verify_forward(variant, dtype):
+    """The formula (which docs/speculative_decoding.md evaluates at Qwen3.8-Flash-Next's widths) against what every
+    layer's recording holds after verify forwards of 1 and 6 tokens over a 2-row cache."""
+    model = tiny_model(**variant).to(dtype)
+    for tokens in (1, 6):
+        cache = HybridIndexPoolCache(model.config)
+        with torch.no_grad():
+            model(torch.randint(3, 97, (2, 13)), cache=cache, use_cache=True)
+            cache.activate_past_recording(recurrent_states_to_keep=tokens - 1)
+            model(torch.randint(3, 97, (2, tokens)), cache=cache, use_cache=True)
+        recorded = [layer.rollback_bytes() for layer in cache.layers]
+        assert recorded == recording_bytes(model.config, tokens, dtype, batch_size=2)
+        assert cache.memory_footprint()["rollback"] == sum(recorded) > 0
+
+
+def test_a_long_recorded_forward_holds_only_what_it_reports():
+    """A prompt forward while recording (generate's first iteration) keeps copies of its last tokens' inputs, not
+    slices that would keep the whole prompt's projections alive until the crop."""
+    model = tiny_model()
+    cache = HybridIndexPoolCache(model.config)
+    cache.activate_past_recording(recurrent_states_to_keep=3)
+    with torch.no_grad():
+        model(torch.randint(3, 97, (1, 500)), cache=cache, use_cache=True)
+    held = {}
+    for layer in cache.layers:
+        recordings = [getattr(layer, name, None) for name in ("_recurrent", "_conv", "_open_windows")]
+        for recording in filter(None, recordings):
+            for value in vars(recording).values():
+                for tensor in value if isinstance(value, list) else [value]:
+                    for part in tensor if isinstance(tensor, tuple) else [tensor]:
+                        if isinstance(part, torch.Tensor):
+                            held[part.untyped_storage().data_ptr()] = part.untyped_storage().nbytes()
+    assert sum(held.values()) == cache.memory_footprint()["rollback"]
+
+
+def test_a_long_recorded_forward_of_left_padded_rows_rolls_back_each_row():
+    """The layers see each row's real tokens first, so a long forward's last columns may be padding: the recording
+    keeps every row's last real tokens wherever they lie, and a crop then continues each row as a fresh forward."""
+    model = tiny_model(**HC_PLE)
+    input_ids = torch.randint(3, 97, (2, 30))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :9] = 0
+    with torch.no_grad():
+        cache = HybridIndexPoolCache(model.config)
+        cache.activate_past_recording(recurrent_states_to_keep=3)
+        model(input_ids[:, :26], attention_mask=mask[:, :26], cache=cache, use_cache=True)
+        cache.crop(-4)
+        continued = model(input_ids[:, 22:], attention_mask=mask, cache=cache, use_cache=True).logits
+        for row, first in ((0, 0), (1, 9)):
+            alone = model(input_ids[row:row + 1, first:]).logits
+            torch.testing.assert_close(continued[row], alone[0, 22 - first:], atol=1e-4, rtol=0)

@@ -2,6 +2,8 @@
 would alone, with or without a cache, greedy, sampling and beams, continuing from a returned cache, and from
 `inputs_embeds`. Rows run past the budget (sparse selection) and one row is shorter than a window."""
 
+import copy
+
 import pytest
 import torch
 from model_factory import tiny_model
@@ -112,3 +114,28 @@ def test_generating_from_inputs_embeds_equals_from_input_ids(model, padding):
     from_embeds = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                                  do_sample=False)
     assert torch.equal(from_embeds, new_tokens(from_ids, input_ids))
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("drafting", ["prompt_lookup", "assistant"])
+def test_drafting_dict_outputs_match_greedy(model, drafting, padding):
+    """As transformers' assisted and prompt-lookup common tests: one row (left-padded or not) drafted by prompt
+    lookup or by the model itself as its assistant gives greedy's sequences, scores and logits."""
+    phrase = torch.randint(1, 97, (5,), generator=torch.Generator().manual_seed(3))
+    input_ids = phrase.repeat(4)[None, :19]
+    mask = torch.ones_like(input_ids)
+    if padding == "left":
+        input_ids = torch.cat([torch.zeros(1, 7, dtype=torch.long), input_ids], dim=1)
+        mask = torch.cat([torch.zeros(1, 7, dtype=torch.long), mask], dim=1)
+    settings = dict(attention_mask=mask, max_new_tokens=2 * NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                    output_scores=True, output_logits=True)
+    assistant = copy.deepcopy(model)
+    assistant.generation_config.num_assistant_tokens = 3
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    drafts = dict(prompt_lookup_num_tokens=3) if drafting == "prompt_lookup" else dict(assistant_model=assistant)
+    greedy = model.generate(input_ids, **settings)
+    drafted = model.generate(input_ids, **settings, **drafts)
+    assert torch.equal(drafted.sequences, greedy.sequences)
+    for name in ("scores", "logits"):
+        torch.testing.assert_close(torch.cat(getattr(drafted, name)), torch.cat(getattr(greedy, name)), atol=1e-4,
+                                   rtol=0)
