@@ -1042,4 +1042,61 @@ class HybridIndexPoolCache(Cache):
         return footprint
 
 
-__all__ = ["CompletedWindows", "HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache"]
+class MultiTokenPredictionCache:
+    """The cache of a model's multi-token-prediction (MTP) layers while they draft (`generate(use_mtp=True)`).
+
+    One [`IndexPoolLayerCache`] per MTP layer in use, in `layers` under the layer's index (`num_hidden_layers + depth`,
+    where the MTP decoder blocks look theirs up), each with its own length: entry `i` of a layer is its output at
+    position `i` (stored by position, as the model's IndexPool layers store tokens). Every layer records from the start
+    (`activate_past_recording`), so `crop(layer_idx, n)` removes its last `n` entries, the drafted ones, reopening a
+    pooled window they completed. Reserved once for `max_cache_len` entries per layer.
+
+    Args:
+        config: the model's (text) config.
+        num_layers: the MTP layers that draft (the first ones).
+        max_cache_len: the most entries a layer will hold.
+        max_crop: the most entries one crop removes.
+    """
+
+    def __init__(self, config, num_layers: int, max_cache_len: int, max_crop: int):
+        self.layers = {
+            config.num_hidden_layers + depth: IndexPoolLayerCache(
+                config.index_pool_size, max_cache_len, fp8_index_keys=config.index_key_cache_dtype == "float8_e4m3fn")
+            for depth in range(num_layers)
+        }
+        for layer in self.layers.values():
+            layer.activate_past_recording(recurrent_states_to_keep=max_crop)
+
+    def begin_update(self, layer_idx: int, token_is_real: torch.Tensor) -> torch.Tensor:
+        """Plan layer `layer_idx`'s storage for new entries `token_is_real [batch, new]` and return their storage
+        positions `[batch, new]` (each row counts its real entries)."""
+        layer = self.layers[layer_idx]
+        layer.plan(token_is_real)
+        positions = token_is_real.long().cumsum(dim=1) - 1
+        if layer.lengths is not None:
+            positions = positions + layer.lengths[:, None]
+        return positions.clamp(min=0)
+
+    def crop(self, layer_idx: int, entries_to_remove: int) -> None:
+        """Remove the last `entries_to_remove` entries of every row of layer `layer_idx` (0 removes nothing) and keep
+        the rest for good (the recording restarts from there)."""
+        self.layers[layer_idx].crop(entries_to_remove)
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes summed over the layers: in use under each component's name, reserved under `<name>_reserved`;
+        `total` and `reserved` sum them (a recording's raw keys are not counted: they last one draft round)."""
+        used: dict[str, int] = {}
+        reserved: dict[str, int] = {}
+        for layer in self.layers.values():
+            for name, (in_use, held) in layer.memory_footprint().items():
+                used[name] = used.get(name, 0) + in_use
+                reserved[name] = reserved.get(name, 0) + held
+        footprint = dict(used)
+        footprint.update({f"{name}_reserved": size for name, size in reserved.items()})
+        footprint["total"] = sum(used.values())
+        footprint["reserved"] = sum(reserved.values())
+        return footprint
+
+
+__all__ = ["CompletedWindows", "HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache",
+           "MultiTokenPredictionCache"]

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from transformers.generation import GenerationMixin
 
 from .cache_hybrid_indexpool import HybridIndexPoolCache
+from .mtp_drafting import HybridIndexPoolMTPCandidateGenerator
 from .outputs import HybridIndexPoolCausalLMOutput
 
 
@@ -47,7 +48,7 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
         return HybridIndexPoolCausalLMOutput(
             loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, router_logits=outputs.router_logits, indexer_loss=outputs.indexer_loss,
-            mtp_logits=mtp_logits, mtp_loss=mtp_loss,
+            mtp_logits=mtp_logits, mtp_loss=mtp_loss, mtp_inputs=outputs.mtp_inputs,
         )
 
     def wants_mtp_logits(self, output_mtp_logits: bool | None, labels) -> bool:
@@ -58,20 +59,46 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
             return labels is not None and text_config.num_mtp_layers > 0 and text_config.mtp_loss_weight > 0
         return bool(output_mtp_logits)
 
+    def _prepare_generation_config(self, generation_config, **kwargs):
+        """transformers' preparation, plus the MTP draft depth: `generate(use_mtp=True)` drafts
+        `num_assistant_tokens` tokens per verify forward when the call (or a generation config) sets it, else one per
+        MTP layer (`num_mtp_layers`), instead of transformers' default of 20."""
+        explicit = kwargs.get("num_assistant_tokens") is not None or any(
+            config is not None and config.num_assistant_tokens is not None
+            for config in (generation_config, self.generation_config))
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        if generation_config.use_mtp and not explicit:
+            generation_config.num_assistant_tokens = self.config.get_text_config().num_mtp_layers
+        return generation_config, model_kwargs
+
     def _get_candidate_generator(self, generation_config, *args, **kwargs):
-        """Refuse `use_mtp=True` in one line saying why: transformers' MTP drafting builds its own copy of the MTP
-        layers by known layer patterns, which ours are not, and drafting here needs a cache that rolls back."""
-        if generation_config.use_mtp:
-            text_config = self.config.get_text_config()
-            has_head = (f"its {text_config.num_mtp_layers} MTP layers ({text_config.mtp_type!r}) are kept for "
-                        "training, evaluation (output_mtp_logits=True) and export" if text_config.num_mtp_layers
-                        else "it has no MTP layers (scripts/train_mtp.py gives it some)")
+        """With `use_mtp=True`, a [`HybridIndexPoolMTPCandidateGenerator`]: transformers' own MTP drafting builds a
+        copy of the MTP layers from known layer patterns, which ours are not. Refused in one line for a model without
+        MTP layers, a multimodal model and a draft depth below 1."""
+        if not generation_config.use_mtp:
+            return super()._get_candidate_generator(generation_config, *args, **kwargs)
+        text_config = self.config.get_text_config()
+        if not text_config.num_mtp_layers:
             raise ValueError(
-                f"generate(use_mtp=True) is not supported by HybridIndexPool yet: {has_head}, but drafting with them "
-                "needs a cache that rolls back rejected drafts. Generate without use_mtp, or serve an export with "
-                "vLLM's MTP drafting (see docs/multi_token_prediction.md)."
+                "generate(use_mtp=True) drafts with the model's multi-token-prediction layers, but this model has "
+                "none (num_mtp_layers is 0); train some with scripts/train_mtp.py (docs/multi_token_prediction.md), "
+                "or draft with prompt_lookup_num_tokens or assistant_model."
             )
-        return super()._get_candidate_generator(generation_config, *args, **kwargs)
+        if hasattr(self.config, "vision_config"):
+            raise ValueError(
+                "generate(use_mtp=True) drafts for the text-only HybridIndexPoolForCausalLM; generate without use_mtp "
+                "here, or load the text model alone for MTP drafting."
+            )
+        if generation_config.num_assistant_tokens is None or generation_config.num_assistant_tokens < 1:
+            raise ValueError(
+                f"num_assistant_tokens is {generation_config.num_assistant_tokens!r}: with use_mtp=True it is the "
+                "number of tokens the MTP layers draft per verify forward; give 1 or more (or leave it out for one "
+                "per MTP layer)."
+            )
+        generator = HybridIndexPoolMTPCandidateGenerator(self, generation_config, kwargs.get("logits_processor"))
+        # The counters of the last MTP-drafting generate() stay readable here (its cache is dropped at the end).
+        self.last_mtp_candidate_generator = generator
+        return generator
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
@@ -96,16 +123,22 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
                 recurrent_states_to_keep=generation_config.num_assistant_tokens)
 
     def _assisted_decoding(self, input_ids, *args, **model_kwargs):
-        """transformers' assisted decoding (`prompt_lookup_num_tokens`, `assistant_model`), refusing a batch up front
-        and leaving a returned cache recording nothing: a further plain decode then records nothing it never
-        crops (generate() turns recording on, with `activate_past_recording`, for the verify forwards)."""
+        """transformers' assisted decoding (`prompt_lookup_num_tokens`, `assistant_model`, `use_mtp`), refusing a
+        batch up front and leaving a returned cache recording nothing: a further plain decode then records nothing it
+        never crops (generate() turns recording on, with `activate_past_recording`, for the verify forwards)."""
         if input_ids.shape[0] > 1:
             raise ValueError(
-                f"Assisted decoding (prompt_lookup_num_tokens, assistant_model) verifies one sequence at a time in "
+                f"Assisted decoding (prompt_lookup_num_tokens, assistant_model, use_mtp) verifies one sequence at a "
+                f"time in "
                 f"transformers, but the input has {input_ids.shape[0]} rows; call generate() once per row, or drop "
                 "the drafting arguments to decode the batch together."
             )
-        output = super()._assisted_decoding(input_ids, *args, **model_kwargs)
+        try:
+            output = super()._assisted_decoding(input_ids, *args, **model_kwargs)
+        finally:
+            generator = getattr(self, "last_mtp_candidate_generator", None)
+            if generator is not None:
+                generator.release()
         cache = model_kwargs.get("cache")
         if isinstance(cache, HybridIndexPoolCache):
             cache.crop(0)
@@ -119,6 +152,12 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, **kwargs):
+        """transformers' inputs, where a first forward continuing a given cache feeds only the tokens that cache lacks:
+        plain decoding's prefill slices them off, assisted decoding's first verify forward does not (it would feed
+        the whole sequence again)."""
+        if (is_first_iteration and next_sequence_length is None and isinstance(cache, HybridIndexPoolCache)
+                and cache.get_seq_length() > 0 and inputs_embeds is None):
+            next_sequence_length = input_ids.shape[1] - cache.get_seq_length()
         model_inputs = super().prepare_inputs_for_generation(
             input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,

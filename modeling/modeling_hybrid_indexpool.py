@@ -251,6 +251,7 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         ple_input_ids: torch.LongTensor | None = None,
         output_router_logits: bool | None = None,
         output_mtp_hidden_states: bool = False,
+        output_mtp_inputs: bool = False,
         **kwargs,
     ) -> "HybridIndexPoolModelOutput":
         """Run the decoder.
@@ -274,6 +275,10 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             output_mtp_hidden_states: also return the multi-token-prediction layers' outputs, one `[batch, seq,
                 hidden]` per depth (models with `num_mtp_layers` only; the whole sequence in one forward, from an
                 empty cache or none).
+            output_mtp_inputs: also return what the MTP layers read at each new token, `mtp_inputs`: the final
+                normed hidden states `[batch, seq, hidden]`, or for Qwen4-Exp's MTP the residual streams before the
+                final mix `[batch, seq, hc_count * hidden]` (what drafting with the MTP layers feeds them; any forward,
+                with or without a cache).
         """
         if indexer_loss not in (None, "dense", "sparse"):
             raise ValueError(f"indexer_loss is {indexer_loss!r}; use None, 'dense' or 'sparse'.")
@@ -310,7 +315,9 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         # so the returned states are tensors the output was computed from (their gradients can be retained).
         record_layout = inputs.layout if chunk == grid_length else None
         steps = [inputs.step.chunk(start, start + chunk) for start in range(0, grid_length, chunk)]
-        keep_streams = output_mtp_hidden_states and self.mtp.reads_residual_streams
+        if output_mtp_inputs and self.mtp is None:
+            check_mtp_inputs(config, None)
+        keep_streams = (output_mtp_hidden_states or output_mtp_inputs) and self.mtp.reads_residual_streams
         pieces = [self._run_layers(hidden_states[:, start:start + chunk], step, inputs.cache, record_layout,
                                    output_hidden_states=output_hidden_states, keep_final_streams=keep_streams,
                                    output_attentions=output_attentions, output_router_logits=output_router_logits)
@@ -321,6 +328,11 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
             mtp_hidden_states = self.mtp(mtp_inputs, inputs.inputs_embeds,
                                          self._position_embeddings(mtp_inputs, inputs.step), inputs.step)
         output = gather_pieces(pieces, inputs.layout, record_layout)
+        if output_mtp_inputs:
+            output.mtp_inputs = output.last_hidden_state
+            if keep_streams:
+                streams = joined([step.final_streams for step in steps])
+                output.mtp_inputs = streams if inputs.layout is None else inputs.layout.from_grid(streams)
         if output_mtp_hidden_states:
             output.mtp_hidden_states = tuple(states if inputs.layout is None else inputs.layout.from_grid(states)
                                              for states in mtp_hidden_states)
@@ -407,6 +419,7 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
         ple_input_ids: torch.LongTensor | None = None,
         output_router_logits: bool | None = None,
         output_mtp_logits: bool | None = None,
+        output_mtp_inputs: bool = False,
         **kwargs,
     ) -> "HybridIndexPoolCausalLMOutput":
         """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss.
@@ -417,7 +430,8 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
         `aux_loss`, which `loss` adds weighted by `config.router_aux_loss_coef`. With `output_mtp_logits` (default:
         with labels, when `config.mtp_loss_weight > 0`) a model with MTP layers also returns `mtp_logits`, one `[batch,
         seq, vocab]` per depth `k` whose position `i` predicts the token at `i + k + 2`, and with labels `mtp_loss`,
-        which `loss` adds weighted by `config.mtp_loss_weight`.
+        which `loss` adds weighted by `config.mtp_loss_weight`. With `output_mtp_inputs` it also returns `mtp_inputs`,
+        what the MTP layers read (see [`HybridIndexPoolModel.forward`]; `generate(use_mtp=True)` asks for them).
         """
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
@@ -425,6 +439,7 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
             output_hidden_states=output_hidden_states, indexer_loss=indexer_loss, ple_input_ids=ple_input_ids,
             output_router_logits=output_router_logits,
             output_mtp_hidden_states=self.wants_mtp_logits(output_mtp_logits, labels),
+            output_mtp_inputs=output_mtp_inputs,
         )
         return self.language_model_output(outputs, labels, logits_to_keep, attention_mask, **kwargs)
 

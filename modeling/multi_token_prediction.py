@@ -49,14 +49,15 @@ class HybridIndexPoolDeepSeekMTPLayer(nn.Module):
         self.block = HybridIndexPoolDecoderLayer(config, config.num_hidden_layers + depth, multi_token_prediction=True)
         self.output_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
 
-    def forward(self, hidden_states, next_embeds, position_embeddings, step: LayerStep) -> torch.Tensor:
+    def forward(self, hidden_states, next_embeds, position_embeddings, step: LayerStep, cache=None) -> torch.Tensor:
         """`hidden_states`, `next_embeds` `[batch, seq, hidden]` -> the normed output `[batch, seq, hidden]`, which is
-        both what the head reads and the next depth's hidden state."""
+        both what the head reads and the next depth's hidden state. With `cache` (whose `layers[layer_idx]` is this
+        block's [`IndexPoolLayerCache`]), the new entries continue the ones it holds."""
         if self.zero_first_embedding:
             next_embeds = next_embeds.masked_fill((step.positions == 0).unsqueeze(-1), 0)
         hidden_states = self.input_proj(torch.cat([self.embedding_norm(next_embeds), self.hidden_norm(hidden_states)],
                                                   dim=-1))
-        return self.output_norm(self.block(hidden_states, position_embeddings, step))
+        return self.output_norm(self.block(hidden_states, position_embeddings, step, cache=cache))
 
 
 class HybridIndexPoolDeepSeekMTP(nn.Module):
@@ -74,11 +75,19 @@ class HybridIndexPoolDeepSeekMTP(nn.Module):
         """Grid `hidden_states` (final, normed) and `inputs_embeds` `[batch, seq, hidden]` -> each depth's output
         `[batch, seq, hidden]` on the grid."""
         outputs = ()
-        for depth, layer in enumerate(self.layers):
-            hidden_states = layer(hidden_states, next_token_embeddings(inputs_embeds, depth), position_embeddings,
-                                  multi_token_step(step, depth))
-            outputs += (hidden_states,)
+        for depth in range(len(self.layers)):
+            hidden_states, output = self.layer_step(depth, hidden_states, next_token_embeddings(inputs_embeds, depth),
+                                                    position_embeddings, multi_token_step(step, depth))
+            outputs += (output,)
         return outputs
+
+    def layer_step(self, layer_index: int, hidden_states, next_embeds, position_embeddings, step: LayerStep,
+                   cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer `layer_index` over entries whose hidden input is `hidden_states` `[batch, seq, hidden]` and whose
+        next token embeds as `next_embeds` `[batch, seq, hidden]`: `(the next depth's hidden input, what the head
+        reads)`, here the same normed output. `cache` as for [`HybridIndexPoolDeepSeekMTPLayer`]."""
+        output = self.layers[layer_index](hidden_states, next_embeds, position_embeddings, step, cache)
+        return output, output
 
 
 class HybridIndexPoolQwen4ExpMTP(nn.Module):
@@ -110,13 +119,23 @@ class HybridIndexPoolQwen4ExpMTP(nn.Module):
         """Grid `streams [batch, seq, hc_count * hidden]` and `inputs_embeds [batch, seq, hidden]` -> each depth's
         mixed output `[batch, seq, hidden]` on the grid."""
         outputs = ()
-        for depth, layer in enumerate(self.layers):
-            embedded = self.embedding_proj(self.embedding_norm(next_token_embeddings(inputs_embeds, depth)))
-            streams = self.stream_proj(self.streams_norm(streams).unflatten(-1, (self.hc_count, self.hidden_size)))
-            streams = (streams + embedded.unsqueeze(-2)).flatten(-2)
-            streams = layer(streams, position_embeddings, multi_token_step(step, depth))
-            outputs += (self.hyper_connection_mixer(streams)[0],)
+        for depth in range(len(self.layers)):
+            streams, output = self.layer_step(depth, streams, next_token_embeddings(inputs_embeds, depth),
+                                              position_embeddings, multi_token_step(step, depth))
+            outputs += (output,)
         return outputs
+
+    def layer_step(self, layer_index: int, streams, next_embeds, position_embeddings, step: LayerStep,
+                   cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer `layer_index` over entries whose input streams are `streams [batch, seq, hc_count * hidden]` and
+        whose next token embeds as `next_embeds [batch, seq, hidden]`: `(the layer's streams, the next depth's input;
+        their mix [batch, seq, hidden], what the head reads)`. With `cache` (whose `layers[layer_idx]` is the
+        layer's [`IndexPoolLayerCache`]), the new entries continue the ones it holds."""
+        embedded = self.embedding_proj(self.embedding_norm(next_embeds))
+        streams = self.stream_proj(self.streams_norm(streams).unflatten(-1, (self.hc_count, self.hidden_size)))
+        streams = (streams + embedded.unsqueeze(-2)).flatten(-2)
+        streams = self.layers[layer_index](streams, position_embeddings, step, cache=cache)
+        return streams, self.hyper_connection_mixer(streams)[0]
 
 
 MTP_CLASSES = {"deepseek": HybridIndexPoolDeepSeekMTP, "qwen3_next": HybridIndexPoolDeepSeekMTP,

@@ -13,22 +13,26 @@ from transformers.modeling_outputs import (
 @dataclass
 class HybridIndexPoolModelOutput(MoeModelOutputWithPast):
     """`MoeModelOutputWithPast` (`router_logits`: one `[batch * seq, num_experts]` per MoE layer, when asked for) plus
-    `indexer_loss`, the IndexPool layers' mean KL loss, and `mtp_hidden_states`, the multi-token-prediction layers'
-    outputs (one `[batch, seq, hidden]` per depth), when asked for."""
+    `indexer_loss`, the IndexPool layers' mean KL loss, `mtp_hidden_states`, the multi-token-prediction layers'
+    outputs (one `[batch, seq, hidden]` per depth), and `mtp_inputs`, what those layers read (final hidden states, or
+    Qwen4-Exp's residual streams), when asked for."""
 
     indexer_loss: torch.FloatTensor | None = None
     mtp_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    mtp_inputs: torch.FloatTensor | None = None
 
 
 @dataclass
 class HybridIndexPoolCausalLMOutput(MoeCausalLMOutputWithPast):
     """`MoeCausalLMOutputWithPast` (`aux_loss`, the load-balancing loss, and `router_logits`, when router logits were
     asked for) plus `indexer_loss` and the multi-token-prediction `mtp_logits` (one `[batch, seq, vocab]` per depth)
-    and `mtp_loss`, when asked for; the losses are already included, weighted, in `loss`."""
+    and `mtp_loss`, and `mtp_inputs` (what the MTP layers read, for drafting with them), when asked for; the losses
+    are already included, weighted, in `loss`."""
 
     indexer_loss: torch.FloatTensor | None = None
     mtp_logits: tuple[torch.FloatTensor, ...] | None = None
     mtp_loss: torch.FloatTensor | None = None
+    mtp_inputs: torch.FloatTensor | None = None
 
 
 @dataclass

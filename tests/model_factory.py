@@ -60,3 +60,26 @@ KIMI_DELTA = dict(linear_attention_type="kimi_delta", linear_num_value_heads=2, 
 
 # MLA IndexPool attention (GLM-5.3-Flash's variant, NoPE) at toy ranks.
 MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16)
+
+
+# The variants every drafting mode of generate() is checked on: r = 4, 1 and 16, fp8 pooled keys, GLM-5.3-Flash's style
+# (KDA + MLA, a shared indexer) and Qwen4-Exp's (hyper-connections, PLE).
+HC_PLE = dict(hc_count=3, hc_lowrank=8, ple_layers=[0, 2], ple_ngram_size=3, ple_heads_per_ngram=2, ple_embed_dim=12,
+              eos_token_id=2)
+GLM_STYLE = dict(**KIMI_DELTA, **MLA, indexer_types=["full", "full", "full", "shared"], layer_types=[
+    "linear_attention", "indexpool_attention", "linear_attention", "indexpool_attention"])
+DRAFTING_VARIANTS = {
+    "gdn-r4": dict(),
+    "r1": dict(index_pool_size=1, index_topk=4),
+    "r16": dict(index_pool_size=16, index_topk=16),
+    "fp8": dict(index_key_cache_dtype="float8_e4m3fn"),
+    "glm-style": GLM_STYLE,
+    "qwen4-exp-style": HC_PLE,
+}
+
+
+def repetitive_prompt(length: int, seed: int = 0) -> torch.Tensor:
+    """A prompt that repeats a short phrase, so that prompt lookup finds n-gram matches to draft from."""
+    generator = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, 97, (7,), generator=generator)
+    return phrase.repeat(length // 7 + 1)[None, :length]

@@ -6,33 +6,15 @@ import copy
 
 import pytest
 import torch
-from model_factory import KIMI_DELTA, MLA, tiny_model
+from model_factory import DRAFTING_VARIANTS as VARIANTS
+from model_factory import repetitive_prompt, tiny_model
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 from hybrid_indexpool import HybridIndexPoolCache
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-HC_PLE = dict(hc_count=3, hc_lowrank=8, ple_layers=[0, 2], ple_ngram_size=3, ple_heads_per_ngram=2, ple_embed_dim=12,
-              eos_token_id=2)
-GLM_STYLE = dict(**KIMI_DELTA, **MLA, indexer_types=["full", "full", "full", "shared"], layer_types=[
-    "linear_attention", "indexpool_attention", "linear_attention", "indexpool_attention"])
-VARIANTS = {
-    "gdn-r4": dict(),
-    "r1": dict(index_pool_size=1, index_topk=4),
-    "r16": dict(index_pool_size=16, index_topk=16),
-    "fp8": dict(index_key_cache_dtype="float8_e4m3fn"),
-    "glm-style": GLM_STYLE,
-    "qwen4-exp-style": HC_PLE,
-}
 NEW_TOKENS = 24
-
-
-def repetitive_prompt(length: int, seed: int = 0) -> torch.Tensor:
-    """A prompt that repeats a short phrase, so that prompt lookup finds n-gram matches to draft from."""
-    generator = torch.Generator().manual_seed(seed)
-    phrase = torch.randint(3, 97, (7,), generator=generator)
-    return phrase.repeat(length // 7 + 1)[None, :length]
 
 
 class CropLog:
