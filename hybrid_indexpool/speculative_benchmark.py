@@ -167,3 +167,75 @@ def copying_prompt(passage: torch.Tensor, repeat_marker: torch.Tensor, copies: i
         pieces += [repeat_marker, passage]
     pieces += [repeat_marker, passage[:1]]
     return torch.cat(pieces)[None]
+
+
+def drafting_model_config(hidden_size: int = 128, layers: int = 4, context: int = 256) -> dict:
+    """`HybridIndexPoolConfig` settings of the byte-level model the drafting rows run on (as the quality benchmark's:
+    linear-attention and IndexPool layers alternating, r = 4, a budget of a quarter of the training context)."""
+    head_dim = max(16, hidden_size // 4)
+    return dict(
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+        layer_types=["linear_attention" if i % 2 == 0 else "indexpool_attention" for i in range(layers)],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, index_n_heads=4, index_head_dim=head_dim,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        index_pool_size=4, index_topk=max(16, context // 4),
+    )
+
+
+def training_text_file(path: str, characters: int) -> str:
+    """Write the first `characters` of the standard library's training split (`retrieval_task.stdlib_texts`; held-out
+    files are never included) to `path`, blank lines inside a file removed so that each file is one example of the
+    training commands' paragraph-per-example `.txt` format (blocks of contiguous code, not single functions)."""
+    import re
+
+    from .retrieval_task import stdlib_texts
+
+    train, _, _, _ = stdlib_texts()
+    text = re.sub(r"\n\s*\n", "\n", train[:characters])
+    with open(path, "w") as handle:
+        handle.write(text)
+    return path
+
+
+def train_drafting_model(output_dir: str, base_steps: int = 600, mtp_steps: int = 300, hidden_size: int = 128,
+                         layers: int = 4, block_size: int = 256, batch_size: int = 8, learning_rate: float = 2e-3,
+                         mtp_learning_rate: float = 2e-3, seed: int = 0) -> str:
+    """Train the drafting rows' model with the project's own training commands: a fresh byte-level model on the
+    standard library's training split (`training.run_finetune` with `init_config`), then one fresh MTP layer on the
+    same text with the model frozen (`mtp_training.run_mtp_training`, MTP loss alone). Writes `output_dir/base` and
+    `output_dir/mtp` (the checkpoint to pass to `--model`) and `output_dir/training.json` (settings and the losses and
+    MTP accuracies logged); returns the MTP checkpoint's folder."""
+    import json
+    import os
+
+    from transformers import TrainingArguments
+
+    from .mtp_training import MTPTrainingArguments, run_mtp_training
+    from .training import FinetuneArguments, run_finetune
+
+    os.makedirs(output_dir, exist_ok=True)
+    settings = dict(base_steps=base_steps, mtp_steps=mtp_steps, hidden_size=hidden_size, layers=layers,
+                    block_size=block_size, batch_size=batch_size, learning_rate=learning_rate,
+                    mtp_learning_rate=mtp_learning_rate, seed=seed)
+    # Enough text that no block repeats (10% over, for what packing drops at file ends).
+    text = training_text_file(os.path.join(output_dir, "train.txt"),
+                              int(1.1 * max(base_steps, mtp_steps) * batch_size * block_size))
+
+    def trainer_arguments(folder: str, steps: int, rate: float) -> TrainingArguments:
+        return TrainingArguments(output_dir=folder, max_steps=steps, per_device_train_batch_size=batch_size,
+                                 learning_rate=rate, lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20),
+                                 logging_steps=max(1, steps // 20), save_strategy="no", report_to="none",
+                                 use_cpu=True, seed=seed, dataloader_num_workers=0)
+
+    base, mtp = os.path.join(output_dir, "base"), os.path.join(output_dir, "mtp")
+    base_metrics = run_finetune(
+        FinetuneArguments(init_config=json.dumps(drafting_model_config(hidden_size, layers, block_size)),
+                          train_files=[text], block_size=block_size, overwrite_output_dir=True),
+        trainer_arguments(base, base_steps, learning_rate))
+    mtp_metrics = run_mtp_training(
+        MTPTrainingArguments(model_name_or_path=base, train_files=[text], block_size=block_size, num_mtp_layers=1,
+                             overwrite_output_dir=True),
+        trainer_arguments(mtp, mtp_steps, mtp_learning_rate))
+    with open(os.path.join(output_dir, "training.json"), "w") as handle:
+        json.dump({"settings": settings, "base": base_metrics, "mtp": mtp_metrics}, handle, indent=1, default=str)
+    return mtp
