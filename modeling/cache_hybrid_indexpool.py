@@ -35,7 +35,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kernels.fp8_index_keys import packed_width
-from .layers import last_real_entries
+from .layers import FEW_TOKENS, last_real_entries
 
 # Positions a growing (non-reserved) cache adds at least, and the fraction of its size it adds at most beyond need.
 GROWTH_CHUNK = 256
@@ -328,7 +328,9 @@ class LinearAttentionLayerCache(_LayerCache):
                 log_decay = log_decay * kept.view(*kept.shape, *[1] * (log_decay.dim() - 2))
                 beta = beta * kept.view(*kept.shape, *[1] * (beta.dim() - 2)).to(beta.dtype)
                 checkpoint = self._recurrent.checkpoint
-                mode = "recurrent" if checkpoint is not None and query.shape[1] == 1 else "chunk"
+                # Token by token for a verify round's few tokens, as the forward that recorded them ran: the chunked
+                # form pads to 64 tokens and cost as much as a whole decode step per crop at 2048 hidden.
+                mode = "recurrent" if checkpoint is not None and query.shape[1] <= FEW_TOKENS else "chunk"
                 _, state = self._recurrent.rule(query, key, value, log_decay, beta, checkpoint, mode=mode)
                 self.recurrent_state = _store(self.recurrent_state, state)
             if self._ple_tokens is not None:
