@@ -1,4 +1,9 @@
-from .cache_hybrid_indexpool import HybridIndexPoolCache, IndexPoolLayerCache, LinearAttentionLayerCache
+from .cache_hybrid_indexpool import (
+    HybridIndexPoolCache,
+    IndexPoolLayerCache,
+    LinearAttentionLayerCache,
+    MultiTokenPredictionCache,
+)
 from .modeling_hybrid_indexpool import (
     HybridIndexPoolForCausalLM,
     HybridIndexPoolForSequenceClassification,
@@ -10,11 +15,14 @@ from .modeling_hybrid_indexpool_multimodal import (
     HybridIndexPoolMultimodalModel,
     HybridIndexPoolMultimodalPreTrainedModel,
 )
+from .mtp_drafting import HybridIndexPoolMTPCandidateGenerator
 
 __all__ = [
     "HybridIndexPoolCache",
     "IndexPoolLayerCache",
     "LinearAttentionLayerCache",
+    "MultiTokenPredictionCache",
+    "HybridIndexPoolMTPCandidateGenerator",
     "HybridIndexPoolForCausalLM",
     "HybridIndexPoolForSequenceClassification",
     "HybridIndexPoolModel",

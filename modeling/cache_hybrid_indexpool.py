@@ -328,8 +328,7 @@ class LinearAttentionLayerCache(_LayerCache):
                 log_decay = log_decay * kept.view(*kept.shape, *[1] * (log_decay.dim() - 2))
                 beta = beta * kept.view(*kept.shape, *[1] * (beta.dim() - 2)).to(beta.dtype)
                 checkpoint = self._recurrent.checkpoint
-                # Token by token for a verify round's few tokens, as the forward that recorded them ran: the chunked
-                # form pads to 64 tokens and cost as much as a whole decode step per crop at 2048 hidden.
+                # A few tokens replay token by token, as the layers run them (the chunked form costs far more there).
                 mode = "recurrent" if checkpoint is not None and query.shape[1] <= FEW_TOKENS else "chunk"
                 _, state = self._recurrent.rule(query, key, value, log_decay, beta, checkpoint, mode=mode)
                 self.recurrent_state = _store(self.recurrent_state, state)

@@ -41,7 +41,8 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         logits_processor: applied to the drafts' logits, as to the model's.
 
     Counters, for benchmarks: `num_verify_forwards` (forwards that verified drafts), `num_drafted_tokens`,
-    `num_accepted_tokens` (drafts the model kept), and `mean_accepted_per_verify`.
+    `num_accepted_tokens` (drafts the model kept), and `mean_accepted_per_verify`; after `release()` (at the end of
+    `generate()`), `mtp_cache_footprint`, the MTP cache's bytes (`reserved`, `total` in use, per component).
     """
 
     requires_model_outputs = True
@@ -68,6 +69,7 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         self.carry = [None] * self.num_layers  # depth-d outputs at [verified[d + 1], verified[d]), for depth d + 1
         self.drafted_last = 0
         self.num_verify_forwards = self.num_drafted_tokens = self.num_accepted_tokens = 0
+        self.mtp_cache_footprint: dict[str, int] | None = None
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -118,7 +120,10 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
             self.num_accepted_tokens += int(num_matches)
 
     def release(self) -> None:
-        """Drop the MTP cache and round state (the counters stay)."""
+        """Drop the MTP cache and round state; the counters stay, and so does the cache's last `memory_footprint()`
+        (`mtp_cache_footprint`)."""
+        if self.cache is not None:
+            self.mtp_cache_footprint = self.cache.memory_footprint()
         self.cache = self.carry = None
 
     def _check_padding(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> None:
@@ -159,7 +164,7 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
                 position = last + depth - self.num_layers
                 hidden, head_input = self._run_layer(layer, hidden[:, -1:], drafts[-1], position)
                 self.stored[layer] += 1
-            token, logits = self._pick(head_input[:, -1], torch.cat([input_ids, *drafts], dim=1))
+            token, logits = self._pick(head_input[:, -1], input_ids, drafts)
             drafts.append(token)
             draft_logits.append(logits)
         return torch.cat(drafts, dim=1), torch.stack(draft_logits, dim=1)
@@ -184,12 +189,13 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         next_embeds = self.text_model.embed_tokens(next_ids)
         return self.text_model.mtp.layer_step(layer, hidden, next_embeds, position_embeddings, step, cache=self.cache)
 
-    def _pick(self, head_input, sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pick(self, head_input, input_ids, drafts) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft `[1, 1]` from the head's input `[1, hidden]` and its logits `[1, vocab]` (after the logits
-        processors, which see `sequence`, the tokens before it): the argmax, or a sample when sampling."""
+        processors, which see the tokens before it: `input_ids` and the earlier `drafts`): the argmax, or a sample
+        when sampling."""
         logits = self.lm_head(head_input).float()
-        if self.logits_processor is not None:
-            logits = self.logits_processor(sequence, logits)
+        if self.logits_processor:  # none in plain greedy decoding: the sequence is not rebuilt for nothing
+            logits = self.logits_processor(torch.cat([input_ids, *drafts], dim=1), logits)
         if self.do_sample:
             token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
         else:

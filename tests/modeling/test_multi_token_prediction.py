@@ -57,6 +57,8 @@ def test_qwen4_exp_mtp_is_its_definition():
         streams = model.model.embed_tokens(ids).repeat(1, 1, 3)
         for layer in model.model.layers:
             streams = run_block(model, layer, streams)
+        # What drafting feeds the MTP layers: those streams, from any forward.
+        torch.testing.assert_close(model(ids, output_mtp_inputs=True).mtp_inputs, streams, rtol=1e-5, atol=1e-5)
         embeds = model.model.embed_tokens(ids)
         for depth, layer in enumerate(mtp.layers):
             length = ids.shape[1] - depth - 1
