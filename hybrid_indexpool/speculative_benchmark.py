@@ -1,6 +1,9 @@
 """What speculative decoding costs and gains, measured on one machine side by side: the time of a verify forward
-(`k + 1` tokens over a cache) against a one-token decode step, and `generate()` with plain greedy decoding, prompt
-lookup and the model's MTP layers (tokens per second, mean accepted tokens per verify forward, cache bytes).
+(`k + 1` tokens over a cache) against a one-token decode step (`verify_cost`), MTP drafting with a random head at the
+same widths (`draft_cost`), and `generate()` with plain greedy decoding, prompt lookup and the model's MTP layers
+(`compare_methods`: tokens per second, tokens per verify forward, cache bytes) on a model trained for it
+(`train_drafting_model`). `scripts/bench_speculative.py` is the command; `docs/speculative_decoding_benchmark.md`
+the measurements.
 
 `verify_cost` uses only the package's public classes and this module only `torch` besides, so that a benchmark can
 run this very file (`runpy.run_path`) under another checkout's interpreter and time the code before a change in the
