@@ -5,16 +5,19 @@
    one-token step, per dtype of `--dtypes`; with `--baseline-python` (the interpreter of a checkout before a change,
    e.g. the main checkout's `.venv/bin/python`) the same measurement of that code runs in the same benchmark, right
    after, for a before/after table.
-2. Drafting: plain greedy decoding against prompt lookup and MTP drafting of `k` = `--draft-lengths` tokens, on
-   held-out text (the standard library's held-out files, byte-level tokens) at `--contexts` tokens and on a copying
-   task (a passage of the prompt to repeat): tokens per second after the prefill, mean tokens accepted per verify
-   forward, extra cache bytes over greedy's, whether the tokens equal greedy's. `--model` is a checkpoint (the
-   byte-level model trained with an MTP head); without it a random tiny model runs (timings only: its drafts are
-   not meant to be accepted). A method `generate()` refuses is reported with its error, not measured.
+2. Random head: on that model with one random MTP layer (whose drafts the model never keeps), plain greedy against
+   MTP drafting of `k` = `--draft-lengths` tokens: time per token and the time of a drafting round.
+3. Drafting: plain greedy decoding against prompt lookup and MTP drafting of each `k`, on held-out text (the standard
+   library's held-out files, byte-level tokens) at `--contexts` tokens and on a copying task (a passage of the prompt
+   to repeat), per dtype of `--drafting-dtypes`: tokens per second after the prefill, tokens per verify forward,
+   extra cache bytes, whether the tokens equal greedy's. `--model` is a checkpoint with an MTP head, `--train FOLDER`
+   trains one first (`speculative_benchmark.train_drafting_model`); without either a random tiny model runs (timings
+   only). A method `generate()` refuses is reported as not available, with its error.
+4. Derived (not measured): the speedup of MTP drafting at the widths of 1-2, from 3's acceptance and 1-2's times.
 
     python -m hybrid_indexpool.scripts.bench_speculative --quick
-    python -m hybrid_indexpool.scripts.bench_speculative --baseline-python /work/main/.venv/bin/python \\
-        --skip-drafting --json docs/results/bench_speculative_verify.json
+    python -m hybrid_indexpool.scripts.bench_speculative --train /tmp/drafting-model \\
+        --json docs/results/bench_speculative.json
 """
 
 import argparse
@@ -30,13 +33,19 @@ import torch
 from hybrid_indexpool import speculative_benchmark
 from hybrid_indexpool.benchmarking import MeasuringProcesses
 from hybrid_indexpool.command_line import exit_with_error
-from hybrid_indexpool.speculative_benchmark import compare_methods, copying_prompt, verify_cost
+from hybrid_indexpool.speculative_benchmark import (
+    compare_methods,
+    copying_prompt,
+    draft_cost,
+    train_drafting_model,
+    verify_cost,
+)
 
 PRESETS = {
-    "full": dict(layers=8, hidden_size=2048, verify_context=1024, widths="1,2,4,8", repeats=5, contexts="2048,8192",
-                 new_tokens=64),
+    "full": dict(layers=8, hidden_size=2048, verify_context=1024, widths="1,2,3,4,8", repeats=5, contexts="2048,8192",
+                 new_tokens=64, draft_new_tokens=16, generation_repeats=2),
     "quick": dict(layers=4, verify_context=64, widths="1,2,4", repeats=2, contexts="64", new_tokens=8,
-                  hidden_size=256),
+                  hidden_size=256, draft_new_tokens=4, generation_repeats=1),
 }
 
 
@@ -70,45 +79,84 @@ def verify_rows(args) -> list[dict]:
     return rows
 
 
-def load_model(args):
-    """The checkpoint of `--model`, or a random tiny byte-level model; in `--drafting-dtype`."""
+def weight_bound_draft_rows(args) -> list[dict]:
+    """Plain greedy against MTP drafting with a random head, per dtype, on the random model of the verify widths."""
+    processes = MeasuringProcesses(["torch", "hybrid_indexpool"])
+    rows = []
+    for dtype in args.dtypes.split(","):
+        measured = processes.run(
+            draft_cost, {"layers": args.layers, "hidden_size": args.hidden_size}, dtype, args.verify_context,
+            [int(k) for k in args.draft_lengths.split(",")], args.draft_new_tokens, args.generation_repeats,
+            args.threads, args.seed, label="draft_cost")
+        rows += [{"dtype": dtype, "layers": args.layers, "hidden_size": args.hidden_size, **row} for row in measured]
+    return rows
+
+
+def load_model(args, dtype: str):
+    """The checkpoint of `--model`, or a random tiny byte-level model with one MTP layer; in `dtype`."""
     from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
 
-    dtype = getattr(torch, args.drafting_dtype)
     if args.model:
-        return HybridIndexPoolForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+        return HybridIndexPoolForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype)).eval()
     torch.manual_seed(args.seed)
     config = HybridIndexPoolConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, index_n_heads=2,
                                    index_head_dim=16, index_topk=64, linear_num_key_heads=2,
                                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                                    num_mtp_layers=1, pad_token_id=0, eos_token_id=None)
-    return HybridIndexPoolForCausalLM(config).eval().to(dtype)
+    return HybridIndexPoolForCausalLM(config).eval().to(getattr(torch, dtype))
 
 
 def drafting_rows(args) -> list[dict]:
-    """Every draft method on held-out text at each context and on the copying task."""
+    """Every draft method on held-out text at each context and on the copying task, per dtype of
+    `--drafting-dtypes`."""
     from hybrid_indexpool.retrieval_task import stdlib_texts, text_window
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    model = load_model(args)
     tokenizer = byte_level_tokenizer()
     _, held_out, _, _ = stdlib_texts()
     rng = random.Random(args.seed)
     draft_lengths = [int(k) for k in args.draft_lengths.split(",")]
-    tasks = [(f"held-out text {context}", text_window(held_out, context, rng)) for context in
-             (int(c) for c in args.contexts.split(","))]
-    rows = []
-    for task, text in tasks:
-        prompt = torch.tensor([tokenizer(text)["input_ids"]])
-        rows += [{"task": task, **row} for row in compare_methods(model, prompt, args.new_tokens, draft_lengths,
-                                                                  args.prompt_lookup_tokens)]
+    tasks = [(f"held-out text {context}", torch.tensor([tokenizer(text_window(held_out, context, rng))["input_ids"]]))
+             for context in (int(c) for c in args.contexts.split(","))]
     passage = torch.tensor(tokenizer(text_window(held_out, args.copy_length, rng))["input_ids"])
     marker = torch.tensor(tokenizer("\n# again:\n")["input_ids"])
-    prompt = copying_prompt(passage, marker)
-    rows += [{"task": "copying", **row} for row in compare_methods(
-        model, prompt, min(args.new_tokens, len(passage) - 1), draft_lengths, args.prompt_lookup_tokens)]
+    tasks.append(("copying", copying_prompt(passage, marker)))
+    rows = []
+    for dtype in args.drafting_dtypes.split(","):
+        model = load_model(args, dtype)
+        for task, prompt in tasks:
+            new_tokens = min(args.new_tokens, len(passage) - 1) if task == "copying" else args.new_tokens
+            rows += [{"task": task, "dtype": dtype, **row} for row in compare_methods(
+                model, prompt, new_tokens, draft_lengths, args.prompt_lookup_tokens, repeats=args.generation_repeats)]
+    return rows
+
+
+def derived_speedups(report: dict) -> list[dict]:
+    """DERIVED, not measured: the speedup MTP drafting of `k` tokens would give at the verify widths, from the trained
+    head's acceptance (tokens per verify forward `1 + accepted drafts`, on the longest held-out context, drafting
+    dtype as close as there is) and the measured times there: `(1 + accepted) * t_1 / (t_verify(k + 1) + t_draft(k))`,
+    with `t_1` a one-token step, `t_verify` the verify forward and `t_draft` a drafting round of the random head."""
+    verify = {row["dtype"]: row for row in report.get("verify", []) if row["code"] == "this checkout"}
+    drafts = {(row["dtype"], row["draft_tokens"]): row for row in report.get("weight_bound_drafting", [])
+              if row["method"] == "mtp" and "draft_round_seconds" in row}
+    held_out = [row for row in report.get("drafting", []) if row["task"].startswith("held-out") and
+                row["method"] == "mtp" and "accepted_drafts_per_verify" in row]
+    rows = []
+    for dtype, timing in verify.items():
+        for k in sorted({row["draft_tokens"] for row in held_out}):
+            if (dtype, k) not in drafts or k + 1 not in timing["seconds"]:
+                continue
+            candidates = [row for row in held_out if row["draft_tokens"] == k]
+            same_dtype = [row for row in candidates if row["dtype"] == dtype] or candidates
+            acceptance = max(same_dtype, key=lambda row: row["context"])
+            tokens_per_verify = 1 + acceptance["accepted_drafts_per_verify"]
+            round_seconds = timing["seconds"][k + 1] + drafts[(dtype, k)]["draft_round_seconds"]
+            rows.append({"dtype": dtype, "draft_tokens": k, "tokens_per_verify": tokens_per_verify,
+                         "acceptance_from": f"{acceptance['task']} ({acceptance['dtype']})",
+                         "one_token_seconds": timing["seconds"][1], "verify_seconds": timing["seconds"][k + 1],
+                         "draft_round_seconds": drafts[(dtype, k)]["draft_round_seconds"],
+                         "derived_speedup": tokens_per_verify * timing["seconds"][1] / round_seconds})
     return rows
 
 
@@ -123,18 +171,43 @@ def format_table(report: dict) -> str:
         for row in report["verify"]:
             cells = " ".join(f"{row['seconds'][w] * 1e3:>8.1f} ({row['ratio'][w]:.2f}x)" for w in widths)
             lines.append(f"{row['code']:<14} {row['dtype']:<9} {cells}")
-    if report.get("drafting"):
-        lines.append("")
-        lines.append(f"{'task':<22} {'method':<14} {'k':>2} {'tok/s':>8} {'speedup':>8} {'accepted':>9} "
-                     f"{'extra cache B':>14} {'= greedy':>9}")
-        for row in report["drafting"]:
-            head = f"{row['task']:<22} {row['method']:<14} {row['draft_tokens']:>2}"
+    if report.get("weight_bound_drafting"):
+        first = report["weight_bound_drafting"][0]
+        lines += ["", f"MTP drafting with a random head (never agrees) on that model, {first['context']}-token "
+                      "prompt: time per token against plain greedy"]
+        lines.append(f"{'dtype':<9} {'method':<8} {'k':>2} {'tok/s':>8} {'ms/token':>9} {'x plain':>8} "
+                     f"{'draft round ms':>15}")
+        for row in report["weight_bound_drafting"]:
+            head = f"{row['dtype']:<9} {row['method']:<8} {row['draft_tokens']:>2}"
             if "error" in row:
-                lines.append(f"{head}  not measured: {row['error'][:90]}")
+                lines.append(f"{head}  not available: {row['error'][:90]}")
                 continue
-            lines.append(f"{head} {row['tokens_per_second']:>8.2f} {row['speedup']:>7.2f}x "
-                         f"{row['mean_accepted_per_verify']:>9.2f} {row.get('extra_cache_bytes', 0):>14} "
-                         f"{str(row.get('same_tokens_as_greedy', '')):>9}")
+            draft = f"{row['draft_round_seconds'] * 1e3:>15.1f}" if "draft_round_seconds" in row else f"{'':>15}"
+            lines.append(f"{head} {row['tokens_per_second']:>8.2f} {1e3 / row['tokens_per_second']:>9.1f} "
+                         f"{1 / row['speedup']:>7.2f}x {draft}")
+    if report.get("drafting"):
+        lines += ["", "Drafting on the trained model (tokens/verify: tokens each forward after the prefill yields; "
+                      "extra cache: reserved + rollback recording + drafter's cache, bytes)"]
+        lines.append(f"{'task':<22} {'dtype':<9} {'method':<14} {'k':>2} {'tok/s':>8} {'speedup':>8} "
+                     f"{'tok/verify':>10} {'extra cache B':>14} {'= greedy':>9}")
+        for row in report["drafting"]:
+            head = f"{row['task']:<22} {row['dtype']:<9} {row['method']:<14} {row['draft_tokens']:>2}"
+            if "error" in row:
+                lines.append(f"{head}  not available: {row['error'][:90]}")
+                continue
+            per_verify = (1 + row["accepted_drafts_per_verify"] if "accepted_drafts_per_verify" in row
+                          else row["mean_accepted_per_verify"])
+            lines.append(f"{head} {row['tokens_per_second']:>8.2f} {row['speedup']:>7.2f}x {per_verify:>10.2f} "
+                         f"{row.get('extra_cache_bytes', 0):>14} {str(row.get('same_tokens_as_greedy', '')):>9}")
+    if report.get("derived"):
+        lines += ["", "DERIVED (not measured): MTP speedup at the verify widths from the trained head's acceptance, "
+                      "(tokens/verify) x t_1 / (t_verify(k+1) + t_draft(k))"]
+        lines.append(f"{'dtype':<9} {'k':>2} {'tok/verify':>10} {'t_1 ms':>8} {'t_verify ms':>12} {'t_draft ms':>11} "
+                     f"{'derived':>8}")
+        for row in report["derived"]:
+            lines.append(f"{row['dtype']:<9} {row['draft_tokens']:>2} {row['tokens_per_verify']:>10.2f} "
+                         f"{row['one_token_seconds'] * 1e3:>8.1f} {row['verify_seconds'] * 1e3:>12.1f} "
+                         f"{row['draft_round_seconds'] * 1e3:>11.1f} {row['derived_speedup']:>7.2f}x")
     return "\n".join(lines)
 
 
@@ -142,7 +215,7 @@ def machine(args) -> dict:
     import transformers
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "threads": args.threads or torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "threads": args.threads,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "load_average_at_start": os.getloadavg()}
 
@@ -155,19 +228,30 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help="layers of the verify-cost model (a multiple of 4; default 8)")
     parser.add_argument("--hidden-size", type=int, help="hidden size of the verify-cost model (default 2048)")
     parser.add_argument("--verify-context", type=int, help="cached tokens before the verify forwards (default 1024)")
-    parser.add_argument("--widths", help="tokens per verify forward, comma-separated, 1 included (default 1,2,4,8)")
+    parser.add_argument("--widths",
+                        help="tokens per verify forward, comma-separated, 1 included (default 1,2,3,4,8)")
     parser.add_argument("--repeats", type=int, help="timed rounds (median; default 5)")
     parser.add_argument("--baseline-python", help="interpreter of a checkout to time as 'baseline' in the same run")
-    parser.add_argument("--skip-verify", action="store_true")
-    parser.add_argument("--skip-drafting", action="store_true")
+    parser.add_argument("--skip-verify", action="store_true", help="no verify-cost or random-head rows")
+    parser.add_argument("--skip-drafting", action="store_true", help="no rows on the (trained) drafting model")
     parser.add_argument("--model", help="checkpoint to draft with (default: a random tiny byte-level model)")
-    parser.add_argument("--drafting-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--train", metavar="FOLDER",
+                        help="train the drafting model first (a byte-level model, then its MTP head with the model "
+                             "frozen) into FOLDER, or reuse FOLDER/mtp if it is there, and draft with it")
+    parser.add_argument("--base-steps", type=int, default=500, help="--train: steps of the base model")
+    parser.add_argument("--mtp-steps", type=int, default=300, help="--train: steps of the MTP head")
+    parser.add_argument("--drafting-dtypes", default="float32,bfloat16", help="dtypes of the drafting rows")
     parser.add_argument("--contexts", help="held-out text prompt lengths, comma-separated (default 2048,8192)")
     parser.add_argument("--new-tokens", type=int, help="tokens generated per run (default 64)")
     parser.add_argument("--draft-lengths", default="1,2,3", help="MTP draft lengths k")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=5)
     parser.add_argument("--copy-length", type=int, default=200, help="characters of the passage to copy")
-    parser.add_argument("--threads", type=int)
+    parser.add_argument("--draft-new-tokens", type=int, help="tokens per run of the random-head rows (default 16)")
+    parser.add_argument("--generation-repeats", type=int,
+                        help="rounds of every generate() row, methods taking turns (median; default 2)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (default 1: on a machine shared with other work, torch's threads wait "
+                             "for each other at every operator and a step can take 20x longer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
@@ -179,6 +263,12 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         "IndexPool layer).")
     if "1" not in args.widths.split(","):
         exit_with_error(f"--widths is {args.widths}; include 1, the one-token step the others are compared with.")
+    for name in ("dtypes", "drafting_dtypes"):
+        unknown = set(getattr(args, name).split(",")) - {"float32", "bfloat16"}
+        if unknown:
+            exit_with_error(f"--{name.replace('_', '-')} has {sorted(unknown)}; use float32 and/or bfloat16.")
+    if args.model and args.train:
+        exit_with_error("give either --model (a trained checkpoint) or --train FOLDER (train one), not both.")
     if args.baseline_python and not os.access(args.baseline_python, os.X_OK):
         exit_with_error(f"--baseline-python {args.baseline_python} is not an executable; give a Python interpreter.")
     return args
@@ -187,10 +277,19 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 def run(args) -> dict:
     """The whole benchmark as a report (what `--json` writes)."""
     report = {"machine": machine(args), "settings": {k: v for k, v in vars(args).items() if k != "json"}}
+    if args.train:
+        trained = os.path.join(args.train, "mtp")
+        if not os.path.isfile(os.path.join(trained, "config.json")):
+            train_drafting_model(args.train, base_steps=args.base_steps, mtp_steps=args.mtp_steps, seed=args.seed)
+        args.model = trained
+        report["settings"]["model"] = trained
+    torch.set_num_threads(args.threads)
     if not args.skip_verify:
         report["verify"] = verify_rows(args)
+        report["weight_bound_drafting"] = weight_bound_draft_rows(args)
     if not args.skip_drafting:
         report["drafting"] = drafting_rows(args)
+    report["derived"] = derived_speedups(report)
     return report
 
 

@@ -472,3 +472,33 @@ def test_a_long_recorded_forward_of_left_padded_rows_rolls_back_each_row():
         for row, first in ((0, 0), (1, 9)):
             alone = model(input_ids[row:row + 1, first:]).logits
             torch.testing.assert_close(continued[row], alone[0, 22 - first:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [dict(), KIMI_DELTA], ids=["gated-deltanet", "kimi-delta"])
+def test_a_crop_replays_a_verify_rounds_few_tokens_token_by_token(variant):
+    """A crop after a verify forward of up to FEW_TOKENS tokens replays the delta rule in its recurrent form (the
+    chunked form pads to 64 tokens: a crop then cost about a whole decode step at 2048 hidden); a long recording
+    still replays in chunks. Either way the cache continues exactly."""
+    from hybrid_indexpool.modeling.layers import FEW_TOKENS
+
+    model = tiny_model(**variant)
+    input_ids = torch.randint(3, 97, (1, 30 + FEW_TOKENS))
+    with torch.no_grad():
+        reference = model(input_ids).logits
+        for width, expected_mode in ((FEW_TOKENS, "recurrent"), (FEW_TOKENS + 1, "chunk")):
+            cache = HybridIndexPoolCache(model.config)
+            model(input_ids[:, :29], cache=cache, use_cache=True)
+            cache.activate_past_recording(recurrent_states_to_keep=width)
+            model(input_ids[:, 29:29 + width], cache=cache, use_cache=True)
+            modes = []
+            for layer in cache.layers:
+                recording = getattr(layer, "_recurrent", None)
+                if recording is not None:
+                    rule = recording.rule
+                    recording.rule = lambda *args, rule=rule, **kwargs: modes.append(kwargs["mode"]) or rule(
+                        *args, **kwargs)
+            cache.crop(-2)
+            assert modes and set(modes) == {expected_mode}
+            kept = 29 + width - 2
+            continued = model(input_ids[:, kept:], cache=cache, use_cache=True).logits
+            torch.testing.assert_close(continued, reference[:, kept:], atol=1e-4, rtol=0)
