@@ -34,6 +34,7 @@ from transformers.utils import cached_file
 
 from .command_line import exit_with_error
 from .configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
+from .configuration.configuration_hybrid_indexpool import misspelled_fields
 from .modeling import HybridIndexPoolForCausalLM, HybridIndexPoolForConditionalGeneration
 from .tokenization import byte_level_tokenizer
 
@@ -292,6 +293,26 @@ def pretrained_model_class(name_or_path: str, **options):
     return AutoModelForImageTextToText if isinstance(config, HybridIndexPoolMultimodalConfig) else AutoModelForCausalLM
 
 
+def init_config_settings(text: str) -> dict:
+    """The settings of `--init_config` (a JSON object of config fields, or a file of one). Refuses a key that is not a
+    `HybridIndexPoolConfig` field, naming the field it resembles: the config itself would keep it as an attribute
+    nobody reads (checkpoints carry such keys) and the model would be built at the default."""
+    what = "--init_config (a JSON object of config fields, or a file of one)"
+    try:
+        settings = json.loads(text if text.lstrip()[:1] in ("{", "[") else Path(text).read_text())
+    except (OSError, ValueError) as error:  # no such file, not JSON
+        raise TrainingInputError(f"{what}: {error}") from error
+    if not isinstance(settings, dict):
+        raise TrainingInputError(f"{what}: it holds a {type(settings).__name__}, not an object of fields.")
+    unknown = misspelled_fields(HybridIndexPoolConfig, settings)
+    if unknown:
+        listed = "; ".join(f"`{key}`" + (f" (did you mean `{field}`?)" if field else "")
+                           for key, field in unknown.items())
+        raise TrainingInputError(f"{what}: {listed} is not a field of HybridIndexPoolConfig; use the field names of "
+                                 "its documentation.")
+    return settings
+
+
 def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) \
         -> HybridIndexPoolForCausalLM | HybridIndexPoolForConditionalGeneration:
     """Load the checkpoint, or build a fresh model from `--init_config` sized for the tokenizer.
@@ -317,11 +338,10 @@ def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) \
     else:
         settings = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        settings.update(init_config_settings(args.init_config))
         try:
-            text = args.init_config
-            settings.update(json.loads(text if text.lstrip().startswith("{") else Path(text).read_text()))
             config = HybridIndexPoolConfig(**settings)
-        except (OSError, ValueError, TypeError) as error:  # no such file, not JSON, a field unknown or invalid
+        except (ValueError, TypeError) as error:  # a value invalid or of the wrong type
             raise TrainingInputError(f"--init_config (a JSON object of config fields, or a file of one): {error}") \
                 from error
         model = HybridIndexPoolForCausalLM(config)
@@ -448,6 +468,8 @@ def check_arguments(args: ModelDataArguments, training_args: TrainingArguments) 
     if args.block_size <= 0:
         raise TrainingInputError(f"--block_size is {args.block_size}; give the number of tokens per training sequence, "
                                  "a positive number (default 512).")
+    if args.init_config is not None:
+        init_config_settings(args.init_config)
     name = args.model_name_or_path
     if name is not None and not Path(name).is_dir():
         try:

@@ -73,11 +73,16 @@ def test_bad_input_ends_with_an_error_line_and_status_2(tmp_path, capsys, change
     (["--model_name_or_path", "/nonexistent"], "error: --model_name_or_path /nonexistent: no such folder (nor a Hub "
                                                "model id); give the folder of a checkpoint of ours, or --init_config "
                                                "to train a new model.\n"),
+    (["--init_config", '{"hiden_size": 64, "num_hidden_layers": 4, "colour": 1}'],
+     "error: --init_config (a JSON object of config fields, or a file of one): `hiden_size` (did you mean "
+     "`hidden_size`?); `colour` is not a field of HybridIndexPoolConfig; use the field names of its documentation.\n"),
+    (["--init_config", "[64]"], "error: --init_config (a JSON object of config fields, or a file of one): it holds a "
+                                "list, not an object of fields.\n"),
 ])
 def test_an_argument_refused_before_anything_loads_is_one_error_line(tmp_path, capsys, change, message):
     argv = command_line(tmp_path)
-    if change[0] == "--model_name_or_path":
-        del argv[:2]  # instead of --init_config
+    if change[0] in ("--model_name_or_path", "--init_config"):
+        del argv[:2]  # instead of the tiny --init_config
     argv += change
     with pytest.raises(SystemExit) as stop:
         finetune.main(argv)
