@@ -70,11 +70,16 @@ def tiny_source_model(family: str, seed: int = 0) -> torch.nn.Module:
 
 def save_tiny_source(family: str, folder, seed: int = 0) -> Path:
     """Write a tiny random checkpoint of `family` (see `tiny_source_model`) and the byte-level tokenizer into
-    `folder`, in several shards as the released checkpoints are; FileExistsError if `folder` is a non-empty folder
-    or a file."""
+    `folder`, in several shards as the released checkpoints are, and for GLM-5.3-Flash (a multimodal model) the
+    image processor's settings its vision tower reads (patches of 14, merged 2 x 2) as its release ships them;
+    FileExistsError if `folder` is a non-empty folder or a file."""
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FileExistsError(f"{folder} already exists and is not an empty folder; choose a new output folder.")
     tiny_source_model(family, seed).save_pretrained(folder, max_shard_size="200KB")
     byte_level_tokenizer().save_pretrained(folder)
+    if family == "glm5_next":
+        from transformers import Glm5NextImageProcessorPil
+
+        Glm5NextImageProcessorPil(patch_size=GLM5_NEXT_VISION["patch_size"], merge_size=2).save_pretrained(folder)
     return folder
