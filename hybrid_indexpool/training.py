@@ -15,7 +15,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import huggingface_hub
 import torch
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import (
     AutoConfig,
@@ -30,7 +33,7 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
-from transformers.utils import cached_file
+from transformers.utils import CONFIG_NAME, cached_file
 
 from .command_line import exit_with_error
 from .configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
@@ -477,7 +480,30 @@ def check_arguments(args: ModelDataArguments, training_args: TrainingArguments) 
         except HFValidationError:
             raise TrainingInputError(f"--model_name_or_path {name}: no such folder (nor a Hub model id); give the "
                                      "folder of a checkpoint of ours, or --init_config to train a new model.") from None
+        check_hub_model(name)
     check_output_dir(args, training_args)
+
+
+def check_hub_model(name: str) -> None:
+    """Refuse at once a `--model_name_or_path` that is no local folder and that the Hub cannot give: not downloaded
+    before and offline (or the Hub out of reach), or a model the Hub does not have. One short request instead of
+    transformers' retries, which take over a minute offline and end in a message about the tokenizer."""
+    if isinstance(try_to_load_from_cache(name, CONFIG_NAME), str):  # downloaded before: it loads from the cache
+        return
+    fix = "give the folder of a checkpoint of ours, or --init_config to train a new model"
+    if huggingface_hub.is_offline_mode():
+        raise TrainingInputError(f"--model_name_or_path {name}: no such folder, and no download of it in the Hub "
+                                 f"cache while offline (HF_HUB_OFFLINE); {fix}.")
+    try:
+        huggingface_hub.model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise TrainingInputError(f"--model_name_or_path {name}: no such folder, and the Hub has no model {name} (if "
+                                 f"it is private, log in with `hf auth login`); {fix}.") from None
+    except HfHubHTTPError:  # gated, rate limited, ...: the download itself says what is wrong
+        return
+    except Exception as error:  # no connection at all (name resolution, refused, timeout): the Hub is out of reach
+        raise TrainingInputError(f"--model_name_or_path {name}: no such folder, and the Hub cannot be reached to "
+                                 f"download it ({type(error).__name__}: {error}); {fix}.") from None
 
 
 def check_output_dir(args: ModelDataArguments, training_args: TrainingArguments) -> None:

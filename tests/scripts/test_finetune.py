@@ -3,8 +3,10 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 
 from hybrid_indexpool.scripts import finetune
@@ -87,4 +89,25 @@ def test_an_argument_refused_before_anything_loads_is_one_error_line(tmp_path, c
     with pytest.raises(SystemExit) as stop:
         finetune.main(argv)
     assert stop.value.code == 2 and capsys.readouterr().err == message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_name_neither_a_folder_nor_downloadable_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    """A bare name that is no folder: offline, or where the Hub has no such model or cannot be reached, one error line
+    at once (transformers' own retries take over a minute offline and end in 'has no tokenizer')."""
+    argv = command_line(tmp_path)[2:] + ["--model_name_or_path", "hybrid-indexpool-tests/no-such-model-49"]
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stop:
+        finetune.main(argv)
+    assert time.monotonic() - start < 30
+    printed = capsys.readouterr().err
+    assert stop.value.code == 2 and printed.count("\n") == 1 and printed.startswith(
+        "error: --model_name_or_path hybrid-indexpool-tests/no-such-model-49: no such folder, and the Hub ")
+    assert printed.endswith("; give the folder of a checkpoint of ours, or --init_config to train a new model.\n")
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
+    with pytest.raises(SystemExit) as stop:
+        finetune.main(argv[:-1] + ["nomodel"])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        "error: --model_name_or_path nomodel: no such folder, and no download of it in the Hub cache while offline "
+        "(HF_HUB_OFFLINE); give the folder of a checkpoint of ours, or --init_config to train a new model.\n")
     assert not (tmp_path / "out").exists()
