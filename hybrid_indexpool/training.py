@@ -5,6 +5,7 @@ Works on one process or under `accelerate launch` (DDP, FSDP, DeepSpeed: the Tra
 with packing or padding, gradient checkpointing, resuming, and LoRA through `peft`.
 """
 
+import argparse
 import contextlib
 import json
 import os
@@ -145,7 +146,9 @@ def parse_training_command_line(arguments_class, argv=None, description=None, de
     `accelerate launch`, and each process would train alone); `default_options` are `(flag, value)` pairs added when
     the flag is absent; bf16 is turned on where the GPU supports it unless `--bf16` was given.
     """
-    parser = HfArgumentParser((arguments_class, TrainingArguments), description=description)
+    # The description's examples are command lines: shown as written, not reflowed into one paragraph.
+    parser = HfArgumentParser((arguments_class, TrainingArguments), description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and argv[0].endswith(".json"):
         return parser.parse_json_file(argv[0])

@@ -268,7 +268,7 @@ def machine(args) -> dict:
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke test)")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="dtypes of the verify-cost model")
