@@ -131,8 +131,8 @@ def drafting_rows(args) -> list[dict]:
     for dtype in args.drafting_dtypes.split(","):
         model = load_model(args, dtype)
         for task, prompt, new_tokens, passage_index in tasks:
-            passage = {} if passage_index is None else {"passage": passage_index}
-            rows += [{"task": task, "dtype": dtype, **passage, **row} for row in compare_methods(
+            which = {} if passage_index is None else {"passage": passage_index}
+            rows += [{"task": task, "dtype": dtype, **which, **row} for row in compare_methods(
                 model, prompt, new_tokens, draft_lengths, args.prompt_lookup_tokens, repeats=args.generation_repeats)]
     return rows
 
