@@ -7,10 +7,14 @@ unsupported setting must never produce wrong tokens.
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from .glm_options import glm_unsupported_options, serves_glm
+
 logger = init_logger(__name__)
 
 # The IndexPool layer's step, a custom op (`indexpool_attention.py`); named here, where the compilation settings are.
 ATTENTION_OP = "vllm::hybrid_indexpool_attention"
+# The steps of GLM-5.3-Flash's layers (`vllm_kda.py`, `vllm_mla.py`), custom ops too.
+GLM_OPS = ("vllm::hybrid_indexpool_kda", "vllm::hybrid_indexpool_latent_attention")
 
 
 # Settings whose other values (GLM-5.3-Flash's MLA, Kimi Delta Attention, indexer, Sinkhorn streams and MoE) the vLLM
@@ -31,6 +35,8 @@ SERVED_VARIANTS = {
 
 def unsupported_options(config) -> list[str]:
     """Why this checkpoint config cannot be served by the vLLM model (empty when it can)."""
+    if serves_glm(config):  # GLM-5.3-Flash's decoder (`vllm_glm.py`)
+        return glm_unsupported_options(config)
     problems = []
     if config.hc_count > 1:
         problems.append(f"hyper-connections (hc_count = {config.hc_count}; the vLLM model supports hc_count = 1)")
@@ -78,9 +84,11 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
         compilation = vllm_config.compilation_config
         if compilation.splitting_ops is None:  # vLLM fills in its own attention ops later: ours go with them
             compilation.splitting_ops = list(compilation._attention_ops)
-        if ATTENTION_OP not in compilation.splitting_ops:
-            # Piecewise CUDA graphs run the IndexPool step between graphs (a mixed batch's tiles change its shapes).
-            compilation.splitting_ops.append(ATTENTION_OP)
+        for op in (ATTENTION_OP, *GLM_OPS):
+            if op not in compilation.splitting_ops:
+                # Piecewise CUDA graphs run the layers' steps between graphs (a mixed batch's tiles change their
+                # shapes; KDA's prefill chunks read their offsets on the host).
+                compilation.splitting_ops.append(op)
         if cache.mamba_ssm_cache_dtype == "auto":
             cache.mamba_ssm_cache_dtype = "float32"  # our model keeps the Gated DeltaNet recurrent state in float32
         if cache.enable_prefix_caching:
