@@ -20,6 +20,7 @@ from vllm.model_executor.layers.mhc import MHCPostOp, MHCPreOp
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
+from vllm.utils.torch_utils import direct_register_custom_op
 
 from .vllm_kda import KimiDeltaAttention
 from .vllm_mla import IndexPoolMLAAttention, rms_norm_class
@@ -104,14 +105,33 @@ class GlmClampedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, expert_weights: torch.Tensor,
                 expert_ids: torch.Tensor) -> torch.Tensor:
         """`[tokens, hidden]`, weights and ids `[tokens, k]` -> `[tokens, hidden]` (summed over the ranks)."""
-        output = torch.zeros_like(hidden_states)
-        for expert in expert_ids.unique().tolist():
-            token, slot = torch.nonzero(expert_ids == expert, as_tuple=True)
-            gate, up = F.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-            expert_output = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            output.index_add_(0, token, expert_output * expert_weights[token, slot, None].to(expert_output.dtype))
+        output = torch.ops.vllm.hybrid_indexpool_clamped_experts(hidden_states, expert_weights, expert_ids,
+                                                                 self.gate_up_proj, self.down_proj, self.swiglu_limit)
         return tensor_model_parallel_all_reduce(output) if self.tp_size > 1 else output
+
+
+def hybrid_indexpool_clamped_experts(hidden_states: torch.Tensor, expert_weights: torch.Tensor,
+                                     expert_ids: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                                     swiglu_limit: float) -> torch.Tensor:
+    """`GlmClampedExperts`' computation, one pass per expert that was hit (which the host reads): a custom op, so that
+    the compiled model keeps one graph around it."""
+    output = torch.zeros_like(hidden_states)
+    for expert in expert_ids.unique().tolist():
+        token, slot = torch.nonzero(expert_ids == expert, as_tuple=True)
+        gate, up = F.linear(hidden_states[token], gate_up_proj[expert]).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        expert_output = F.linear(F.silu(gate) * up, down_proj[expert])
+        output.index_add_(0, token, expert_output * expert_weights[token, slot, None].to(expert_output.dtype))
+    return output
+
+
+def hybrid_indexpool_clamped_experts_fake(hidden_states, expert_weights, expert_ids, gate_up_proj, down_proj,
+                                          swiglu_limit) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+direct_register_custom_op(op_name="hybrid_indexpool_clamped_experts", op_func=hybrid_indexpool_clamped_experts,
+                          mutates_args=[], fake_impl=hybrid_indexpool_clamped_experts_fake)
 
 
 class GlmSparseMoeBlock(nn.Module):
