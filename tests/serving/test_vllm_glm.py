@@ -16,6 +16,7 @@ vllm = pytest.importorskip("vllm")
 BUDGET = 8  # the tiny source's index_topk; r = 4, so prompts beyond 11 tokens are sparse
 PROMPT_LENGTHS = [5, 18, 37, 70, 23, 130, 250, 301]
 CHUNK_TOKENS = 38  # max_num_batched_tokens: prefills are split, and the splits fall inside windows (38 % 4 != 0)
+NUM_BLOCKS = 12  # KV blocks (1,117 tokens): too few for the whole batch at once, so the scheduler preempts
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(checkpoint):
     llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
-                   max_num_batched_tokens=CHUNK_TOKENS, seed=0)
+                   max_num_batched_tokens=CHUNK_TOKENS, num_gpu_blocks_override=NUM_BLOCKS, disable_log_stats=False,
+                   seed=0)
     yield llm
     del llm
 
@@ -44,10 +46,12 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
 
 def test_glm_conversion_beyond_budget_matches_transformers(engine, checkpoint, tmp_path):
     """Eight requests in one batch, most far beyond the budget, prefills chunked inside windows (KDA states and the
-    open windows carried across chunks, the shared layer reading the selection of the full layer before it): tokens
-    as our model scores them."""
+    open windows carried across chunks, the shared layer reading the selection of the full layer before it), at least
+    one request preempted and recomputed: tokens as our model scores them."""
     requests = generate(engine, random_prompts(PROMPT_LENGTHS, seed=0), max_tokens=24)
     assert [len(request["output"]) for request in requests] == [24] * len(PROMPT_LENGTHS)
+    preemptions = {metric.name: metric for metric in engine.get_metrics()}["vllm:num_preemptions"]
+    assert preemptions.value >= 1
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
 
 
