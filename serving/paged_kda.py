@@ -61,13 +61,15 @@ def short_convolution_step(mixed: torch.Tensor, conv_state: torch.Tensor, weight
         back = offset - (kernel - 1 - lag)
         from_step = mixed[(starts[request] + back).clamp(min=0)]
         from_state = conv_state[slot[request], (back + kernel - 1).clamp(0, kernel - 2)]
-        from_state = from_state * continues[request, None]
+        # A request's first chunk starts from zeros, whatever its slot holds (a selection: NaN there stays there).
+        from_state = torch.where(continues[request, None], from_state, 0)
         output += torch.where((back >= 0)[:, None], from_step, from_state).float() * weight[:, lag]
     # The new state of each request: its last `kernel - 1` inputs, from this step or from its old state.
     ends = starts[1:] - starts[:-1]  # [requests] tokens of each request in the step
     back = ends[:, None] - (kernel - 1) + torch.arange(kernel - 1, device=mixed.device)  # [requests, kernel - 1]
     from_step = mixed[(starts[:-1, None] + back).clamp(min=0, max=max(num_tokens - 1, 0))]
-    from_state = conv_state[slot[:, None], (back + kernel - 1).clamp(0, kernel - 2)] * continues[:, None, None]
+    from_state = conv_state[slot[:, None], (back + kernel - 1).clamp(0, kernel - 2)]
+    from_state = torch.where(continues[:, None, None], from_state, 0)
     new_state = torch.where((back >= 0)[..., None], from_step, from_state.to(mixed.dtype))
     conv_state[slot] = new_state.to(conv_state.dtype)
     if activation in ("silu", "swish"):
@@ -94,7 +96,7 @@ def kimi_delta_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         slot = slots[:decodes]
         initial = recurrent_state[slot]
         if metadata.has_initial_state is not None:
-            initial = initial * metadata.has_initial_state[:decodes, None, None, None]
+            initial = torch.where(metadata.has_initial_state[:decodes, None, None, None], initial, 0)
         step = [tensor[:decodes, None] for tensor in (query, key, value, log_decay, beta)]
         out, state = kimi_delta_rule(*step, initial_state=initial, mode="recurrent",
                                      gate_lower_bound=gate_lower_bound)

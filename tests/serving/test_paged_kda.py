@@ -1,6 +1,6 @@
 """Kimi Delta Attention's serving step (`serving/paged_kda.py`, what the vLLM layer runs over vLLM's mamba state cache)
 against the transformers layer, on CPU without vLLM: requests split into prefill chunks and decodes across steps, in
-state slots that start with garbage, give each request's tokens as the layer gives them over the whole sequence."""
+state slots that start with NaN, give each request's tokens as the layer gives them over the whole sequence."""
 
 import pytest
 import torch
@@ -57,9 +57,9 @@ def test_steps_over_state_slots_match_the_transformers_layer(lower_bound):
     hidden = [torch.randn(length, 32) for length in LENGTHS]
     with torch.no_grad():
         expected = [layer(states[None], torch.ones(1, len(states), dtype=torch.bool))[0] for states in hidden]
-        # Slots hold another request's leftovers: a request's first chunk must not read them.
-        conv_state = torch.randn(6, 3, 3 * 32)
-        recurrent_state = torch.randn(6, 2, 16, 16)
+        # Slots hold another request's leftovers (NaN here): a request's first chunk must not read them.
+        conv_state = torch.full((6, 3, 3 * 32), float("nan"))
+        recurrent_state = torch.full((6, 2, 16, 16), float("nan"))
         done, outputs = [0] * len(LENGTHS), [[] for _ in LENGTHS]
         for scheduled in STEPS:
             for (request, count), output in zip(scheduled, served_step(layer, hidden, scheduled, done, conv_state,
