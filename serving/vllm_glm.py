@@ -195,12 +195,33 @@ class SinkhornHyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """`streams [tokens, hc_count, hidden]` -> the block input `[tokens, hidden]` and the write weights (`post
         [tokens, hc_count, 1]`, `comb [tokens, hc_count, hc_count]`, float32)."""
+        if streams.dtype == torch.float32:  # vLLM's mHC kernels take 16-bit streams only
+            return self.read_float32(streams)
         post, comb, block_input = self.read_op(streams, self.fn, self.scale, self.base, self.rms_eps, self.hc_eps,
                                                self.hc_eps, 2.0, self.iterations)
         return block_input, (post, comb)
 
+    def read_float32(self, streams: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` for float32 streams, in PyTorch (the same arithmetic as vLLM's mHC reference)."""
+        count = streams.shape[1]
+        flat = streams.flatten(1)
+        mixes = F.linear(flat, self.fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.rms_eps)
+        pre, post, comb = mixes.split([count, count, count * count], dim=-1)
+        pre_base, post_base, comb_base = self.base.split([count, count, count * count])
+        pre = torch.sigmoid(pre * self.scale[0] + pre_base) + self.hc_eps
+        post = 2 * torch.sigmoid(post * self.scale[1] + post_base)
+        comb = torch.softmax((comb * self.scale[2] + comb_base).unflatten(-1, (count, count)), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)  # Sinkhorn: columns, then rows and columns
+        for _ in range(self.iterations - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        return (pre[..., None] * streams).sum(dim=1), (post[..., None], comb)
+
     def inject(self, streams: torch.Tensor, block_output: torch.Tensor,
                write_weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if streams.dtype == torch.float32:
+            post, comb = write_weights
+            return post * block_output[:, None] + comb.transpose(-1, -2) @ streams
         return self.write_op(block_output, streams, *write_weights)
 
 
