@@ -10,7 +10,6 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFuncCalculator,
     MambaStateDtypeCalculator,
@@ -22,6 +21,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from vllm.model_executor.models.utils import extract_layer_index
 
+from .gated_deltanet import HybridIndexPoolGatedDeltaNet
 from .glm_options import serves_glm
 from .indexpool_attention import IndexPoolAttention
 from .vllm_config import unsupported_options
@@ -44,17 +44,6 @@ STACKED_WEIGHTS = (
 )
 
 
-class GatedDeltaNetConfigView:
-    """The config fields vLLM's Gated DeltaNet layer reads, under its names (ours calls the gate activation
-    `linear_output_gate_act`)."""
-
-    def __init__(self, config):
-        for name in ("hidden_size", "hidden_act", "rms_norm_eps", "linear_num_key_heads", "linear_num_value_heads",
-                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
-            setattr(self, name, getattr(config, name))
-        self.output_gate_type = config.linear_output_gate_act
-
-
 class HybridIndexPoolDecoderLayer(nn.Module):
     """Token mixer (Gated DeltaNet or IndexPool attention), then the SwiGLU MLP or the mixture of experts (vLLM's fused
     MoE with the shared expert, as its Qwen3-Next), each a pre-norm residual block."""
@@ -63,8 +52,7 @@ class HybridIndexPoolDecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[extract_layer_index(prefix)]
         if self.layer_type == "linear_attention":
-            self.linear_attn = QwenGatedDeltaNetAttention(GatedDeltaNetConfigView(config), vllm_config,
-                                                          prefix=f"{prefix}.linear_attn")
+            self.linear_attn = HybridIndexPoolGatedDeltaNet(config, vllm_config, prefix=f"{prefix}.linear_attn")
         else:
             self.self_attn = IndexPoolAttention(config, vllm_config, prefix=f"{prefix}.self_attn")
         if config.num_experts > 0:
@@ -194,4 +182,7 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 parameter = parameters[name]
                 getattr(parameter, "weight_loader", default_weight_loader)(parameter, tensor)
                 loaded.add(name)
+        for module in self.modules():
+            if isinstance(module, HybridIndexPoolGatedDeltaNet):
+                module.keep_conv_weight()
         return loaded
