@@ -78,14 +78,19 @@ class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        kind = ("open_window" if isinstance(kv_cache_spec, CircularBufferSpec) else
-                "pooled_keys" if isinstance(kv_cache_spec, MLAAttentionSpec) else "main")
+        kind = self.cache_kind(kv_cache_spec)
         scheduler = vllm_config.scheduler_config
         self.compilation_config = vllm_config.compilation_config
         self.step_builder = PagedMetadataBuilder(
             kind, vllm_config.model_config.hf_config.index_pool_size, kv_cache_spec.block_size,
             vllm_config.model_config.max_model_len, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, device,
             metadata_class=IndexPoolMetadata)
+
+    @staticmethod
+    def cache_kind(kv_cache_spec) -> str:
+        """Which of a layer's caches `kv_cache_spec` describes (`PagedMetadataBuilder`'s `kind`)."""
+        return ("open_window" if isinstance(kv_cache_spec, CircularBufferSpec) else
+                "pooled_keys" if isinstance(kv_cache_spec, MLAAttentionSpec) else "main")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> IndexPoolMetadata:
@@ -102,7 +107,7 @@ class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
 class IndexPoolAttentionBackend(AttentionBackend):
     """The plugin's backend for the main key/value cache: metadata only; the layer computes the attention."""
 
-    supported_dtypes = [torch.float16, torch.bfloat16]
+    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
 
     @staticmethod
     def get_name() -> str:

@@ -7,10 +7,17 @@ unsupported setting must never produce wrong tokens.
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from .gated_deltanet_kernel import gdn_kernel, gdn_kernel_problems
+from .glm_options import glm_unsupported_options, serves_glm
+
 logger = init_logger(__name__)
 
 # The IndexPool layer's step, a custom op (`indexpool_attention.py`); named here, where the compilation settings are.
 ATTENTION_OP = "vllm::hybrid_indexpool_attention"
+# The project's Gated DeltaNet core, where it runs in place of vLLM's kernels (`gated_deltanet.py`).
+GDN_CORE_OP = "vllm::hybrid_indexpool_gdn_core"
+# The steps of GLM-5.3-Flash's layers (`vllm_kda.py`, `vllm_mla.py`), custom ops too.
+GLM_OPS = ("vllm::hybrid_indexpool_kda", "vllm::hybrid_indexpool_latent_attention")
 
 
 # Settings whose other values (GLM-5.3-Flash's MLA, Kimi Delta Attention, indexer, Sinkhorn streams and MoE) the vLLM
@@ -31,6 +38,8 @@ SERVED_VARIANTS = {
 
 def unsupported_options(config) -> list[str]:
     """Why this checkpoint config cannot be served by the vLLM model (empty when it can)."""
+    if serves_glm(config):  # GLM-5.3-Flash's decoder (`vllm_glm.py`)
+        return glm_unsupported_options(config)
     problems = []
     if config.hc_count > 1:
         problems.append(f"hyper-connections (hc_count = {config.hc_count}; the vLLM model supports hc_count = 1)")
@@ -71,16 +80,19 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
         cache = vllm_config.cache_config
         if cache.cache_dtype not in ("auto", "bfloat16", "float16"):
             problems.append(f"kv_cache_dtype = {cache.cache_dtype!r} (use 'auto')")
-        if vllm_config.model_config.dtype.itemsize != 2:
-            problems.append(f"dtype = {vllm_config.model_config.dtype} (vLLM's CPU Gated DeltaNet needs bfloat16)")
+        problems += gdn_kernel_problems(vllm_config)
         if problems:
             raise ValueError("HybridIndexPool in vLLM does not support: " + "; ".join(problems) + ".")
         compilation = vllm_config.compilation_config
         if compilation.splitting_ops is None:  # vLLM fills in its own attention ops later: ours go with them
             compilation.splitting_ops = list(compilation._attention_ops)
-        if ATTENTION_OP not in compilation.splitting_ops:
-            # Piecewise CUDA graphs run the IndexPool step between graphs (a mixed batch's tiles change its shapes).
-            compilation.splitting_ops.append(ATTENTION_OP)
+        # Piecewise CUDA graphs run the IndexPool step between graphs (a mixed batch's tiles change its shapes), and
+        # the project's Gated DeltaNet core, which reads the step's prefill lengths on the host; GLM's layers' steps
+        # likewise (KDA's prefill chunks read their offsets on the host).
+        ops = (ATTENTION_OP, GDN_CORE_OP) if gdn_kernel(vllm_config) == "project" else (ATTENTION_OP,)
+        for op in (*ops, *GLM_OPS):
+            if op not in compilation.splitting_ops:
+                compilation.splitting_ops.append(op)
         if cache.mamba_ssm_cache_dtype == "auto":
             cache.mamba_ssm_cache_dtype = "float32"  # our model keeps the Gated DeltaNet recurrent state in float32
         if cache.enable_prefix_caching:

@@ -10,7 +10,6 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFuncCalculator,
     MambaStateDtypeCalculator,
@@ -22,8 +21,12 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from vllm.model_executor.models.utils import extract_layer_index
 
+from .gated_deltanet import HybridIndexPoolGatedDeltaNet
+from .glm_options import serves_glm
 from .indexpool_attention import IndexPoolAttention
 from .vllm_config import unsupported_options
+from .vllm_glm import GLM_STACKED_WEIGHTS, GlmModel
+from .vllm_kda import kda_state_dtype, kda_state_shape
 
 # Checkpoint weight name part -> (vLLM parameter name part, shard of the fused parameter).
 STACKED_WEIGHTS = (
@@ -41,17 +44,6 @@ STACKED_WEIGHTS = (
 )
 
 
-class GatedDeltaNetConfigView:
-    """The config fields vLLM's Gated DeltaNet layer reads, under its names (ours calls the gate activation
-    `linear_output_gate_act`)."""
-
-    def __init__(self, config):
-        for name in ("hidden_size", "hidden_act", "rms_norm_eps", "linear_num_key_heads", "linear_num_value_heads",
-                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
-            setattr(self, name, getattr(config, name))
-        self.output_gate_type = config.linear_output_gate_act
-
-
 class HybridIndexPoolDecoderLayer(nn.Module):
     """Token mixer (Gated DeltaNet or IndexPool attention), then the SwiGLU MLP or the mixture of experts (vLLM's fused
     MoE with the shared expert, as its Qwen3-Next), each a pre-norm residual block."""
@@ -60,8 +52,7 @@ class HybridIndexPoolDecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[extract_layer_index(prefix)]
         if self.layer_type == "linear_attention":
-            self.linear_attn = QwenGatedDeltaNetAttention(GatedDeltaNetConfigView(config), vllm_config,
-                                                          prefix=f"{prefix}.linear_attn")
+            self.linear_attn = HybridIndexPoolGatedDeltaNet(config, vllm_config, prefix=f"{prefix}.linear_attn")
         else:
             self.self_attn = IndexPoolAttention(config, vllm_config, prefix=f"{prefix}.self_attn")
         if config.num_experts > 0:
@@ -121,8 +112,8 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if problems:  # also checked at engine start; a model built directly must refuse too
             raise ValueError("HybridIndexPool in vLLM does not support: " + "; ".join(problems) + ".")
         self.config = config
-        self.model = HybridIndexPoolModel(vllm_config=vllm_config, prefix=f"{prefix}model" if not prefix
-                                          else f"{prefix}.model")
+        model_class = GlmModel if serves_glm(config) else HybridIndexPoolModel  # GLM-5.3-Flash's decoder
+        self.model = model_class(vllm_config=vllm_config, prefix=f"{prefix}model" if not prefix else f"{prefix}.model")
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
@@ -140,6 +131,8 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
+        if vllm_config.model_config.hf_config.linear_attention_type == "kimi_delta":
+            return kda_state_dtype(vllm_config)
         cache = vllm_config.cache_config
         return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
             vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
@@ -147,6 +140,8 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
         config = vllm_config.model_config.hf_config
+        if config.linear_attention_type == "kimi_delta":
+            return kda_state_shape(config, vllm_config.parallel_config.tensor_parallel_size)
         return MambaStateShapeCalculator.gated_delta_net_state_shape(
             vllm_config.parallel_config.tensor_parallel_size, config.linear_num_key_heads,
             config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
@@ -175,7 +170,7 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 loaded |= {f"{module_name}.mlp.experts.{loaded_name}"
                            for loaded_name in experts.load_weights([(weight_name, tensor)])}
                 continue
-            for part, fused_part, shard in STACKED_WEIGHTS:
+            for part, fused_part, shard in STACKED_WEIGHTS + GLM_STACKED_WEIGHTS:
                 if part in name:
                     parameter = parameters[name.replace(part, fused_part)]
                     parameter.weight_loader(parameter, tensor, shard)
@@ -187,4 +182,7 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 parameter = parameters[name]
                 getattr(parameter, "weight_loader", default_weight_loader)(parameter, tensor)
                 loaded.add(name)
+        for module in self.modules():
+            if isinstance(module, HybridIndexPoolGatedDeltaNet):
+                module.keep_conv_weight()
         return loaded
