@@ -25,45 +25,36 @@ static inline int64_t element_bytes(int keys_kind) {
     return keys_kind == KEYS_FLOAT32 ? 4 : keys_kind == KEYS_BFLOAT16 ? 2 : 1;
 }
 
-/* The key row at `offset` (in elements of its storage) as float32: in place for float32 keys, widened into `widened`
-   for the others. Packed fp8 rows widen to their fp8 values times 2^-8 (`load_fp8_lanes_over_256`), and their dot
-   products take their power-of-two scale times 2^8 (`key_factor`): a product by a power of two is exact, so scaling
-   the dot product gives the bits of the dot product with the dequantised key, without a multiply per element. */
-static inline const float *key_row(const void *keys, int keys_kind, int64_t offset, int64_t dim, float *widened) {
-    if (keys_kind == KEYS_FLOAT32) return (const float *)keys + offset;
+/* A key row as float32: in place for float32 keys, widened into `widened` for the others. Packed fp8 rows widen to
+   their fp8 values times 2^-8 (`load_fp8_lanes_over_256`), and their dot products take their power-of-two scale times
+   2^8 (`key_factor`): a product by a power of two is exact, so scaling the dot product gives the bits of the dot
+   product with the dequantised key, without a multiply per element. */
+static inline const float *key_row(const void *row, int keys_kind, int64_t dim, float *widened) {
+    if (keys_kind == KEYS_FLOAT32) return (const float *)row;
     int64_t d = 0;
     if (keys_kind == KEYS_BFLOAT16) {
-        const uint16_t *row = (const uint16_t *)keys + offset;
         for (; d + 8 <= dim; d += 8) {
-            lanes widened_lanes = load_bf16_lanes(row + d);
+            lanes widened_lanes = load_bf16_lanes((const uint16_t *)row + d);
             memcpy(widened + d, &widened_lanes, sizeof widened_lanes);
         }
-        for (; d < dim; ++d) widened[d] = bf16_to_float(row[d]);
+        for (; d < dim; ++d) widened[d] = bf16_to_float(((const uint16_t *)row)[d]);
         return widened;
     }
-    const uint8_t *row = (const uint8_t *)keys + offset;
     for (; d + 8 <= dim; d += 8) {
-        lanes widened_lanes = load_fp8_lanes_over_256(row + d);
+        lanes widened_lanes = load_fp8_lanes_over_256((const uint8_t *)row + d);
         memcpy(widened + d, &widened_lanes, sizeof widened_lanes);
     }
-    for (; d < dim; ++d) widened[d] = fp8_to_float(row[d]) * 0x1p-8f;
+    for (; d < dim; ++d) widened[d] = fp8_to_float(((const uint8_t *)row)[d]) * 0x1p-8f;
     return widened;
 }
 
-/* The factor the dot products with the key row at `offset` take: its scale times 2^8 for packed fp8 (exact, a power
-   of two: the products of the dequantised key), 1 otherwise. */
-static inline float key_factor(const void *keys, int keys_kind, int64_t offset, int64_t dim) {
+/* The factor the dot products with a key row take: its scale times 2^8 for packed fp8 (exact, a power of two: the
+   products of the dequantised key), 1 otherwise. */
+static inline float key_factor(const void *row, int keys_kind, int64_t dim) {
     if (keys_kind != KEYS_PACKED_FP8) return 1.0f;
     float scale;
-    memcpy(&scale, (const uint8_t *)keys + offset + dim, sizeof scale);
+    memcpy(&scale, (const uint8_t *)row + dim, sizeof scale);
     return scale * 0x1p8f;
-}
-
-/* The key row at `offset` (in elements of its storage). */
-static inline const void *stored_row(const void *keys, int keys_kind, int64_t offset) {
-    return keys_kind == KEYS_FLOAT32 ? (const void *)((const float *)keys + offset)
-           : keys_kind == KEYS_BFLOAT16 ? (const void *)((const uint16_t *)keys + offset)
-                                        : (const void *)((const uint8_t *)keys + offset);
 }
 
 /* Elements d .. d + 15 of a stored key row as two vectors of float32 lanes. bfloat16: the even elements, then the odd
@@ -110,6 +101,10 @@ static inline float stored_element(const void *row, int keys_kind, int64_t d) {
 #else
 #define KEY_BLOCK 2
 #endif
+
+/* A query's scores of a block of windows (KEY_BLOCK of the 4 lanes used), written and read as one vector: a vector
+   read of scalar writes would wait for them to reach the cache. */
+typedef float quad __attribute__((vector_size(16)));
 
 /* The lane sums of 8 vectors: lane i holds the sum of a[i]'s lanes (21 shuffles and adds). */
 static inline lanes lane_sums_8(const lanes *a) {
@@ -164,14 +159,11 @@ static inline int64_t row_bytes(int keys_kind, int64_t dim) {
     return keys_kind == KEYS_PACKED_FP8 ? dim + 4 : dim * element_bytes(keys_kind);
 }
 
-/* always_inline: GCC 12 judges a function that only prefetches to be `const` and, where it is not inlined early,
-   deletes its calls (the kernel then ran with no prefetch at all). */
-static inline __attribute__((always_inline)) void prefetch_row(const void *keys, int keys_kind, int64_t offset,
-                                                               int64_t dim) {
-    int64_t bytes = row_bytes(keys_kind, dim);
-    const char *row = (const char *)keys + offset * element_bytes(keys_kind);
-    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte);
-    __builtin_prefetch(row + bytes - 1);  /* the last line of a row that does not start on a line */
+/* Every cache line of a key row. always_inline: GCC 12 judges a function that only prefetches to be `const` and,
+   where it is not inlined early, deletes its calls (the kernel then ran with no prefetch at all). */
+static inline __attribute__((always_inline)) void prefetch_row(const char *row, int64_t bytes) {
+    const char *line = (const char *)((uintptr_t)row & ~(uintptr_t)63);
+    for (; line < row + bytes; line += 64) __builtin_prefetch(line);
 }
 
 /* Reorder a[0 .. n) so that a[0 .. k) holds its k largest entries (distinct keys; Hoare partition, quickselect). */
@@ -247,34 +239,36 @@ typedef struct {
     int64_t table_stride, max_blocks;
 } paged_keys;
 
-/* The element offset of a request's block `column`'s first row. */
-static inline int64_t block_offset(const paged_keys *pages, int64_t request, int64_t column) {
+/* The address of a request's block `column`'s first row. */
+static inline const char *block_address(const paged_keys *pages, int64_t request, int64_t column) {
     int64_t block = request;
     if (pages->table != NULL) {
         column = column < pages->max_blocks - 1 ? column : pages->max_blocks - 1;
         int64_t entry = request * pages->table_stride + column;
         block = pages->table_int64 ? ((const int64_t *)pages->table)[entry] : ((const int32_t *)pages->table)[entry];
     }
-    return block * pages->block_stride;
+    return (const char *)pages->keys + block * pages->block_stride * element_bytes(pages->keys_kind);
 }
 
-/* A request's windows walked in order: the current one's block column, row in the block and element offset; the
-   table is read once per block. */
+/* A request's windows walked in order: the current one's block column, row in the block and address; the table is
+   read once per block. */
 typedef struct {
-    int64_t column, row, offset;
+    int64_t column, row;
+    const char *address;
 } window_walk;
 
 static inline window_walk walk_from(const paged_keys *pages, int64_t request, int64_t window) {
     int64_t column = window / pages->windows_per_block, row = window % pages->windows_per_block;
-    return (window_walk){column, row, block_offset(pages, request, column) + row * pages->row_stride};
+    return (window_walk){column, row, block_address(pages, request, column)
+                                          + row * pages->row_stride * element_bytes(pages->keys_kind)};
 }
 
 static inline void step(const paged_keys *pages, int64_t request, window_walk *walk) {
     if (++walk->row < pages->windows_per_block) {
-        walk->offset += pages->row_stride;
+        walk->address += pages->row_stride * element_bytes(pages->keys_kind);
     } else {
         walk->row = 0;
-        walk->offset = block_offset(pages, request, ++walk->column);
+        walk->address = block_address(pages, request, ++walk->column);
     }
 }
 
@@ -283,26 +277,28 @@ static inline void step(const paged_keys *pages, int64_t request, window_walk *w
    query's scores of a block of windows, the tile's distinct tokens and each one's running top-k of `per_segment`
    keys. */
 typedef struct {
-    float *queries, *row_weights, *widened, *scores;
+    float *queries, *row_weights, *widened;
+    quad *scores;
     int64_t *row_queries, *row_heads, *rows, *buffers;
     running_topk *best;
 } thread_scratch;
 
 static int allocate_scratch(thread_scratch *s, int64_t width, int64_t heads, int64_t dim, int64_t per_segment) {
     int64_t padded_rows = (width * heads + 3) / 4 * 4;
-    s->queries = malloc(sizeof(float) * (padded_rows * dim + padded_rows + KEY_BLOCK * dim + KEY_BLOCK * width));
+    s->scores = malloc(sizeof(quad) * width);
+    s->queries = malloc(sizeof(float) * (padded_rows * dim + padded_rows + KEY_BLOCK * dim));
     s->row_weights = s->queries == NULL ? NULL : s->queries + padded_rows * dim;
     s->widened = s->queries == NULL ? NULL : s->row_weights + padded_rows;
-    s->scores = s->queries == NULL ? NULL : s->widened + KEY_BLOCK * dim;
     s->row_queries = malloc(sizeof(int64_t) * (2 * padded_rows + width + 2 * per_segment * width));
     s->row_heads = s->row_queries == NULL ? NULL : s->row_queries + padded_rows;
     s->rows = s->row_queries == NULL ? NULL : s->row_heads + padded_rows;
     s->buffers = s->row_queries == NULL ? NULL : s->rows + width;
     s->best = malloc(sizeof(running_topk) * width);
-    return s->queries != NULL && s->row_queries != NULL && s->best != NULL;
+    return s->scores != NULL && s->queries != NULL && s->row_queries != NULL && s->best != NULL;
 }
 
 static void free_scratch(thread_scratch *s) {
+    free(s->scores);
     free(s->queries);
     free(s->row_queries);
     free(s->best);
@@ -320,25 +316,32 @@ static inline void add_group_terms(const thread_scratch *s, int64_t group, int64
                                    const lanes *products, const lanes *factors) {
     lanes weights;
     for (int j = 0; j < 8; ++j) weights[j] = s->row_weights[group * 4 + j % 4];
+    lanes terms[KEY_BLOCK / 2];
     for (int i = 0; i < KEY_BLOCK / 2; ++i) {
         lanes term = products[i] * factors[i];
         /* ReLU that keeps NaN, as torch's: only lanes below zero are cleared. */
         term = (lanes)((signed_words)term & ~(signed_words)(term < (lanes){0}));
-        term *= weights;
-        if (heads % 4 == 0) {
-            term += SHUFFLE(term, term, 1, 0, 3, 2, 5, 4, 7, 6);
+        terms[i] = term * weights;
+    }
+    if (heads % 4 == 0) {
+        /* The 4 heads of each window summed in the vector: lanes 0 and 4 of each term. */
+        quad sums = {0};
+        for (int i = 0; i < KEY_BLOCK / 2; ++i) {
+            lanes term = terms[i] + SHUFFLE(terms[i], terms[i], 1, 0, 3, 2, 5, 4, 7, 6);
             term += SHUFFLE(term, term, 2, 3, 0, 1, 6, 7, 4, 5);
-            float *scores = s->scores + s->row_queries[group * 4] * KEY_BLOCK + 2 * i;
-            int first = s->row_heads[group * 4] == 0;
-            scores[0] = first ? term[0] : scores[0] + term[0];
-            scores[1] = first ? term[4] : scores[1] + term[4];
-            continue;
+            sums[2 * i] = term[0];
+            sums[2 * i + 1] = term[4];
         }
-        for (int j = 0; j < 4 && group * 4 + j < query_rows; ++j) {
-            float *scores = s->scores + s->row_queries[group * 4 + j] * KEY_BLOCK + 2 * i;
-            int first = s->row_heads[group * 4 + j] == 0;
-            scores[0] = first ? term[j] : scores[0] + term[j];
-            scores[1] = first ? term[4 + j] : scores[1] + term[4 + j];
+        quad *scores = &s->scores[s->row_queries[group * 4]];
+        *scores = s->row_heads[group * 4] == 0 ? sums : *scores + sums;
+        return;
+    }
+    for (int j = 0; j < 4 && group * 4 + j < query_rows; ++j) {
+        quad *scores = &s->scores[s->row_queries[group * 4 + j]];
+        int first = s->row_heads[group * 4 + j] == 0;
+        for (int i = 0; i < KEY_BLOCK / 2; ++i) {
+            (*scores)[2 * i] = first ? terms[i][j] : (*scores)[2 * i] + terms[i][j];
+            (*scores)[2 * i + 1] = first ? terms[i][4 + j] : (*scores)[2 * i + 1] + terms[i][4 + j];
         }
     }
 }
@@ -348,35 +351,31 @@ static inline void add_group_terms(const thread_scratch *s, int64_t group, int64
 static void score_range(const thread_scratch *s, int64_t count, const paged_keys *pages, int64_t request,
                         int64_t first, int64_t last, const int64_t *visible, int64_t heads, int64_t dim,
                         int64_t sink_windows, int64_t local_windows) {
-    const void *keys = pages->keys;
     int keys_kind = pages->keys_kind;
     int64_t query_rows = count * heads, groups = (query_rows + 3) / 4;
-    int64_t ahead = PREFETCH_BYTES / row_bytes(keys_kind, dim);
+    int64_t bytes = row_bytes(keys_kind, dim), ahead = PREFETCH_BYTES / bytes;
     ahead = ahead < 1 ? 1 : ahead;
     window_walk here = walk_from(pages, request, first), soon = walk_from(pages, request, first + ahead);
     for (int64_t n = first; n < last; n += KEY_BLOCK) {
         int64_t valid = last - n < KEY_BLOCK ? last - n : KEY_BLOCK;
-        int64_t offsets[KEY_BLOCK];
+        const void *rows[KEY_BLOCK];
         for (int64_t k = 0; k < KEY_BLOCK; ++k) {
             if (k >= valid) {  /* past the range: the last window again, scored and never offered */
-                offsets[k] = offsets[valid - 1];
+                rows[k] = rows[valid - 1];
                 continue;
             }
-            offsets[k] = here.offset;
+            rows[k] = here.address;
             step(pages, request, &here);
-            if (n + k + ahead < last) prefetch_row(keys, keys_kind, soon.offset, dim);
+            if (n + k + ahead < last) prefetch_row(soon.address, bytes);
             step(pages, request, &soon);
         }
         lanes products[KEY_BLOCK / 2], factors[KEY_BLOCK / 2];
         for (int i = 0; i < KEY_BLOCK / 2; ++i) {
-            float even = key_factor(keys, keys_kind, offsets[2 * i], dim);
-            float odd = key_factor(keys, keys_kind, offsets[2 * i + 1], dim);
+            float even = key_factor(rows[2 * i], keys_kind, dim), odd = key_factor(rows[2 * i + 1], keys_kind, dim);
             factors[i] = (lanes){even, even, even, even, odd, odd, odd, odd};
         }
         if (groups == 1) {
             /* Decode's one query of up to 4 heads: the keys widened in registers, one code path per storage. */
-            const void *rows[KEY_BLOCK];
-            for (int k = 0; k < KEY_BLOCK; ++k) rows[k] = stored_row(keys, keys_kind, offsets[k]);
             switch (keys_kind) {
             case KEYS_FLOAT32: products_block(s->queries, rows, KEYS_FLOAT32, dim, products); break;
             case KEYS_BFLOAT16: products_block(s->queries, rows, KEYS_BFLOAT16, dim, products); break;
@@ -385,16 +384,16 @@ static void score_range(const thread_scratch *s, int64_t count, const paged_keys
             add_group_terms(s, 0, query_rows, heads, products, factors);
         } else {
             /* More rows: the keys widened once, read by every group of 4. */
-            const void *rows[KEY_BLOCK];
-            for (int k = 0; k < KEY_BLOCK; ++k) rows[k] = key_row(keys, keys_kind, offsets[k], dim, s->widened + k * dim);
+            const void *widened[KEY_BLOCK];
+            for (int k = 0; k < KEY_BLOCK; ++k) widened[k] = key_row(rows[k], keys_kind, dim, s->widened + k * dim);
             for (int64_t g = 0; g < groups; ++g) {
-                products_block(s->queries + g * 4 * dim, rows, KEYS_FLOAT32, dim, products);
+                products_block(s->queries + g * 4 * dim, widened, KEYS_FLOAT32, dim, products);
                 add_group_terms(s, g, query_rows, heads, products, factors);
             }
         }
         for (int64_t r = 0; r < count; ++r) {
             int64_t bound = visible[s->rows[r]];
-            const float *scores = s->scores + r * KEY_BLOCK;
+            quad scores = s->scores[r];
             running_topk *best = &s->best[r];
             if (n >= sink_windows && n + valid <= bound - local_windows) {
                 /* Nothing forced nor invisible: a block whose scores all lie below the threshold's is skipped. */
