@@ -26,8 +26,8 @@ def test_decode_phase_counts_the_tokens_after_every_request_started():
 
 
 def test_decode_step_timing_reports_both_paths_against_the_bytes(monkeypatch):
-    """Two contexts of a tiny layer: each path's step and attention times, the bytes (the budget's keys and values
-    once the context exceeds it, the pooled keys) and the ratios to their time at the copy bandwidth."""
+    """Two contexts of a tiny layer: each path's step, selection and attention times, the bytes (the budget's keys and
+    values once the context exceeds it, the pooled keys) and the ratios to their time at the copy bandwidth."""
     from hybrid_indexpool.scripts import bench_serving
 
     monkeypatch.setattr("hybrid_indexpool.benchmarking.copy_bandwidth", lambda: 1e10)
@@ -41,9 +41,11 @@ def test_decode_step_timing_reports_both_paths_against_the_bytes(monkeypatch):
     assert long["index_bytes"] == 3 * 25 * 16 * 2
     for row in timing["rows"]:
         for path in ("kernel", "torch"):
-            assert row[f"step_{path}_ms"] > 0 and row[f"attention_{path}_ms"] > 0
+            assert row[f"step_{path}_ms"] > 0 and row[f"attention_{path}_ms"] > 0 and row[f"selection_{path}_ms"] > 0
             assert row[f"attention_{path}_over_bytes"] == pytest.approx(
                 row[f"attention_{path}_ms"] / (1e3 * row["attention_bytes"] / 1e10))
+            assert row[f"selection_{path}_over_bytes"] == pytest.approx(
+                row[f"selection_{path}_ms"] / (1e3 * row["index_bytes"] / 1e10))
     bench_serving.print_decode_step_timing(timing)
 
 
