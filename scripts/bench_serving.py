@@ -304,7 +304,9 @@ def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int =
     paths (`HYBRID_INDEXPOOL_CPU_KERNELS=0`), calls alternated (a shared machine's load falls on both) and the median
     kept; beside them the bytes the step must read (each request's selected keys and values, its pooled keys) and
     their time at the copy bandwidth measured in the same run (`benchmarking.copy_bandwidth`, bytes read plus written
-    per second)."""
+    per second). Each time is taken twice: wall time (`_ms`), and the CPU time the process used (`_cpu_ms`, against
+    the copy bandwidth in CPU time), which leaves out the waits for a core on a loaded machine; with one thread it is
+    the time the work took on the core (with more, waiting threads may spin and count)."""
     from hybrid_indexpool.benchmarking import copy_bandwidth
     from hybrid_indexpool.kernels import sparse_attention
     from hybrid_indexpool.kernels.cpu_build import ENABLE_VARIABLE
@@ -315,10 +317,11 @@ def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int =
         samples = {name: [] for name in paths}
         for _ in range(repeats + 1):  # the first round warms up (kernel builds, allocator)
             for name, run in paths.items():
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 run()
-                samples[name].append(time.perf_counter() - start)
-        return {name: 1e3 * statistics.median(times[1:]) for name, times in samples.items()}
+                samples[name].append((time.perf_counter() - start, time.process_time() - start_cpu))
+        return {f"{name}{suffix}": 1e3 * statistics.median(sample[clock] for sample in times[1:])
+                for name, times in samples.items() for clock, suffix in ((0, ""), (1, "_cpu"))}
 
     def with_cpu_kernels(enabled: bool, run):
         def call():
@@ -333,7 +336,7 @@ def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int =
                     os.environ[ENABLE_VARIABLE] = saved
         return call
 
-    bandwidth = copy_bandwidth()
+    bandwidth, bandwidth_cpu = copy_bandwidth(), copy_bandwidth(clock=time.process_time)
     rows = []
     for context in contexts:
         step = synthetic_step([context] * requests, [1] * requests, sizes, seed=context)
@@ -365,32 +368,37 @@ def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int =
         index_bytes = requests * (context // sizes.pool_size) * step.caches.pooled_keys.shape[-1] * \
             step.caches.pooled_keys.element_size()
         row = {"context": context, "requests": requests, **{f"{name}_ms": ms for name, ms in times.items()},
-               "attention_bytes": attention_bytes, "index_bytes": index_bytes,
-               "attention_bytes_ms": 1e3 * attention_bytes / bandwidth, "index_bytes_ms": 1e3 * index_bytes / bandwidth,
-               "step_bytes_ms": 1e3 * (attention_bytes + index_bytes) / bandwidth}
-        for path in ("kernel", "torch"):
-            row[f"attention_{path}_over_bytes"] = row[f"attention_{path}_ms"] / row["attention_bytes_ms"]
-            row[f"selection_{path}_over_bytes"] = row[f"selection_{path}_ms"] / row["index_bytes_ms"]
-            row[f"step_{path}_over_bytes"] = row[f"step_{path}_ms"] / row["step_bytes_ms"]
+               "attention_bytes": attention_bytes, "index_bytes": index_bytes}
+        for suffix, rate in (("", bandwidth), ("_cpu", bandwidth_cpu)):
+            bytes_ms = {"attention": 1e3 * attention_bytes / rate, "selection": 1e3 * index_bytes / rate,
+                        "step": 1e3 * (attention_bytes + index_bytes) / rate}
+            row.update({"attention_bytes_ms" + suffix: bytes_ms["attention"],
+                        "index_bytes_ms" + suffix: bytes_ms["selection"], "step_bytes_ms" + suffix: bytes_ms["step"]})
+            for part in ("attention", "selection", "step"):
+                for path in ("kernel", "torch"):
+                    row[f"{part}_{path}{suffix}_over_bytes"] = row[f"{part}_{path}{suffix}_ms"] / bytes_ms[part]
         rows.append(row)
-    return {"copy_bandwidth": bandwidth, "threads": torch.get_num_threads(),
+    return {"copy_bandwidth": bandwidth, "copy_bandwidth_cpu": bandwidth_cpu, "threads": torch.get_num_threads(),
             "load_average_1min_after": os.getloadavg()[0], "rows": rows}
 
 
 def print_decode_step_timing(timing: dict) -> None:
-    print(f"one IndexPool layer's decode step, bfloat16, {timing['threads']} threads, copy bandwidth "
-          f"{timing['copy_bandwidth'] / 1e9:.1f} GB/s (read + written), load average "
-          f"{timing['load_average_1min_after']:.1f}; ms, and x its bytes' time at that bandwidth (the selection's: the "
-          "pooled keys; the attention's: the selected keys and values; the step's: both):")
-    print("| context | requests | bytes (MB) | at copy bandwidth | selection: CPU kernel | selection: PyTorch | "
-          "attention: CPU kernel | attention: PyTorch | step: CPU kernels | step: PyTorch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in timing["rows"]:
-        cells = [f"{row[name + '_ms']:.2f} ({row[name + '_over_bytes']:.1f}x)"
-                 for name in ("selection_kernel", "selection_torch", "attention_kernel", "attention_torch",
-                              "step_kernel", "step_torch")]
-        print(f"| {row['context']} | {row['requests']} | {(row['attention_bytes'] + row['index_bytes']) / 1e6:.1f} | "
-              f"{row['step_bytes_ms']:.2f} ms | " + " | ".join(cells) + " |")
+    for suffix, clock, rate in (("", "wall time", timing["copy_bandwidth"]),
+                                ("_cpu", "CPU time", timing["copy_bandwidth_cpu"])):
+        print(f"one IndexPool layer's decode step, bfloat16, {timing['threads']} threads, {clock}, copy bandwidth "
+              f"{rate / 1e9:.1f} GB/s (read + written, in {clock}), load average "
+              f"{timing['load_average_1min_after']:.1f}; ms, and x its bytes' time at that bandwidth (the selection's: "
+              "the pooled keys; the attention's: the selected keys and values; the step's: both):")
+        print("| context | requests | bytes (MB) | at copy bandwidth | selection: CPU kernel | selection: PyTorch | "
+              "attention: CPU kernel | attention: PyTorch | step: CPU kernels | step: PyTorch |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for row in timing["rows"]:
+            cells = [f"{row[name + suffix + '_ms']:.2f} ({row[name + suffix + '_over_bytes']:.1f}x)"
+                     for name in ("selection_kernel", "selection_torch", "attention_kernel", "attention_torch",
+                                  "step_kernel", "step_torch")]
+            megabytes, bytes_ms = (row["attention_bytes"] + row["index_bytes"]) / 1e6, row["step_bytes_ms" + suffix]
+            print(f"| {row['context']} | {row['requests']} | {megabytes:.1f} | {bytes_ms:.2f} ms | "
+                  + " | ".join(cells) + " |")
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
