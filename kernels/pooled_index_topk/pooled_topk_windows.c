@@ -207,23 +207,22 @@ static inline void offer(running_topk *best, int64_t key) {
     }
 }
 
-static int ascending(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
-
 /* The window ids of the `topk` best of `count` selection keys (reordered in place), ascending, -1 for invisible
-   windows (score -inf, or a range's INT64_MIN padding) and after the last: `window_ids_of` of the reference. */
-static void window_ids(int64_t *candidates, int64_t count, int64_t topk, int64_t *ids) {
-    int64_t kept = count < topk ? count : topk;
+   windows (score -inf, or a range's INT64_MIN padding) and after the last: `window_ids_of` of the reference. Sorted
+   by marking each id in `marks`, a bitmap of the `window_bound` ids (all clear, and left clear). */
+static void window_ids(int64_t *candidates, int64_t count, int64_t topk, int64_t window_bound, uint64_t *marks,
+                       int64_t *ids) {
+    int64_t kept = count < topk ? count : topk, found = 0;
     if (count > kept) keep_largest(candidates, count, kept);
     for (int64_t i = 0; i < kept; ++i) {
-        int64_t key = candidates[i];
-        ids[i] = (key >> 32) <= INVISIBLE_HIGH ? ID_BASE : ID_BASE - (key & 0xFFFFFFFFLL);
+        int64_t key = candidates[i], id = ID_BASE - (key & 0xFFFFFFFFLL);
+        if ((key >> 32) > INVISIBLE_HIGH && id < window_bound) marks[id >> 6] |= (uint64_t)1 << (id & 63);
     }
-    qsort(ids, kept, sizeof(int64_t), ascending);
-    for (int64_t i = 0; i < topk; ++i)
-        if (i >= kept || ids[i] == ID_BASE) ids[i] = -1;
+    for (int64_t word = 0; word < (window_bound + 63) / 64; ++word) {
+        for (uint64_t bits = marks[word]; bits != 0; bits &= bits - 1) ids[found++] = word * 64 + __builtin_ctzll(bits);
+        marks[word] = 0;
+    }
+    for (int64_t i = found; i < topk; ++i) ids[i] = -1;
 }
 
 /* Where each request's pooled keys lie: window w of request q is row w % windows_per_block of block
@@ -275,15 +274,17 @@ static inline void step(const paged_keys *pages, int64_t request, window_walk *w
 /* One thread's scratch: the query rows of a tile (each distinct query's heads in turn) padded with zero rows to whole
    groups of 4, each row's query (among the distinct ones), head and weight, KEY_BLOCK widened key rows, each distinct
    query's scores of a block of windows, the tile's distinct tokens and each one's running top-k of `per_segment`
-   keys. */
+   keys, and the bitmap `window_ids` sorts with. */
 typedef struct {
     float *queries, *row_weights, *widened;
     quad *scores;
     int64_t *row_queries, *row_heads, *rows, *buffers;
     running_topk *best;
+    uint64_t *marks;
 } thread_scratch;
 
-static int allocate_scratch(thread_scratch *s, int64_t width, int64_t heads, int64_t dim, int64_t per_segment) {
+static int allocate_scratch(thread_scratch *s, int64_t width, int64_t heads, int64_t dim, int64_t per_segment,
+                            int64_t window_bound) {
     int64_t padded_rows = (width * heads + 3) / 4 * 4;
     s->scores = malloc(sizeof(quad) * width);
     s->queries = malloc(sizeof(float) * (padded_rows * dim + padded_rows + KEY_BLOCK * dim));
@@ -294,7 +295,8 @@ static int allocate_scratch(thread_scratch *s, int64_t width, int64_t heads, int
     s->rows = s->row_queries == NULL ? NULL : s->row_heads + padded_rows;
     s->buffers = s->row_queries == NULL ? NULL : s->rows + width;
     s->best = malloc(sizeof(running_topk) * width);
-    return s->scores != NULL && s->queries != NULL && s->row_queries != NULL && s->best != NULL;
+    s->marks = calloc((window_bound + 63) / 64 + 1, sizeof(uint64_t));
+    return s->scores != NULL && s->queries != NULL && s->row_queries != NULL && s->best != NULL && s->marks != NULL;
 }
 
 static void free_scratch(thread_scratch *s) {
@@ -302,6 +304,7 @@ static void free_scratch(thread_scratch *s) {
     free(s->queries);
     free(s->row_queries);
     free(s->best);
+    free(s->marks);
 }
 
 /* The token of row i of tile t: tile_tokens[t, i], or t * width + i without tile_tokens. */
@@ -440,7 +443,7 @@ int pooled_topk_windows(const float *queries, const float *weights, const int64_
 #pragma omp parallel num_threads(threads)
     {
         thread_scratch s;
-        if (!allocate_scratch(&s, width, heads, dim, per_segment)) {
+        if (!allocate_scratch(&s, width, heads, dim, per_segment, window_bound)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -491,7 +494,8 @@ int pooled_topk_windows(const float *queries, const float *weights, const int64_
             if (failed || (i > 0 && tile_token(tile_tokens, width, tile, i) ==
                                         tile_token(tile_tokens, width, tile, i - 1)))
                 continue;
-            window_ids(candidates + place * segments * per_segment, segments * per_segment, topk, out + place * topk);
+            window_ids(candidates + place * segments * per_segment, segments * per_segment, topk, window_bound, s.marks,
+                       out + place * topk);
         }
         free_scratch(&s);
     }
