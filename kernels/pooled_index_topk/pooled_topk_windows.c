@@ -115,7 +115,8 @@ static inline lanes lane_sums_8(const lanes *a) {
     for (int i = 0; i < 2; ++i)
         quads[i] = SHUFFLE(pairs[2 * i], pairs[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
                    + SHUFFLE(pairs[2 * i], pairs[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return SHUFFLE(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    return SHUFFLE(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11)
+           + SHUFFLE(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* Products of 4 query rows (row stride dim; bfloat16 keys: chunks in `split_pairs` order) with KEY_BLOCK key rows
