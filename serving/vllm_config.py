@@ -15,6 +15,8 @@ logger = init_logger(__name__)
 ATTENTION_OP = "vllm::hybrid_indexpool_attention"
 # The project's Gated DeltaNet core, where it runs in place of vLLM's kernels (`gated_deltanet.py`).
 GDN_CORE_OP = "vllm::hybrid_indexpool_gdn_core"
+# A per-layer n-gram embedding's step (`per_layer_embedding.py`).
+PLE_OP = "vllm::hybrid_indexpool_ple"
 
 
 # Settings whose other values (GLM-5.3-Flash's MLA, Kimi Delta Attention, indexer, Sinkhorn streams and MoE) the vLLM
@@ -36,12 +38,6 @@ SERVED_VARIANTS = {
 def unsupported_options(config) -> list[str]:
     """Why this checkpoint config cannot be served by the vLLM model (empty when it can)."""
     problems = []
-    if config.hc_count > 1:
-        problems.append(f"hyper-connections (hc_count = {config.hc_count}; the vLLM model supports hc_count = 1)")
-    if config.ple_layers:
-        problems.append(f"per-layer n-gram embeddings (ple_layers = {config.ple_layers}; the vLLM model has none)")
-    if "mrope_section" in config.rope_parameters:
-        problems.append("multimodal RoPE (rope_parameters['mrope_section']; the multimodal model is not served yet)")
     for name, served in SERVED_VARIANTS.items():
         if getattr(config, name) != served:
             problems.append(f"{name} = {getattr(config, name)!r} (a GLM-5.3-Flash variant; the vLLM model serves "
@@ -61,7 +57,7 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        config = vllm_config.model_config.hf_config
+        config = vllm_config.model_config.hf_text_config
         problems = unsupported_options(config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
@@ -81,9 +77,11 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
         compilation = vllm_config.compilation_config
         if compilation.splitting_ops is None:  # vLLM fills in its own attention ops later: ours go with them
             compilation.splitting_ops = list(compilation._attention_ops)
-        # Piecewise CUDA graphs run the IndexPool step between graphs (a mixed batch's tiles change its shapes), and
-        # the project's Gated DeltaNet core, which reads the step's prefill lengths on the host.
-        for op in (ATTENTION_OP, GDN_CORE_OP) if gdn_kernel(vllm_config) == "project" else (ATTENTION_OP,):
+        # Piecewise CUDA graphs run between the IndexPool steps (a mixed batch's tiles change their shapes), the
+        # project's Gated DeltaNet cores and the n-gram embeddings (these read the step's prefill lengths on the host).
+        host_ops = [ATTENTION_OP, *([GDN_CORE_OP] if gdn_kernel(vllm_config) == "project" else []),
+                    *([PLE_OP] if config.ple_layers else [])]
+        for op in host_ops:
             if op not in compilation.splitting_ops:
                 compilation.splitting_ops.append(op)
         if cache.mamba_ssm_cache_dtype == "auto":

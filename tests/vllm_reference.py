@@ -26,6 +26,14 @@ def tiny_checkpoint(path: Path, experts: bool = False, fp8_index_keys: bool = Fa
     return path
 
 
+def qwen4_exp_checkpoint(path: Path, multimodal: bool = False) -> Path:
+    """A tiny Qwen4-Exp source converted with `convert_qwen4_exp` (hyper-connections, PLE, MoE; Gated DeltaNet heads
+    of 64, budget 8 tokens at r = 4), its pooling moved off the mean, in bfloat16 (`hf_reference.py qwen4_exp`); with
+    `multimodal`, converted from the multimodal source with its vision tower and multimodal RoPE."""
+    reference("qwen4_exp", str(path), *(["multimodal"] if multimodal else []))
+    return path
+
+
 def score(checkpoint: Path, requests: list[dict], tmp_path: Path) -> list[dict]:
     """Our transformers model's log-probabilities of each request's output tokens, teacher-forced, in bfloat16 and
     float32."""
@@ -89,6 +97,14 @@ def generate(llm, prompts: list[list[int]], max_tokens: int, top_logprobs: int =
 def num_preemptions(llm) -> int:
     """Requests the engine has preempted so far (an engine built with `disable_log_stats=False`)."""
     return int({metric.name: metric for metric in llm.get_metrics()}["vllm:num_preemptions"].value)
+
+
+def assert_matches_float32_reference(requests: list[dict], references: list[dict], tolerance: float = 1e-3) -> None:
+    """A float32 engine against our float32 transformers model teacher-forced along its tokens: every step's
+    log-probability within `tolerance` (float32 rounding; a wrong layer moves them by far more)."""
+    for request, reference_run in zip(requests, references, strict=True):
+        worst = max(abs(a - b) for a, b in zip(request["logprobs"], reference_run["float32"], strict=True))
+        assert worst < tolerance, (len(request["prompt"]), worst)
 
 
 def assert_same_tokens(runs: list[dict], other_runs: list[dict], logprob_tolerance: float = 0.0) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from vllm_reference import (
+    assert_matches_float32_reference,
     assert_same_tokens,
     fill_caches,
     generate,
@@ -55,10 +56,7 @@ def test_float32_batch_beyond_budget_is_our_float32_model(engine, checkpoint, tm
     preempted_before = num_preemptions(engine)
     requests = generate(engine, random_prompts(PROMPT_LENGTHS, seed=0), max_tokens=16)
     assert num_preemptions(engine) > preempted_before
-    references = score(checkpoint, requests, tmp_path)
-    for request, reference in zip(requests, references, strict=True):
-        worst = max(abs(a - b) for a, b in zip(request["logprobs"], reference["float32"], strict=True))
-        assert worst < 1e-3, (len(request["prompt"]), worst)
+    assert_matches_float32_reference(requests, score(checkpoint, requests, tmp_path))
 
 
 def test_float32_tokens_do_not_depend_on_batching_or_preemption(engine):
