@@ -12,17 +12,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_SCRIPT = REPO / "tests" / "serving" / "hf_reference.py"
-REFERENCE_PYTHON = os.environ.get("HYBRID_INDEXPOOL_REFERENCE_PYTHON", str(REPO / ".venv" / "bin" / "python"))
+# Absolute (not resolved: a virtual environment's interpreter is a link), so that subprocesses may run elsewhere.
+REFERENCE_PYTHON = os.path.abspath(os.environ.get("HYBRID_INDEXPOOL_REFERENCE_PYTHON",
+                                                  REPO / ".venv" / "bin" / "python"))
 
 
 def reference(*arguments: str) -> None:
     subprocess.run([REFERENCE_PYTHON, str(REFERENCE_SCRIPT), *arguments], check=True)
 
 
-def tiny_checkpoint(path: Path, experts: bool = False, fp8_index_keys: bool = False) -> Path:
+def tiny_checkpoint(path: Path, experts: bool = False, fp8_index_keys: bool = False, narrow: bool = False) -> Path:
     """The tiny bfloat16 checkpoint of `hf_reference.py` (budget 16 tokens, r = 4), saved at `path`; with
-    `experts`, a mixture of experts; with `fp8_index_keys`, pooled index keys cached packed in fp8."""
-    reference("checkpoint", str(path), *(["experts"] if experts else ["fp8"] if fp8_index_keys else []))
+    `experts`, a mixture of experts; with `fp8_index_keys`, pooled index keys cached packed in fp8; with `narrow`,
+    Gated DeltaNet heads of 32."""
+    variant = "experts" if experts else "fp8" if fp8_index_keys else "narrow" if narrow else None
+    reference("checkpoint", str(path), *([variant] if variant else []))
     return path
 
 

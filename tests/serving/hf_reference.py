@@ -1,6 +1,6 @@
 """The transformers side of the vLLM tests, run with the main environment's Python (transformers 5.24).
 
-    python hf_reference.py checkpoint OUT [experts|fp8]  # save the tiny bfloat16 checkpoint the vLLM tests serve
+    python hf_reference.py checkpoint OUT [experts|fp8|narrow]  # save the tiny bfloat16 checkpoint the vLLM tests serve
     python hf_reference.py qwen4_exp OUT [multimodal]    # a tiny Qwen4-Exp source converted, pooling trained off
     python hf_reference.py score CKPT IN.json OUT.json
 
@@ -21,7 +21,8 @@ def tiny_checkpoint(output_dir: str, variant: str = "") -> None:
     tokens at r = 4, learned pooling with non-zero gates, the byte-level tokenizer; saved in bfloat16. With
     `experts`, a mixture of 4 experts (2 per token) and a shared expert in place of the dense MLPs, with a decisive
     router (its weights scaled up), so that no expert choice ties within bfloat16 noise, and one MTP layer (which the
-    plugin does not serve: its weights are skipped). With `fp8`, pooled index keys cached packed in fp8."""
+    plugin does not serve: its weights are skipped). With `fp8`, pooled index keys cached packed in fp8. With `narrow`,
+    Gated DeltaNet heads of 32 (which vLLM's CPU kernels do not take)."""
     from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
@@ -32,7 +33,8 @@ def tiny_checkpoint(output_dir: str, variant: str = "") -> None:
         layer_types=["linear_attention", "indexpool_attention"] * 2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
         index_n_heads=2, index_head_dim=32, index_topk=16, index_pool_size=4, index_pool_weighting="learned",
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32 if variant == "narrow" else 64, linear_value_head_dim=32 if variant == "narrow" else 64,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         max_position_embeddings=4096, initializer_range=0.05,
         **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,

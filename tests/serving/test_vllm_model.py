@@ -118,6 +118,19 @@ def test_fp8_pooled_keys_match_transformers(tmp_path_factory, tmp_path):
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
 
 
+def test_gated_deltanet_heads_vllm_cpu_kernels_do_not_take_are_served_by_the_projects_core(tmp_path_factory, tmp_path):
+    """Gated DeltaNet heads of 32 in bfloat16 (vLLM's CPU kernels take 64 and 128 only, and would fail at the first
+    request): the engine picks the project's core, and a batch beyond the budget matches our model."""
+    checkpoint = tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool-narrow", narrow=True)
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
+                   max_num_batched_tokens=CHUNK_TOKENS, seed=0)
+    try:
+        requests = generate(llm, random_prompts([70, 23, 130, 250], seed=8), max_tokens=16)
+    finally:
+        del llm
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
+
+
 def test_compiled_model_parts_from_the_eager_tokens_only_within_the_top_5(engine, checkpoint):
     """With vLLM's compilation on (`@support_torch_compile`; on CPU vLLM traces the model once with Dynamo and
     compiles it with Inductor, the IndexPool step and the Gated DeltaNet core staying custom ops), in bfloat16: the
