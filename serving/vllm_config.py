@@ -72,6 +72,9 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
         if cache.cache_dtype not in ("auto", "bfloat16", "float16"):
             problems.append(f"kv_cache_dtype = {cache.cache_dtype!r} (use 'auto')")
         problems += gdn_kernel_problems(vllm_config)
+        if config.ple_layers and vllm_config.model_config.enable_prompt_embeds:
+            problems.append(f"enable_prompt_embeds with per-layer n-gram embeddings (ple_layers = {config.ple_layers}: "
+                            "they hash the token ids, which prompt embeddings do not give)")
         if problems:
             raise ValueError("HybridIndexPool in vLLM does not support: " + "; ".join(problems) + ".")
         compilation = vllm_config.compilation_config

@@ -72,6 +72,12 @@ def test_converted_qwen4_exp_with_tensor_parallel_2_matches_transformers(checkpo
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
 
 
+def test_prompt_embeddings_are_refused_at_start_for_ngram_embeddings(checkpoint):
+    """The n-gram embeddings hash token ids: an engine that would take prompt embeddings instead is refused."""
+    with pytest.raises(ValueError, match=r"enable_prompt_embeds with per-layer n-gram embeddings \(ple_layers"):
+        engine(checkpoint, "bfloat16", enable_prompt_embeds=True)
+
+
 def test_multimodal_conversion_is_served_for_text(tmp_path_factory, tmp_path):
     """A conversion of the multimodal model (`HybridIndexPoolForConditionalGeneration`: the vision tower kept, the
     text model's RoPE multimodal with `mrope_section`): vLLM serves its language model for text, the three position
