@@ -20,7 +20,3 @@ def hyper_connection(config, dtype: torch.dtype, inject: bool = True) -> GatedRe
                                      hc_per_branch_norm=True)
     return GatedResidual(settings, use_combine=inject)
 
-
-def has_hyper_connections(config) -> bool:
-    """Whether the checkpoint's layers carry several residual streams (Qwen4-Exp's hyper-connections)."""
-    return config.hc_count > 1
