@@ -147,6 +147,16 @@ def fill_caches(llm, fill: str = "nan", seed: int = 0) -> int:
     return sum(llm.apply_model(functools.partial(_fill_model_caches, fill=fill, seed=seed)))
 
 
+def cache_tensor_count(checkpoint: Path) -> int:
+    """The KV-cache and state tensors an engine serving `checkpoint` keeps per worker: two per Gated DeltaNet layer
+    (convolution, recurrent), three per IndexPool layer (keys/values, pooled keys, open-window ring), two per PLE layer
+    (n-gram context, convolution)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config = config.get("text_config", config)
+    return (2 * config["layer_types"].count("linear_attention") + 3 * config["layer_types"].count("indexpool_attention")
+            + 2 * len(config.get("ple_layers") or []))
+
+
 def _fill_model_caches(model, fill: str, seed: int) -> int:
     import torch
 
