@@ -27,7 +27,7 @@ def vllm_gdn_kernel_limits(vllm_config) -> list[str]:
 
     if not current_platform.is_cpu():
         return []
-    config, dtype = vllm_config.model_config.hf_config, vllm_config.model_config.dtype
+    config, dtype = vllm_config.model_config.hf_text_config, vllm_config.model_config.dtype
     limits = []
     if dtype != torch.bfloat16:
         limits.append(f"dtype = {dtype} (vLLM's CPU Gated DeltaNet takes bfloat16 only)")

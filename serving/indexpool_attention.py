@@ -54,6 +54,7 @@ from .paged_step import (
     pooled_key_width,
     step_working_memory_bytes,
 )
+from .rope import text_rope_parameters
 from .vllm_config import ATTENTION_OP
 from .vllm_versions import qsa_cache_classes
 
@@ -82,7 +83,7 @@ class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
         scheduler = vllm_config.scheduler_config
         self.compilation_config = vllm_config.compilation_config
         self.step_builder = PagedMetadataBuilder(
-            kind, vllm_config.model_config.hf_config.index_pool_size, kv_cache_spec.block_size,
+            kind, vllm_config.model_config.hf_text_config.index_pool_size, kv_cache_spec.block_size,
             vllm_config.model_config.max_model_len, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, device,
             metadata_class=IndexPoolMetadata)
 
@@ -257,7 +258,7 @@ class IndexPoolAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(head_size=self.head_dim, max_position=config.max_position_embeddings,
-                                   rope_parameters=config.rope_parameters)
+                                   rope_parameters=text_rope_parameters(config))
         self.indexer = IndexPoolIndexer(config, vllm_config, f"{prefix}.indexer")
         self.main_cache = IndexPoolKVCache(self.num_kv_heads, self.head_dim, vllm_config.model_config.dtype,
                                          vllm_config, f"{prefix}.attn")

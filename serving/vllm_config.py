@@ -18,6 +18,8 @@ ATTENTION_OP = "vllm::hybrid_indexpool_attention"
 GDN_CORE_OP = "vllm::hybrid_indexpool_gdn_core"
 # The steps of GLM-5.3-Flash's layers (`vllm_kda.py`, `vllm_mla.py`), custom ops too.
 GLM_OPS = ("vllm::hybrid_indexpool_kda", "vllm::hybrid_indexpool_latent_attention")
+# A per-layer n-gram embedding's step (`per_layer_embedding.py`).
+PLE_OP = "vllm::hybrid_indexpool_ple"
 
 
 # Settings whose other values (GLM-5.3-Flash's MLA, Kimi Delta Attention, indexer, Sinkhorn streams and MoE) the vLLM
@@ -41,12 +43,6 @@ def unsupported_options(config) -> list[str]:
     if serves_glm(config):  # GLM-5.3-Flash's decoder (`vllm_glm.py`)
         return glm_unsupported_options(config)
     problems = []
-    if config.hc_count > 1:
-        problems.append(f"hyper-connections (hc_count = {config.hc_count}; the vLLM model supports hc_count = 1)")
-    if config.ple_layers:
-        problems.append(f"per-layer n-gram embeddings (ple_layers = {config.ple_layers}; the vLLM model has none)")
-    if "mrope_section" in config.rope_parameters:
-        problems.append("multimodal RoPE (rope_parameters['mrope_section']; the multimodal model is not served yet)")
     for name, served in SERVED_VARIANTS.items():
         if getattr(config, name) != served:
             problems.append(f"{name} = {getattr(config, name)!r} (a GLM-5.3-Flash variant; the vLLM model serves "
@@ -66,7 +62,7 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        config = vllm_config.model_config.hf_config
+        config = vllm_config.model_config.hf_text_config
         problems = unsupported_options(config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
@@ -81,16 +77,20 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
         if cache.cache_dtype not in ("auto", "bfloat16", "float16"):
             problems.append(f"kv_cache_dtype = {cache.cache_dtype!r} (use 'auto')")
         problems += gdn_kernel_problems(vllm_config)
+        if config.ple_layers and vllm_config.model_config.enable_prompt_embeds:
+            problems.append(f"enable_prompt_embeds with per-layer n-gram embeddings (ple_layers = {config.ple_layers}: "
+                            "they hash the token ids, which prompt embeddings do not give)")
         if problems:
             raise ValueError("HybridIndexPool in vLLM does not support: " + "; ".join(problems) + ".")
         compilation = vllm_config.compilation_config
         if compilation.splitting_ops is None:  # vLLM fills in its own attention ops later: ours go with them
             compilation.splitting_ops = list(compilation._attention_ops)
-        # Piecewise CUDA graphs run the IndexPool step between graphs (a mixed batch's tiles change its shapes), and
-        # the project's Gated DeltaNet core, which reads the step's prefill lengths on the host; GLM's layers' steps
-        # likewise (KDA's prefill chunks read their offsets on the host).
-        ops = (ATTENTION_OP, GDN_CORE_OP) if gdn_kernel(vllm_config) == "project" else (ATTENTION_OP,)
-        for op in (*ops, *GLM_OPS):
+        # Piecewise CUDA graphs run between the IndexPool steps (a mixed batch's tiles change their shapes), the
+        # project's Gated DeltaNet cores, the n-gram embeddings and GLM's layers' steps (these read the step's prefill
+        # lengths or KDA's chunk offsets on the host).
+        host_ops = [ATTENTION_OP, *([GDN_CORE_OP] if gdn_kernel(vllm_config) == "project" else []),
+                    *([PLE_OP] if config.ple_layers else []), *GLM_OPS]
+        for op in host_ops:
             if op not in compilation.splitting_ops:
                 compilation.splitting_ops.append(op)
         if cache.mamba_ssm_cache_dtype == "auto":

@@ -12,17 +12,29 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_SCRIPT = REPO / "tests" / "serving" / "hf_reference.py"
-REFERENCE_PYTHON = os.environ.get("HYBRID_INDEXPOOL_REFERENCE_PYTHON", str(REPO / ".venv" / "bin" / "python"))
+# Absolute (not resolved: a virtual environment's interpreter is a link), so that subprocesses may run elsewhere.
+REFERENCE_PYTHON = os.path.abspath(os.environ.get("HYBRID_INDEXPOOL_REFERENCE_PYTHON",
+                                                  REPO / ".venv" / "bin" / "python"))
 
 
 def reference(*arguments: str) -> None:
     subprocess.run([REFERENCE_PYTHON, str(REFERENCE_SCRIPT), *arguments], check=True)
 
 
-def tiny_checkpoint(path: Path, experts: bool = False, fp8_index_keys: bool = False) -> Path:
+def tiny_checkpoint(path: Path, experts: bool = False, fp8_index_keys: bool = False, narrow: bool = False) -> Path:
     """The tiny bfloat16 checkpoint of `hf_reference.py` (budget 16 tokens, r = 4), saved at `path`; with
-    `experts`, a mixture of experts; with `fp8_index_keys`, pooled index keys cached packed in fp8."""
-    reference("checkpoint", str(path), *(["experts"] if experts else ["fp8"] if fp8_index_keys else []))
+    `experts`, a mixture of experts; with `fp8_index_keys`, pooled index keys cached packed in fp8; with `narrow`,
+    Gated DeltaNet heads of 32."""
+    variant = "experts" if experts else "fp8" if fp8_index_keys else "narrow" if narrow else None
+    reference("checkpoint", str(path), *([variant] if variant else []))
+    return path
+
+
+def qwen4_exp_checkpoint(path: Path, multimodal: bool = False) -> Path:
+    """A tiny Qwen4-Exp source converted with `convert_qwen4_exp` (hyper-connections, PLE, MoE; Gated DeltaNet heads
+    of 64, budget 8 tokens at r = 4), its pooling moved off the mean, in bfloat16 (`hf_reference.py qwen4_exp`); with
+    `multimodal`, converted from the multimodal source with its vision tower and multimodal RoPE."""
+    reference("qwen4_exp", str(path), *(["multimodal"] if multimodal else []))
     return path
 
 
@@ -91,6 +103,14 @@ def num_preemptions(llm) -> int:
     return int({metric.name: metric for metric in llm.get_metrics()}["vllm:num_preemptions"].value)
 
 
+def assert_matches_float32_reference(requests: list[dict], references: list[dict], tolerance: float = 1e-3) -> None:
+    """A float32 engine against our float32 transformers model teacher-forced along its tokens: every step's
+    log-probability within `tolerance` (float32 rounding; a wrong layer moves them by far more)."""
+    for request, reference_run in zip(requests, references, strict=True):
+        worst = max(abs(a - b) for a, b in zip(request["logprobs"], reference_run["float32"], strict=True))
+        assert worst < tolerance, (len(request["prompt"]), worst)
+
+
 def assert_same_tokens(runs: list[dict], other_runs: list[dict], logprob_tolerance: float = 0.0) -> None:
     """Exactness (float32): the same tokens at every step of every request, their log-probabilities within
     `logprob_tolerance` (0: bit for bit)."""
@@ -125,6 +145,16 @@ def fill_caches(llm, fill: str = "nan", seed: int = 0) -> int:
     what was there. Returns the number of tensors filled (per worker, summed). Needs
     `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (the function travels to the engine's processes)."""
     return sum(llm.apply_model(functools.partial(_fill_model_caches, fill=fill, seed=seed)))
+
+
+def cache_tensor_count(checkpoint: Path) -> int:
+    """The KV-cache and state tensors an engine serving `checkpoint` keeps per worker: two per Gated DeltaNet layer
+    (convolution, recurrent), three per IndexPool layer (keys/values, pooled keys, open-window ring), two per PLE layer
+    (n-gram context, convolution)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config = config.get("text_config", config)
+    return (2 * config["layer_types"].count("linear_attention") + 3 * config["layer_types"].count("indexpool_attention")
+            + 2 * len(config.get("ple_layers") or []))
 
 
 def _fill_model_caches(model, fill: str, seed: int) -> int:

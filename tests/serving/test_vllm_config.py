@@ -17,9 +17,9 @@ def checkpoint(tmp_path_factory) -> Path:
     return tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool")
 
 
-@pytest.mark.parametrize("change, named", [
-    ({"hc_count": 2}, "hc_count"),
-    ({"ple_layers": [0], "eos_token_id": 2}, "ple_layers"),
+@pytest.mark.parametrize("change, named", [  # GLM-5.3-Flash settings the vLLM model does not implement
+    ({"swiglu_limit": 7.0}, "swiglu_limit = 7.0"),
+    ({"index_key_norm": "layer_norm_before_pool"}, "index_key_norm = 'layer_norm_before_pool'"),
 ])
 def test_unsupported_checkpoint_option_is_refused_at_start(checkpoint, tmp_path, change, named):
     changed = tmp_path / "changed"

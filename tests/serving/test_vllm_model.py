@@ -7,6 +7,7 @@ import pytest
 from vllm_reference import (
     assert_close_to_reference,
     assert_tokens_part_within_top_k,
+    cache_tensor_count,
     fill_caches,
     generate,
     num_preemptions,
@@ -64,13 +65,13 @@ def test_requests_alone_or_batched_part_only_within_the_top_5(engine):
     assert_tokens_part_within_top_k(batched, alone, k=5)
 
 
-def test_cache_contents_left_from_other_batches_never_reach_a_token(engine):
+def test_cache_contents_left_from_other_batches_never_reach_a_token(engine, checkpoint):
     """vLLM's own Gated DeltaNet kernels (bfloat16) with the IndexPool caches: every cache and state tensor filled
     with NaN, then random values, between two runs of the same batch; every token and log-probability the same."""
     prompts = random_prompts([130, 23, 301, 9], seed=7)
     first = generate(engine, prompts, max_tokens=12)
     for fill in ("nan", "random"):
-        assert fill_caches(engine, fill) > 0
+        assert fill_caches(engine, fill) == cache_tensor_count(checkpoint)
         again = generate(engine, prompts, max_tokens=12)
         assert [request["output"] for request in again] == [request["output"] for request in first]
         assert [request["logprobs"] for request in again] == [request["logprobs"] for request in first]
@@ -113,6 +114,19 @@ def test_fp8_pooled_keys_match_transformers(tmp_path_factory, tmp_path):
                    max_num_batched_tokens=CHUNK_TOKENS, seed=0)
     try:
         requests = generate(llm, random_prompts([70, 23, 130, 250], seed=6), max_tokens=16)
+    finally:
+        del llm
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
+
+
+def test_gated_deltanet_heads_vllm_cpu_kernels_do_not_take_are_served_by_the_projects_core(tmp_path_factory, tmp_path):
+    """Gated DeltaNet heads of 32 in bfloat16 (vLLM's CPU kernels take 64 and 128 only, and would fail at the first
+    request): the engine picks the project's core, and a batch beyond the budget matches our model."""
+    checkpoint = tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool-narrow", narrow=True)
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
+                   max_num_batched_tokens=CHUNK_TOKENS, seed=0)
+    try:
+        requests = generate(llm, random_prompts([70, 23, 130, 250], seed=8), max_tokens=16)
     finally:
         del llm
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
