@@ -52,6 +52,7 @@ from .paged_step import (
     PagedMetadataBuilder,
     indexpool_step,
     pooled_key_width,
+    ring_capacity,
     step_working_memory_bytes,
 )
 from .vllm_config import ATTENTION_OP
@@ -139,8 +140,9 @@ class PooledKeyCache(QSACompressedKeyCache):
 
 
 class OpenWindowCache(QSARawKeyCache):
-    """vLLM's ring of each request's last `r` tokens (one block per request): raw indexer keys and gate logits,
-    `kv_cache [blocks, r, 1, head_dim + gate_width]`; token `p` at row `p % r`."""
+    """vLLM's ring of each request's last `R` tokens (one block per request): raw indexer keys and gate logits,
+    `kv_cache [blocks, R, 1, head_dim + gate_width]`; token `p` at row `p % R`. `R = r`, or with speculative decoding
+    enough rows that a rejected draft's row is never one the next step pools (`ring_capacity`)."""
 
     def __init__(self, gate_width: int, **kwargs):
         super().__init__(**kwargs)
@@ -150,7 +152,8 @@ class OpenWindowCache(QSARawKeyCache):
         return IndexPoolStateBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return open_window_spec(self.head_size - self.gate_width, self.gate_width, self.compress_ratio, self.dtype)
+        return open_window_spec(self.head_size - self.gate_width, self.gate_width,
+                                ring_capacity(self.compress_ratio, vllm_config.num_speculative_tokens), self.dtype)
 
 
 class IndexPoolKVCache(nn.Module, AttentionLayerBase):

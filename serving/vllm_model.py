@@ -10,7 +10,6 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFuncCalculator,
     MambaStateDtypeCalculator,
@@ -23,6 +22,7 @@ from vllm.model_executor.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseM
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .indexpool_attention import IndexPoolAttention
+from .linear_attention_drafts import GatedDeltaNetWithDrafts
 from .vllm_config import unsupported_options
 
 # Checkpoint weight name part -> (vLLM parameter name part, shard of the fused parameter).
@@ -60,8 +60,8 @@ class HybridIndexPoolDecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[extract_layer_index(prefix)]
         if self.layer_type == "linear_attention":
-            self.linear_attn = QwenGatedDeltaNetAttention(GatedDeltaNetConfigView(config), vllm_config,
-                                                          prefix=f"{prefix}.linear_attn")
+            self.linear_attn = GatedDeltaNetWithDrafts(GatedDeltaNetConfigView(config), vllm_config,
+                                                       prefix=f"{prefix}.linear_attn")
         else:
             self.self_attn = IndexPoolAttention(config, vllm_config, prefix=f"{prefix}.self_attn")
         if config.num_experts > 0:
@@ -150,7 +150,7 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return MambaStateShapeCalculator.gated_delta_net_state_shape(
             vllm_config.parallel_config.tensor_parallel_size, config.linear_num_key_heads,
             config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
-            config.linear_conv_kernel_dim, 0)
+            config.linear_conv_kernel_dim, vllm_config.num_speculative_tokens)
 
     @classmethod
     def get_mamba_state_copy_func(cls):
