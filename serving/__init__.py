@@ -18,9 +18,11 @@ def register() -> None:
 
     from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
     from .vllm_config import HybridIndexPoolVllmConfig
+    from .vllm_drafting import register_mtp_drafter
 
     AutoConfig.register(HybridIndexPoolConfig.model_type, HybridIndexPoolConfig, exist_ok=True)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     # vLLM runs this hook on the engine's settings before anything is built: refusals happen at engine start.
     MODELS_CONFIG_MAP[ARCHITECTURE] = HybridIndexPoolVllmConfig
+    register_mtp_drafter()  # speculative method "mtp": the checkpoint's MTP layers draft

@@ -120,11 +120,12 @@ class IndexPoolAttentionBackend(AttentionBackend):
 
 class IndexPoolStateBackend(IndexPoolAttentionBackend):
     """Backend of the pooled-key and open-window caches: the same metadata, and the page layouts vLLM packs such
-    caches in beside the main keys/values."""
+    caches in beside the main keys/values, or the layer-major one of vLLM's CPU attention (an MTP drafter's layer
+    beside them: the step reads any layout through its strides)."""
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.BLNHC, KVCacheLayout.BLHNC)
+        return (KVCacheLayout.BLNHC, KVCacheLayout.BLHNC, KVCacheLayout.LBHNC)
 
 
 class PooledKeyCache(QSACompressedKeyCache):
