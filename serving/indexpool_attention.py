@@ -103,7 +103,7 @@ class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
 class IndexPoolAttentionBackend(AttentionBackend):
     """The plugin's backend for the main key/value cache: metadata only; the layer computes the attention."""
 
-    supported_dtypes = [torch.float16, torch.bfloat16]
+    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
 
     @staticmethod
     def get_name() -> str:

@@ -16,44 +16,19 @@ CPU kernels of plain decoding and prefill:
   with `a` tokens accepted, starts from slot `a - 1` and columns `a - 1 ..`: a rejected draft leaves nothing behind.
 
 A prompt chunk leaves its last `width - 1` inputs at columns `0 .. width - 2` and its state in slot 0, which is what
-the first verify step after it reads (`a = 1`). On GPUs vLLM's own kernels handle drafts (`_forward_core`); only the
-CPU build takes this path.
+the first verify step after it reads (`a = 1`). The kernels are those of the layer's plain steps: vLLM's CPU ones, or
+the project's core (`gated_deltanet.py`: float32, any head size) where the layer runs it, so that a verify step
+computes each token as plain decoding does. On GPUs vLLM's own kernels handle drafts (`_forward_core`).
 """
 
 import torch
 from vllm import _custom_ops as ops
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu, causal_conv1d_update_cpu
-from vllm.platforms import current_platform
-from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_layer_name, direct_register_custom_op
+from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
 DRAFTING_OP = "hybrid_indexpool_gated_deltanet_with_drafts"
-
-
-class GatedDeltaNetWithDrafts(QwenGatedDeltaNetAttention):
-    """vLLM's Gated DeltaNet layer (Qwen3.5's flat `[q, k, v, z]` projection layout) whose CPU step handles
-    speculative decoding exactly (`gated_deltanet_step_with_drafts`). Elsewhere, or without drafts, it is vLLM's
-    layer unchanged."""
-
-    def __init__(self, config, vllm_config, prefix: str = ""):
-        super().__init__(config, vllm_config, prefix=prefix)
-        if current_platform.is_cpu() and vllm_config.speculative_config is not None:
-            self._forward_method = self._forward_cpu_with_drafts
-
-    def _forward_cpu_with_drafts(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[tokens, hidden]` -> `[tokens, hidden]`: the projections and the gated norm of vLLM's layer around the
-        plugin's recurrent step."""
-        qkv_width = (2 * self.key_dim + self.value_dim) // self.tp_size
-        projected, _ = self.in_proj_qkvz(hidden_states)
-        mixed_qkv, z = projected.split([qkv_width, self.value_dim // self.tp_size], dim=-1)
-        b, a = self.in_proj_ba(hidden_states)[0].chunk(2, dim=-1)
-        core_attn_out = torch.zeros(hidden_states.shape[0], self.num_v_heads // self.tp_size, self.head_v_dim,
-                                    dtype=hidden_states.dtype, device=hidden_states.device)
-        torch.ops.vllm.hybrid_indexpool_gated_deltanet_with_drafts(mixed_qkv, b, a, core_attn_out,
-                                                                   _encode_layer_name(self.prefix))
-        return self._output_projection(core_attn_out, z.reshape(z.shape[0], -1, self.head_v_dim))
 
 
 def conv_state_scratch(inputs: torch.Tensor) -> torch.Tensor:
@@ -115,6 +90,8 @@ def run_prompt_rows(layer, mixed_qkv, b, a, query_start_loc, state_slots, has_in
     buffers = conv_buffer(layer)
     mixed_qkv, a, b = mixed_qkv.contiguous(), a.contiguous(), b.contiguous()
     state_slots, query_start_loc = state_slots.contiguous(), query_start_loc.contiguous()
+    if getattr(layer, "project_core", False):
+        return run_prompt_rows_project(layer, mixed_qkv, b, a, query_start_loc, state_slots, has_initial_state)
     conv_states = conv_state_scratch(buffers[state_slots.long(), :, : width - 1])
     convolved = convolve_chunks(layer, mixed_qkv, conv_states, query_start_loc, has_initial_state)
     buffers[state_slots.long(), :, : width - 1] = conv_states
@@ -128,6 +105,42 @@ def run_prompt_rows(layer, mixed_qkv, b, a, query_start_loc, state_slots, has_in
         query=query, key=key, value=value, g=g, beta=beta, initial_state=states, output_final_state=True,
         cu_seqlens=query_start_loc, head_first=False, use_qk_l2norm_in_kernel=True, initial_state_indices=state_slots)
     return output.squeeze(0)
+
+
+def run_prompt_rows_project(layer, mixed_qkv, b, a, query_start_loc, state_slots, has_initial_state) -> torch.Tensor:
+    """`run_prompt_rows` on the project's core (`HybridIndexPoolGatedDeltaNet.convolve_and_apply_rule`), one chunk at
+    a time as its plain prefill runs them."""
+    width = layer.conv1d.weight.shape[-1]
+    buffers, states = conv_buffer(layer), recurrent_states(layer)
+    starts, slots, initial = query_start_loc.tolist(), state_slots.long(), has_initial_state.tolist()
+    outputs = []
+    for row in range(len(starts) - 1):
+        tokens, slot = slice(starts[row], starts[row + 1]), slots[row: row + 1]
+        if not initial[row]:
+            buffers[slot, :, : width - 1] = 0
+            states[slot] = 0
+        conv_input = torch.cat([buffers[slot, :, : width - 1], mixed_qkv[tokens].T[None].to(buffers.dtype)], dim=-1)
+        outputs.append(layer.convolve_and_apply_rule(conv_input, b[None, tokens], a[None, tokens], states, slot,
+                                                     "chunk")[0])
+        buffers[slot, :, : width - 1] = conv_input[..., 1 - width:]
+    return torch.cat(outputs)
+
+
+def token_step(layer, tokens, b, a, window, rows, states, slots) -> torch.Tensor:
+    """One token of each of rows `rows [n]`: `tokens [n, channels]` convolved after their inputs in `window [rows,
+    channels, width - 1]` (shifted by them in place), then the delta rule on recurrent states `slots [n]` (advanced in
+    place) -> `[n, value_heads, value_dim]`: the kernels of the layer's plain decode step."""
+    if getattr(layer, "project_core", False):
+        conv_input = torch.cat([window[rows.long()], tokens[..., None].to(window.dtype)], dim=-1)
+        output = layer.convolve_and_apply_rule(conv_input, b[:, None], a[:, None], states, slots.long(),
+                                               "recurrent")[:, 0]
+        window[rows.long()] = conv_input[..., 1:]
+        return output
+    query, key, value = layer.rearrange_mixed_qkv(convolve_token(layer, tokens, window, rows.int()))
+    return ops.fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log=layer.A_log, dt_bias=layer.dt_bias, q=query, k=key, v=value, a=a, b=b, initial_state_source=states,
+        initial_state_indices=slots.int().contiguous(), cu_seqlens=torch.arange(len(rows) + 1, dtype=torch.int32),
+        use_qk_l2norm_in_kernel=True).reshape(len(rows), -1, layer.head_v_dim)
 
 
 def run_draft_rows(layer, mixed_qkv, b, a, query_start_loc, state_slots, num_accepted) -> torch.Tensor:
@@ -166,13 +179,8 @@ def run_draft_rows(layer, mixed_qkv, b, a, query_start_loc, state_slots, num_acc
         if t > 0:  # the state after token t - 1 continues in slot t
             states[state_slots[active, t].long()] = states[state_slots[active, t - 1].long()]
         token = starts[active] + t
-        convolved = convolve_token(layer, mixed_qkv[token], window, active.int())
-        query, key, value = layer.rearrange_mixed_qkv(convolved)
-        output[token] = ops.fused_sigmoid_gating_delta_rule_update_cpu(
-            A_log=layer.A_log, dt_bias=layer.dt_bias, q=query, k=key, v=value, a=a[token], b=b[token],
-            initial_state_source=states, initial_state_indices=state_slots[active, t].int().contiguous(),
-            cu_seqlens=torch.arange(len(active) + 1, dtype=torch.int32), use_qk_l2norm_in_kernel=True,
-        ).reshape(len(active), *output.shape[1:])
+        output[token] = token_step(layer, mixed_qkv[token], b[token], a[token], window, active,
+                                   states, state_slots[active, t]).to(output.dtype)
 
     # Inputs ending at token t at columns t .. t + width - 2 (a row's columns past its tokens are never read).
     kept = history[..., 1:]
@@ -187,7 +195,9 @@ def gated_deltanet_step_with_drafts(mixed_qkv: torch.Tensor, b: torch.Tensor, a:
     forward_context = get_forward_context()
     layer = forward_context.no_compile_layers[_resolve_layer_name(layer_name)]
     metadata = forward_context.attn_metadata
-    if metadata is None:  # vLLM's memory-profiling run
+    if isinstance(metadata, list):
+        metadata = metadata[0]
+    if not isinstance(metadata, dict):  # vLLM's memory-profiling run: no caches yet
         return
     metadata = metadata[layer.prefix]
     if metadata.num_actual_tokens == 0:

@@ -8,10 +8,14 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.platforms import current_platform
 
+from .gated_deltanet_kernel import gdn_kernel, gdn_kernel_problems
+
 logger = init_logger(__name__)
 
 # The IndexPool layer's step, a custom op (`indexpool_attention.py`); named here, where the compilation settings are.
 ATTENTION_OP = "vllm::hybrid_indexpool_attention"
+# The project's Gated DeltaNet core, where it runs in place of vLLM's kernels (`gated_deltanet.py`).
+GDN_CORE_OP = "vllm::hybrid_indexpool_gdn_core"
 
 
 # Settings whose other values (GLM-5.3-Flash's MLA, Kimi Delta Attention, indexer, Sinkhorn streams and MoE) the vLLM
@@ -71,16 +75,17 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
         cache = vllm_config.cache_config
         if cache.cache_dtype not in ("auto", "bfloat16", "float16"):
             problems.append(f"kv_cache_dtype = {cache.cache_dtype!r} (use 'auto')")
-        if vllm_config.model_config.dtype.itemsize != 2:
-            problems.append(f"dtype = {vllm_config.model_config.dtype} (vLLM's CPU Gated DeltaNet needs bfloat16)")
+        problems += gdn_kernel_problems(vllm_config)
         if problems:
             raise ValueError("HybridIndexPool in vLLM does not support: " + "; ".join(problems) + ".")
         compilation = vllm_config.compilation_config
         if compilation.splitting_ops is None:  # vLLM fills in its own attention ops later: ours go with them
             compilation.splitting_ops = list(compilation._attention_ops)
-        if ATTENTION_OP not in compilation.splitting_ops:
-            # Piecewise CUDA graphs run the IndexPool step between graphs (a mixed batch's tiles change its shapes).
-            compilation.splitting_ops.append(ATTENTION_OP)
+        # Piecewise CUDA graphs run the IndexPool step between graphs (a mixed batch's tiles change its shapes), and
+        # the project's Gated DeltaNet core, which reads the step's prefill lengths on the host.
+        for op in (ATTENTION_OP, GDN_CORE_OP) if gdn_kernel(vllm_config) == "project" else (ATTENTION_OP,):
+            if op not in compilation.splitting_ops:
+                compilation.splitting_ops.append(op)
         if cache.mamba_ssm_cache_dtype == "auto":
             cache.mamba_ssm_cache_dtype = "float32"  # our model keeps the Gated DeltaNet recurrent state in float32
         # Prefix caching stays on (vLLM's default): its hits land on block boundaries, multiples of r, where the open

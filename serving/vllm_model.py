@@ -21,8 +21,8 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from vllm.model_executor.models.utils import extract_layer_index
 
+from .gated_deltanet import HybridIndexPoolGatedDeltaNet
 from .indexpool_attention import IndexPoolAttention
-from .linear_attention_drafts import GatedDeltaNetWithDrafts
 from .vllm_config import unsupported_options
 
 # Checkpoint weight name part -> (vLLM parameter name part, shard of the fused parameter).
@@ -41,17 +41,6 @@ STACKED_WEIGHTS = (
 )
 
 
-class GatedDeltaNetConfigView:
-    """The config fields vLLM's Gated DeltaNet layer reads, under its names (ours calls the gate activation
-    `linear_output_gate_act`)."""
-
-    def __init__(self, config):
-        for name in ("hidden_size", "hidden_act", "rms_norm_eps", "linear_num_key_heads", "linear_num_value_heads",
-                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
-            setattr(self, name, getattr(config, name))
-        self.output_gate_type = config.linear_output_gate_act
-
-
 class HybridIndexPoolDecoderLayer(nn.Module):
     """Token mixer (Gated DeltaNet or IndexPool attention), then the SwiGLU MLP or the mixture of experts (vLLM's fused
     MoE with the shared expert, as its Qwen3-Next), each a pre-norm residual block."""
@@ -60,8 +49,7 @@ class HybridIndexPoolDecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[extract_layer_index(prefix)]
         if self.layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNetWithDrafts(GatedDeltaNetConfigView(config), vllm_config,
-                                                       prefix=f"{prefix}.linear_attn")
+            self.linear_attn = HybridIndexPoolGatedDeltaNet(config, vllm_config, prefix=f"{prefix}.linear_attn")
         else:
             self.self_attn = IndexPoolAttention(config, vllm_config, prefix=f"{prefix}.self_attn")
         if config.num_experts > 0:
@@ -159,8 +147,12 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint weights by name (`load_named_weights`). Multi-token-prediction layers (`model.mtp.*`) are
         the drafter's (`vllm_mtp.py`), loaded by it when vLLM drafts with them."""
-        return load_named_weights(self, ((name, tensor) for name, tensor in weights
-                                         if not name.startswith("model.mtp.")))
+        loaded = load_named_weights(self, ((name, tensor) for name, tensor in weights
+                                           if not name.startswith("model.mtp.")))
+        for module in self.modules():
+            if isinstance(module, HybridIndexPoolGatedDeltaNet):
+                module.keep_conv_weight()
+        return loaded
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -15,42 +15,47 @@ CHANNELS = 2 * KEY_HEADS * HEAD_DIM + VALUE_HEADS * HEAD_DIM
 MAX_DRAFTS = 4
 
 
-def stand_in_layer(num_slots: int, packed_convolution: bool):
-    """The attributes of vLLM's Gated DeltaNet layer the step reads, with random weights and empty caches in vLLM's
-    layouts (a convolution buffer of `width - 1 + k` inputs per slot, float32 recurrent states). With
-    `packed_convolution`, the convolution's weights go through vLLM's CPU weight dispatch as its loader does (packed
-    for its AVX-512/Arm kernels where the CPU has them)."""
+def stand_in_layer(num_slots: int, core: str):
+    """The attributes of the plugin's Gated DeltaNet layer the step reads, with random weights and empty caches in
+    vLLM's layouts (a convolution buffer of `width - 1 + k` inputs per slot, float32 recurrent states). `core`:
+    vLLM's CPU kernels with the convolution's weights as PyTorch's kernel reads them (`pytorch_convolution`) or
+    through vLLM's CPU weight dispatch as its loader does (`packed_convolution`: packed for its AVX-512/Arm kernels
+    where the CPU has them), in bfloat16; or the project's core in float32 (`project_core`)."""
     import torch
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+    from hybrid_indexpool.serving.gated_deltanet import HybridIndexPoolGatedDeltaNet
+
+    dtype = torch.float32 if core == "project_core" else torch.bfloat16
     generator = torch.Generator().manual_seed(0)
     buffer_shape = (CHANNELS, WIDTH - 1 + MAX_DRAFTS)
-    conv = torch.zeros(num_slots, *(buffer_shape if is_conv_state_dim_first() else buffer_shape[::-1]),
-                       dtype=torch.bfloat16)
+    conv = torch.zeros(num_slots, *(buffer_shape if is_conv_state_dim_first() else buffer_shape[::-1]), dtype=dtype)
     conv1d = torch.nn.Module()
-    conv1d.weight = torch.nn.Parameter((torch.randn(CHANNELS, 1, WIDTH, generator=generator) * 0.5).bfloat16(),
+    conv1d.weight = torch.nn.Parameter((torch.randn(CHANNELS, 1, WIDTH, generator=generator) * 0.5).to(dtype),
                                        requires_grad=False)
     conv1d.bias = None
-    if packed_convolution:
+    conv_weight = conv1d.weight.detach().reshape(CHANNELS, WIDTH).clone()
+    if core == "packed_convolution":
         dispatch_cpu_unquantized_gemm(conv1d, remove_weight=False)
         if not hasattr(conv1d, "_cpu_unpacked_conv_weight"):
             pytest.skip("this CPU has no AVX-512 BF16 (nor Arm BF16): vLLM keeps the weights unpacked")
     layer = SimpleNamespace(
-        conv1d=conv1d,
+        conv1d=conv1d, conv_weight=conv_weight, project_core=core == "project_core",
         activation="silu", tp_size=1, num_v_heads=VALUE_HEADS, head_k_dim=HEAD_DIM, head_v_dim=HEAD_DIM,
         key_dim=KEY_HEADS * HEAD_DIM, value_dim=VALUE_HEADS * HEAD_DIM,
-        A_log=torch.randn(VALUE_HEADS, generator=generator).bfloat16(),
-        dt_bias=torch.randn(VALUE_HEADS, generator=generator).bfloat16(),
+        A_log=torch.randn(VALUE_HEADS, generator=generator).to(dtype),
+        dt_bias=torch.randn(VALUE_HEADS, generator=generator).to(dtype),
         kv_cache=(conv, torch.zeros(num_slots, VALUE_HEADS, HEAD_DIM, HEAD_DIM)),
     )
     layer.rearrange_mixed_qkv = QwenGatedDeltaNetAttention.rearrange_mixed_qkv.__get__(layer)
+    layer.convolve_and_apply_rule = HybridIndexPoolGatedDeltaNet.convolve_and_apply_rule.__get__(layer)
     return layer
 
 
-@pytest.mark.parametrize("packed_convolution", [False, True], ids=["pytorch_convolution", "packed_convolution"])
-def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(packed_convolution):
+@pytest.mark.parametrize("core", ["pytorch_convolution", "packed_convolution", "project_core"])
+def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(core):
     """Two requests: a prompt chunk, then verify steps of 0 to 4 drafts with random acceptance (the rejected drafts'
     inputs are noise), batched together; against each request's plain decoding (one token per step). The outputs at
     the real tokens are bit for bit those of plain decoding (the same decode kernels from the same states)."""
@@ -60,8 +65,9 @@ def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(packed_
 
     choices = random.Random(0)
     prompt_length, generated = 23, 30
+    dtype = torch.float32 if core == "project_core" else torch.bfloat16
     inputs = [torch.randn(prompt_length + generated, CHANNELS + 2 * VALUE_HEADS,
-                          generator=torch.Generator().manual_seed(seed)).bfloat16() for seed in (1, 2)]
+                          generator=torch.Generator().manual_seed(seed)).to(dtype) for seed in (1, 2)]
 
     def split(rows):  # [tokens, channels + 2 heads] -> mixed_qkv, b, a
         return rows[:, :CHANNELS], rows[:, CHANNELS: CHANNELS + VALUE_HEADS], rows[:, CHANNELS + VALUE_HEADS:]
@@ -84,14 +90,14 @@ def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(packed_
 
     slots = 1 + torch.arange(2 * (1 + MAX_DRAFTS)).view(2, 1 + MAX_DRAFTS)
 
-    plain_layer = stand_in_layer(1 + slots.numel(), packed_convolution)
+    plain_layer = stand_in_layer(1 + slots.numel(), core)
     plain = [list(outputs) for outputs in prompt(plain_layer, slots).split(prompt_length)]
     for position in range(prompt_length, prompt_length + generated):
         steps = [request[position: position + 1] for request in inputs]
         for request, output in enumerate(verify(plain_layer, slots, steps, [1, 1])):
             plain[request].append(output[0])
 
-    layer = stand_in_layer(1 + slots.numel(), packed_convolution)
+    layer = stand_in_layer(1 + slots.numel(), core)
     drafted = [list(outputs) for outputs in prompt(layer, slots).split(prompt_length)]
     position, accepted = [prompt_length] * 2, [1, 1]
     verified_drafts = rejected_drafts = 0
@@ -101,7 +107,7 @@ def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(packed_
             remaining = prompt_length + generated - position[request]
             drafts = choices.randint(0, MAX_DRAFTS) if remaining > 0 else 0
             good = min(choices.randint(0, drafts), max(remaining - 1, 0))
-            noise = torch.randn(drafts - good, CHANNELS + 2 * VALUE_HEADS).bfloat16()
+            noise = torch.randn(drafts - good, CHANNELS + 2 * VALUE_HEADS).to(dtype)
             start = min(position[request], prompt_length + generated - 1)
             steps.append(torch.cat([inputs[request][start: start + 1 + good], noise]))
             taken.append(1 + good if remaining > 0 else 0)

@@ -35,10 +35,15 @@ def test_unsupported_checkpoint_option_is_refused_at_start(checkpoint, tmp_path,
     ({"tensor_parallel_size": 3}, "tensor parallel size 3 does not divide"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size = 2"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    # vLLM's CPU Gated DeltaNet kernels asked for explicitly where they cannot run (the default takes the project's).
+    ({"dtype": "float32", "additional_config": {"hybrid_indexpool_gdn_kernel": "vllm"}},
+     r"dtype = torch.float32 \(vLLM's CPU Gated DeltaNet takes bfloat16 only\), with "
+     r"additional_config\['hybrid_indexpool_gdn_kernel'\] = 'vllm'"),
+    ({"additional_config": {"hybrid_indexpool_gdn_kernel": "fla"}}, r"hybrid_indexpool_gdn_kernel'\] = 'fla'"),
 ])
 def test_unsupported_engine_setting_is_refused_at_start(checkpoint, setting, named):
     with pytest.raises(ValueError, match=named):
-        vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=256, enforce_eager=True, **setting)
+        vllm.LLM(str(checkpoint), **({"dtype": "bfloat16"} | setting), max_model_len=256, enforce_eager=True)
 
 
 @pytest.mark.parametrize("variant, named", [
