@@ -1,20 +1,23 @@
 """Speculative decoding through vLLM's `speculative_config` (marker `vllm`): n-gram drafting and the checkpoint's own
-MTP layer give greedy decoding's tokens (vLLM's top-5 rule, log-probabilities before any parting within bfloat16
-noise), at batch 4 and batch 1, with drafts proposed and rejected (the tiny random model keeps few of them), so that
-the tokens after every rejected draft are the model's own. One engine per method, each shared by the module's tests.
+MTP layer give greedy decoding's tokens, at batch 4 and batch 1, exactly in float32 (the project's Gated DeltaNet
+core; `test_linear_attention_drafts.py` checks the drafting step on vLLM's bfloat16 CPU kernels bit for bit, and
+`tests/scripts/test_bench_serving_reuse.py` serves with them), with drafts proposed and rejected (the tiny random
+model keeps few of them), so that the tokens after every rejected draft are the model's own. One engine per method.
 """
 
 from pathlib import Path
 
 import pytest
-from greedy_agreement import assert_greedy_agreement, greedy_runs
-from vllm_reference import random_prompts, tiny_checkpoint
+from vllm_reference import assert_same_tokens, generate, random_prompts, tiny_checkpoint
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
 NEW_TOKENS = 32
 CHUNK_TOKENS = 64  # prefills in chunks that end inside windows (64 + the drafts' tokens: never a multiple of r)
+# Log-probabilities of one token computed in verify steps and in one-token steps differ by float32 rounding (matrix
+# products block their sums by the batch's row count).
+FLOAT32_ROUNDING = 1e-4
 
 
 def copying_prompt(seed: int, unit_length: int, copies: int) -> list[int]:
@@ -32,18 +35,20 @@ def checkpoint(tmp_path_factory) -> Path:
     return tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool-mtp", mtp=True)
 
 
-def engine(checkpoint, speculative_config=None):
-    return vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=4, enforce_eager=True,
-                    max_num_batched_tokens=CHUNK_TOKENS, disable_log_stats=False, seed=0,
-                    speculative_config=speculative_config)
+def float32_engine(checkpoint, speculative_config=None):
+    """The bfloat16 checkpoint served in float32 (the project's Gated DeltaNet core), prefix caching off (vLLM's CPU
+    build cannot combine it with drafting: the plugin turns it off there, and the engine without drafts must match)."""
+    return vllm.LLM(str(checkpoint), dtype="float32", max_model_len=1024, max_num_seqs=4, enforce_eager=True,
+                    max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_caching=False, disable_log_stats=False,
+                    seed=0, speculative_config=speculative_config)
 
 
 @pytest.fixture(scope="module")
 def greedy(checkpoint):
     """Greedy decoding without drafts: the batch, and its first request alone."""
-    llm = engine(checkpoint)
+    llm = float32_engine(checkpoint)
     try:
-        return {"batch": greedy_runs(llm, BATCH, NEW_TOKENS), "alone": greedy_runs(llm, BATCH[:1], NEW_TOKENS)}
+        return {"batch": generate(llm, BATCH, NEW_TOKENS), "alone": generate(llm, BATCH[:1], NEW_TOKENS)}
     finally:
         del llm
 
@@ -56,9 +61,9 @@ def drafting_counters(llm) -> dict:
 
 def check_drafting(llm, greedy) -> dict:
     """The batch then its first request alone, each against greedy decoding; the drafting counters of both."""
-    assert_greedy_agreement(greedy_runs(llm, BATCH, NEW_TOKENS), greedy["batch"])
+    assert_same_tokens(generate(llm, BATCH, NEW_TOKENS), greedy["batch"], FLOAT32_ROUNDING)
     batch = drafting_counters(llm)
-    assert_greedy_agreement(greedy_runs(llm, BATCH[:1], NEW_TOKENS), greedy["alone"])
+    assert_same_tokens(generate(llm, BATCH[:1], NEW_TOKENS), greedy["alone"], FLOAT32_ROUNDING)
     alone = {name: count - batch[name] for name, count in drafting_counters(llm).items()}
     for counters in (batch, alone):
         assert counters["num_drafts"] > 0  # drafts were proposed and verified ...
@@ -68,12 +73,10 @@ def check_drafting(llm, greedy) -> dict:
 
 def test_ngram_drafting_gives_greedy_tokens(checkpoint, greedy):
     """Prompt lookup of 1 to 4 tokens, up to 4 drafts (as many as it finds, none included: the verify steps have
-    every width), on vLLM's CPU build: with prefix caching, which vLLM cannot combine with drafting there, turned off
-    by the plugin at engine start."""
-    llm = engine(checkpoint, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                              "prompt_lookup_max": 4})
+    every width)."""
+    llm = float32_engine(checkpoint, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                      "prompt_lookup_max": 4})
     try:
-        assert not llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         check_drafting(llm, greedy)
     finally:
         del llm
@@ -81,7 +84,7 @@ def test_ngram_drafting_gives_greedy_tokens(checkpoint, greedy):
 
 def test_mtp_drafting_gives_greedy_tokens(checkpoint, greedy):
     """The checkpoint's MTP layer drafts 2 tokens per step (vLLM reuses it for the second)."""
-    llm = engine(checkpoint, {"method": "mtp", "num_speculative_tokens": 2})
+    llm = float32_engine(checkpoint, {"method": "mtp", "num_speculative_tokens": 2})
     try:
         counters = check_drafting(llm, greedy)
     finally:
@@ -90,9 +93,16 @@ def test_mtp_drafting_gives_greedy_tokens(checkpoint, greedy):
     assert counters["batch"]["num_draft_tokens"] == 2 * counters["batch"]["num_drafts"]
 
 
-def test_mtp_drafting_needs_mtp_layers(tmp_path):
-    """A checkpoint without MTP layers is refused when the engine starts, with what to do."""
+def test_drafting_turns_prefix_caching_off_on_cpu_and_mtp_needs_mtp_layers(tmp_path):
+    """vLLM's CPU build cannot combine drafting with prefix caching (on by default): the plugin turns it off. A
+    checkpoint without MTP layers is refused when the engine starts, with what to do. Neither needs an engine to run:
+    both are decided on the engine's settings."""
+    from vllm.engine.arg_utils import EngineArgs
+
     plain = tiny_checkpoint(tmp_path / "tiny-indexpool")
+    ngram = EngineArgs(str(plain), dtype="bfloat16", max_model_len=256, enforce_eager=True,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    assert not ngram.create_engine_config().cache_config.enable_prefix_caching
     with pytest.raises(ValueError, match="num_mtp_layers = 0"):
-        vllm.LLM(str(plain), dtype="bfloat16", max_model_len=256, enforce_eager=True,
-                 speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        EngineArgs(str(plain), dtype="bfloat16", max_model_len=256, enforce_eager=True,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 1}).create_engine_config()
