@@ -89,11 +89,12 @@ def prefix_cache_first_tokens(python: str, checkpoint: Path, prefix: str, suffix
             "load_average_1min_after": os.getloadavg()[0]}
 
 
-def drafting_throughput(python: str, checkpoint: Path, prompt: str, new_tokens: int, speculative_config: dict | None,
-                        scratch: Path, name: str, threads: int = 2, kv_cache_gib: int = 1, repeats: int = 2) -> dict:
-    """Tokens per second of one greedy request for `prompt` (`new_tokens` tokens, batch 1) on a server drafting with
-    `speculative_config` (None: plain decoding), the best of `repeats` after a warm-up request; vLLM's drafting
-    counters over the timed requests and the generated text."""
+def drafting_throughput(python: str, checkpoint: Path, prompt: str | list[int], new_tokens: int,
+                        speculative_config: dict | None, scratch: Path, name: str, threads: int = 2,
+                        kv_cache_gib: int = 1, repeats: int = 2) -> dict:
+    """Tokens per second of one greedy request for `prompt` (text or token ids; `new_tokens` tokens, batch 1) on a
+    server drafting with `speculative_config` (None: plain decoding), the best of `repeats` after a warm-up request;
+    vLLM's drafting counters per timed request and the generated text."""
     options = ["--no-enable-prefix-caching"]  # each repeat computes its prompt; vLLM's CPU build cannot draft with it
     if speculative_config is not None:
         options += ["--speculative-config", json.dumps(speculative_config)]
@@ -113,7 +114,7 @@ def drafting_throughput(python: str, checkpoint: Path, prompt: str, new_tokens: 
         after = server_counters(server.url, DRAFTING_COUNTERS)
     finally:
         server.close()
-    drafts = {counter.removeprefix("vllm:spec_decode_"): after[counter] - before[counter]
+    drafts = {counter.removeprefix("vllm:spec_decode_"): (after[counter] - before[counter]) / repeats
               for counter in DRAFTING_COUNTERS}
     verify_steps = drafts["num_drafts"]
     return {"method": name, "speculative_config": speculative_config, "generated_tokens": tokens,

@@ -426,7 +426,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                              "checkpoint's MTP layers, K drafts)")
     parser.add_argument("--copy-length", type=int, default=200,
                         help="characters of the held-out passage the copying prompt repeats (the tokens generated: "
-                             "one fewer)")
+                             "one fewer than the passage's tokens)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.vllm_python is None and not args.decode_step_only:
@@ -452,15 +452,21 @@ def prefix_cache_rows(args, scratch: Path) -> list[dict]:
 
 
 def drafting_rows(args, scratch: Path) -> list[dict]:
-    """`serving_reuse_benchmark.drafting_throughput` on a copying prompt (bench_speculative's: a held-out passage of
-    `--copy-length` characters twice, each after a marker, then the marker and its first character), without
-    drafting and with each of `--drafting-methods`; each row records whether its text is plain decoding's."""
+    """`serving_reuse_benchmark.drafting_throughput` on bench_speculative's copying prompt (token ids: a held-out
+    passage of `--copy-length` characters tokenized, twice, each after a marker, then the marker and the passage's
+    first token), without drafting and with each of `--drafting-methods`; each row records whether its text is plain
+    decoding's."""
+    from transformers import AutoTokenizer
+
     from hybrid_indexpool.retrieval_task import stdlib_texts, text_window
     from hybrid_indexpool.serving_reuse_benchmark import drafting_throughput
+    from hybrid_indexpool.speculative_benchmark import copying_prompt
 
+    tokenizer = AutoTokenizer.from_pretrained(args.drafting)
     _, held_out, _, _ = stdlib_texts()
-    passage, marker = text_window(held_out, args.copy_length, random.Random(0)), "\n# again:\n"
-    prompt = f"{marker}{passage}{marker}{passage}{marker}{passage[0]}"
+    passage = torch.tensor(tokenizer(text_window(held_out, args.copy_length, random.Random(0)))["input_ids"])
+    marker = torch.tensor(tokenizer("\n# again:\n")["input_ids"])
+    prompt = copying_prompt(passage, marker)[0].tolist()
     methods = {"greedy": None}
     for method in args.drafting_methods.split(","):
         if method == "ngram":
@@ -470,7 +476,7 @@ def drafting_rows(args, scratch: Path) -> list[dict]:
             methods[method] = {"method": "mtp", "num_speculative_tokens": int(method.removeprefix("mtp:"))}
         else:
             raise ValueError(f"--drafting-methods: unknown method {method!r} (use 'ngram' or 'mtp:K')")
-    rows = [drafting_throughput(args.vllm_python, Path(args.drafting), prompt, args.copy_length - 1, config, scratch,
+    rows = [drafting_throughput(args.vllm_python, Path(args.drafting), prompt, len(passage) - 1, config, scratch,
                                 name, args.threads, args.kv_cache_gib) for name, config in methods.items()]
     for row in rows:
         row["same_text_as_greedy"] = row["text"] == rows[0]["text"]
