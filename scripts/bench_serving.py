@@ -432,6 +432,21 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                              "(no vLLM)")
     parser.add_argument("--skip-r1", action="store_true",
                         help="do not start the r = 1 engine that counts its KV cache's tokens")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="only measure prefix caching: the time to the first token of a request sharing a "
+                             "--prefix-tokens prefix with the request before it, with prefix caching on and off")
+    parser.add_argument("--prefix-tokens", type=int, default=4096)
+    parser.add_argument("--suffix-tokens", type=int, default=64)
+    parser.add_argument("--drafting", metavar="CHECKPOINT",
+                        help="only measure speculative decoding: tokens/s of one request (batch 1) on a copying prompt "
+                             "served from CHECKPOINT (a byte-level model with MTP layers, e.g. bench_speculative's "
+                             "trained one) without drafting and with each of --drafting-methods")
+    parser.add_argument("--drafting-methods", default="ngram,mtp:1,mtp:2,mtp:3",
+                        help="comma-separated: 'ngram' (prompt lookup of 2 to 5 tokens, 5 drafts) and 'mtp:K' (the "
+                             "checkpoint's MTP layers, K drafts)")
+    parser.add_argument("--copy-length", type=int, default=200,
+                        help="characters of the held-out passage the copying prompt repeats (the tokens generated: "
+                             "one fewer than the passage's tokens)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.vllm_python is None and not args.decode_step_only:
@@ -439,9 +454,86 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return args
 
 
+def prefix_cache_rows(args, scratch: Path) -> list[dict]:
+    """`serving_reuse_benchmark.prefix_cache_first_tokens` with prefix caching on and off, on the bench model (its
+    budget `--budget`), for a random text prefix of `--prefix-tokens` characters (one token each) and two suffixes."""
+    from hybrid_indexpool.serving_reuse_benchmark import prefix_cache_first_tokens
+
+    generator = random.Random(1)
+    def text(length):
+        return "".join(generator.choices(string.ascii_letters + " ", k=length))
+
+    prefix, suffixes = text(args.prefix_tokens), (text(args.suffix_tokens), text(args.suffix_tokens))
+    checkpoint = scratch / "prefix_model"
+    save_checkpoint(checkpoint, args.pool_size, "mean", args.budget,
+                    max(MODEL["max_position_embeddings"], args.prefix_tokens + args.suffix_tokens + 128))
+    return [prefix_cache_first_tokens(args.vllm_python, checkpoint, prefix, suffixes, scratch, caching,
+                                      args.threads, args.kv_cache_gib) for caching in (True, False)]
+
+
+def drafting_rows(args, scratch: Path) -> list[dict]:
+    """`serving_reuse_benchmark.drafting_throughput` on bench_speculative's copying prompt (token ids: a held-out
+    passage of `--copy-length` characters tokenized, twice, each after a marker, then the marker and the passage's
+    first token), without drafting and with each of `--drafting-methods`; each row records whether its text is plain
+    decoding's."""
+    from transformers import AutoTokenizer
+
+    from hybrid_indexpool.retrieval_task import stdlib_texts, text_window
+    from hybrid_indexpool.serving_reuse_benchmark import drafting_throughput
+    from hybrid_indexpool.speculative_benchmark import copying_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(args.drafting)
+    _, held_out, _, _ = stdlib_texts()
+    passage = torch.tensor(tokenizer(text_window(held_out, args.copy_length, random.Random(0)))["input_ids"])
+    marker = torch.tensor(tokenizer("\n# again:\n")["input_ids"])
+    prompt = copying_prompt(passage, marker)[0].tolist()
+    methods = {"greedy": None}
+    for method in args.drafting_methods.split(","):
+        if method == "ngram":
+            methods[method] = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+                               "prompt_lookup_max": 5}
+        elif method.startswith("mtp:"):
+            methods[method] = {"method": "mtp", "num_speculative_tokens": int(method.removeprefix("mtp:"))}
+        else:
+            raise ValueError(f"--drafting-methods: unknown method {method!r} (use 'ngram' or 'mtp:K')")
+    rows = [drafting_throughput(args.vllm_python, Path(args.drafting), prompt, len(passage) - 1, config, scratch,
+                                name, args.threads, args.kv_cache_gib) for name, config in methods.items()]
+    for row in rows:
+        row["same_text_as_greedy"] = row["text"] == rows[0]["text"]
+        row["speedup"] = row["tokens_per_second"] / rows[0]["tokens_per_second"]
+    return rows
+
+
+def print_reuse_rows(results: dict) -> None:
+    for row in results.get("prefix_cache", []):
+        print(f"prefix caching {'on ' if row['prefix_caching'] else 'off'}: first token of the first request "
+              f"{row['first_request_first_token_seconds']:.2f} s, of the second (same {row['prefix_characters']}-"
+              f"token prefix) {row['second_request_first_token_seconds']:.2f} s: {row['first_over_second']:.1f}x; "
+              f"prefix-cache hits {row['prefix_cache_hits']:.0f} of {row['prefix_cache_queries']:.0f} tokens")
+    for row in results.get("drafting", []):
+        print(f"{row['method']:8s} {row['tokens_per_second']:7.1f} tokens/s ({row['speedup']:.2f}x), "
+              f"{row['num_accepted_tokens']:.0f} of {row['num_draft_tokens']:.0f} drafts kept"
+              + (f", {row['accepted_per_verify']:.2f} tokens per verify step" if row["accepted_per_verify"] else "")
+              + ("" if row["same_text_as_greedy"] else "; TEXT DIFFERS FROM GREEDY"))
+
+
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
     torch.set_num_threads(args.threads)
+    if args.prefix_cache or args.drafting:
+        results = {"threads": args.threads, "kv_cache_gib": args.kv_cache_gib, "machine": machine_description(),
+                   "load_average_1min_before": os.getloadavg()[0]}
+        with tempfile.TemporaryDirectory() as scratch:
+            if args.prefix_cache:
+                results["model"] = {**MODEL, "index_topk": args.budget, "index_pool_size": args.pool_size}
+                results["prefix_cache"] = prefix_cache_rows(args, Path(scratch))
+            if args.drafting:
+                results["drafting_checkpoint"] = args.drafting
+                results["drafting"] = drafting_rows(args, Path(scratch))
+        print_reuse_rows(results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        return results
     generator = random.Random(0)
     prompts = ["".join(generator.choices(string.ascii_letters + " ", k=generator.randint(args.min_prompt,
                                                                                        args.max_prompt)))

@@ -22,6 +22,7 @@ def register() -> None:
     from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
     from .multimodal_config import MultimodalTextConfig
     from .vllm_config import HybridIndexPoolVllmConfig
+    from .vllm_drafting import register_mtp_drafter
 
     AutoConfig.register(HybridIndexPoolConfig.model_type, HybridIndexPoolConfig, exist_ok=True)
     # In vLLM's processes a multimodal checkpoint's config is its text model's (vLLM serves it for text).
@@ -31,3 +32,4 @@ def register() -> None:
             ModelRegistry.register_model(architecture, model_class)
         # vLLM runs this hook on the engine's settings before anything is built: refusals happen at engine start.
         MODELS_CONFIG_MAP[architecture] = HybridIndexPoolVllmConfig
+    register_mtp_drafter()  # speculative method "mtp": the checkpoint's MTP layers draft

@@ -6,7 +6,8 @@ The project's core is the causal convolution and the gated delta rule of the tra
 (`kernels/causal_conv1d`, `kernels/gated_delta_rule`: PyTorch, or flash-linear-attention on CUDA), over vLLM's state
 cache: any dtype (float32 included, where vLLM's CPU kernels take bfloat16 only) and any head size. It is a custom op
 (`hybrid_indexpool_gdn_core`), opaque to `torch.compile`, that reads the host's view of the step (prefill lengths): a
-CPU and test path, not one for CUDA graphs. Speculative decoding's multi-slot states are not implemented in it.
+CPU and test path, not one for CUDA graphs. Verify steps of speculative decoding run the plugin's drafting step on
+either core (`linear_attention_drafts.py`).
 """
 
 import torch
@@ -14,10 +15,12 @@ from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_layer_name, direct_register_custom_op
 
 from ..kernels.causal_conv1d import causal_conv1d
 from ..kernels.gated_delta_rule import gated_delta_rule
+from . import linear_attention_drafts  # noqa: F401 (registers the drafting step's custom op)
 from .gated_deltanet_kernel import gdn_kernel
 from .vllm_config import GDN_CORE_OP
 
@@ -42,6 +45,10 @@ class HybridIndexPoolGatedDeltaNet(QwenGatedDeltaNetAttention):
         self.project_core = gdn_kernel(vllm_config) == "project"
         if self.project_core:
             self._forward_method = self.forward_project_core
+        if vllm_config.speculative_config is not None and (self.project_core or current_platform.is_cpu()):
+            # Verify steps of drafts: the plugin's step, on either core (`linear_attention_drafts.py`); vLLM's own
+            # kernels handle drafts on GPUs.
+            self._forward_method = self.forward_with_drafts
         self.conv_weight = None  # [channels, kernel]: kept by `keep_conv_weight` (vLLM may repack `conv1d.weight`)
 
     def keep_conv_weight(self) -> None:
@@ -52,6 +59,14 @@ class HybridIndexPoolGatedDeltaNet(QwenGatedDeltaNetAttention):
             self.conv_weight = weight.detach().reshape(weight.shape[0], weight.shape[-1]).clone()
 
     def forward_project_core(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.forward_through(torch.ops.vllm.hybrid_indexpool_gdn_core, hidden_states)
+
+    def forward_with_drafts(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.forward_through(torch.ops.vllm.hybrid_indexpool_gated_deltanet_with_drafts, hidden_states)
+
+    def forward_through(self, core_op, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[tokens, hidden]` -> `[tokens, hidden]`: vLLM's projections and gated norm around the custom op
+        `core_op(mixed_qkv, b, a, core_out, layer_name)` (the recurrent core)."""
         mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
         ba, _ = self.in_proj_ba(hidden_states)
         qkv_size = (2 * self.key_dim + self.value_dim) // self.tp_size
@@ -59,7 +74,7 @@ class HybridIndexPoolGatedDeltaNet(QwenGatedDeltaNetAttention):
         b, a = ba.chunk(2, dim=-1)
         core = torch.zeros(hidden_states.shape[0], self.num_v_heads // self.tp_size, self.head_v_dim,
                            dtype=hidden_states.dtype, device=hidden_states.device)
-        torch.ops.vllm.hybrid_indexpool_gdn_core(mixed_qkv, b, a, core, _encode_layer_name(self.prefix))
+        core_op(mixed_qkv, b, a, core, _encode_layer_name(self.prefix))
         return self._output_projection(core, z.reshape(z.shape[0], -1, self.head_v_dim))
 
     def state_views(self) -> tuple[torch.Tensor, torch.Tensor]:

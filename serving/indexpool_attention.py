@@ -52,6 +52,7 @@ from .paged_step import (
     PagedMetadataBuilder,
     indexpool_step,
     pooled_key_width,
+    ring_capacity,
     step_working_memory_bytes,
 )
 from .rope import text_rope_parameters
@@ -125,11 +126,12 @@ class IndexPoolAttentionBackend(AttentionBackend):
 
 class IndexPoolStateBackend(IndexPoolAttentionBackend):
     """Backend of the pooled-key and open-window caches: the same metadata, and the page layouts vLLM packs such
-    caches in beside the main keys/values."""
+    caches in beside the main keys/values, or the layer-major one of vLLM's CPU attention (an MTP drafter's layer
+    beside them: the step reads any layout through its strides)."""
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.BLNHC, KVCacheLayout.BLHNC)
+        return (KVCacheLayout.BLNHC, KVCacheLayout.BLHNC, KVCacheLayout.LBHNC)
 
 
 class PooledKeyCache(QSACompressedKeyCache):
@@ -145,8 +147,9 @@ class PooledKeyCache(QSACompressedKeyCache):
 
 
 class OpenWindowCache(QSARawKeyCache):
-    """vLLM's ring of each request's last `r` tokens (one block per request): raw indexer keys and gate logits,
-    `kv_cache [blocks, r, 1, head_dim + gate_width]`; token `p` at row `p % r`."""
+    """vLLM's ring of each request's last `R` tokens (one block per request): raw indexer keys and gate logits,
+    `kv_cache [blocks, R, 1, head_dim + gate_width]`; token `p` at row `p % R`. `R = r`, or with speculative decoding
+    enough rows that a rejected draft's row is never one the next step pools (`ring_capacity`)."""
 
     def __init__(self, gate_width: int, **kwargs):
         super().__init__(**kwargs)
@@ -156,7 +159,8 @@ class OpenWindowCache(QSARawKeyCache):
         return IndexPoolStateBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return open_window_spec(self.head_size - self.gate_width, self.gate_width, self.compress_ratio, self.dtype)
+        return open_window_spec(self.head_size - self.gate_width, self.gate_width,
+                                ring_capacity(self.compress_ratio, vllm_config.num_speculative_tokens), self.dtype)
 
 
 class IndexPoolKVCache(nn.Module, AttentionLayerBase):

@@ -6,6 +6,7 @@ unsupported setting must never produce wrong tokens.
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
+from vllm.platforms import current_platform
 
 from .gated_deltanet_kernel import gdn_kernel, gdn_kernel_problems
 from .glm_options import glm_unsupported_options, serves_glm
@@ -58,7 +59,8 @@ def unsupported_options(config) -> list[str]:
 
 class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
     """vLLM's per-architecture hook (`MODELS_CONFIG_MAP`): refuse what the model cannot serve, split piecewise
-    graphs at the IndexPool step, turn prefix caching off."""
+    graphs at the IndexPool step, and on vLLM's CPU build turn prefix caching off when drafting (which vLLM cannot
+    combine there)."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
@@ -71,12 +73,14 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
             config.check_tensor_parallel_size(parallel.tensor_parallel_size)
         except ValueError as error:
             problems.append(str(error).removeprefix("HybridIndexPoolConfig: "))
-        if vllm_config.speculative_config is not None:
-            problems.append("speculative decoding (the open-window ring holds no draft tokens)")
         cache = vllm_config.cache_config
         if cache.cache_dtype not in ("auto", "bfloat16", "float16"):
             problems.append(f"kv_cache_dtype = {cache.cache_dtype!r} (use 'auto')")
         problems += gdn_kernel_problems(vllm_config)
+        glm = serves_glm(config)
+        if glm and vllm_config.speculative_config is not None:
+            problems.append("speculative decoding with GLM-5.3-Flash's layers (Kimi Delta Attention keeps no state per "
+                            "draft position)")
         if config.ple_layers and vllm_config.model_config.enable_prompt_embeds:
             problems.append(f"enable_prompt_embeds with per-layer n-gram embeddings (ple_layers = {config.ple_layers}: "
                             "they hash the token ids, which prompt embeddings do not give)")
@@ -95,9 +99,16 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
                 compilation.splitting_ops.append(op)
         if cache.mamba_ssm_cache_dtype == "auto":
             cache.mamba_ssm_cache_dtype = "float32"  # our model keeps the Gated DeltaNet recurrent state in float32
-        if cache.enable_prefix_caching:
-            # A cached prefix would need its pooled windows, its open window's raw keys and the Gated DeltaNet states
-            # at the prefix's end; the last two are not kept per block, so reuse would give wrong tokens.
-            logger.warning("HybridIndexPool: prefix caching is not supported (the open window's raw indexer keys and "
-                           "the Gated DeltaNet states are not kept per block); it is disabled for this engine.")
+        # Prefix caching stays on (vLLM's default): its hits land on block boundaries, multiples of r, where the open
+        # window is empty, and vLLM's hybrid "align" mode keeps the Gated DeltaNet states there (vLLM switches it on).
+        if cache.enable_prefix_caching and glm:
+            # Kimi Delta Attention's states are not kept at block boundaries: a cached prefix would resume wrongly.
+            logger.warning("HybridIndexPool: prefix caching is not supported with GLM-5.3-Flash's layers (Kimi Delta "
+                           "Attention's states are not kept per block); it is disabled for this engine.")
+            cache.enable_prefix_caching = False
+        elif cache.enable_prefix_caching and vllm_config.speculative_config is not None and current_platform.is_cpu():
+            # "align" mode with drafts copies the Gated DeltaNet states with Triton kernels vLLM's CPU build lacks.
+            logger.warning("HybridIndexPool: vLLM's CPU build cannot combine prefix caching with speculative "
+                           "decoding (its 'align' state copies for drafts are Triton kernels); prefix caching is "
+                           "disabled for this engine.")
             cache.enable_prefix_caching = False

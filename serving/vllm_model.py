@@ -181,7 +181,7 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid, TextMultimo
         return MambaStateShapeCalculator.gated_delta_net_state_shape(
             vllm_config.parallel_config.tensor_parallel_size, config.linear_num_key_heads,
             config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
-            config.linear_conv_kernel_dim, 0)
+            config.linear_conv_kernel_dim, vllm_config.num_speculative_tokens)
 
     @classmethod
     def get_mamba_specs_from_config(cls, vllm_config: VllmConfig) -> tuple[MambaSpec, ...]:
@@ -200,37 +200,45 @@ class HybridIndexPoolForCausalLM(nn.Module, HasInnerState, IsHybrid, TextMultimo
         return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint weights by name: q/k/v, gate/up and the Gated DeltaNet input projections go into vLLM's
-        fused parameters, the fused experts (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) through
-        vLLM's fused-MoE loader, everything else by its own name. An unknown name is an error. Multi-token-prediction
-        layers (`model.mtp.*`) are skipped: the plugin serves without speculative decoding."""
-        parameters = dict(self.named_parameters())
-        loaded = set()
-        if self.config.num_experts > 0 and self.config.shared_expert_intermediate_size == 0:
-            # vLLM's MoE block always has a shared-expert gate; without a shared expert nothing reads it.
-            loaded |= {name for name in parameters if name.endswith(".mlp.shared_expert_gate.weight")}
-        for name, tensor in weights:
-            if (self.config.tie_word_embeddings and name == "lm_head.weight") or name.startswith("model.mtp."):
-                continue
-            if ".mlp.experts." in name:
-                module_name, weight_name = name.split(".mlp.experts.")
-                experts = self.get_submodule(f"{module_name}.mlp.experts")
-                loaded |= {f"{module_name}.mlp.experts.{loaded_name}"
-                           for loaded_name in experts.load_weights([(weight_name, tensor)])}
-                continue
-            for part, fused_part, shard in STACKED_WEIGHTS + GLM_STACKED_WEIGHTS:
-                if part in name:
-                    parameter = parameters[name.replace(part, fused_part)]
-                    parameter.weight_loader(parameter, tensor, shard)
-                    loaded.add(name.replace(part, fused_part))
-                    break
-            else:
-                if name not in parameters:
-                    raise ValueError(f"HybridIndexPool: the checkpoint has a weight {name!r} this model does not know.")
-                parameter = parameters[name]
-                getattr(parameter, "weight_loader", default_weight_loader)(parameter, tensor)
-                loaded.add(name)
+        """Load checkpoint weights by name (`load_named_weights`). Multi-token-prediction layers (`model.mtp.*`) are
+        the drafter's (`vllm_mtp.py`), loaded by it when vLLM drafts with them."""
+        loaded = load_named_weights(self, ((name, tensor) for name, tensor in weights
+                                           if not name.startswith("model.mtp.")))
         for module in self.modules():
             if isinstance(module, HybridIndexPoolGatedDeltaNet):
                 module.keep_conv_weight()
         return loaded
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Load checkpoint weights into `model` by name: q/k/v, gate/up and the Gated DeltaNet input projections go into
+    vLLM's fused parameters, the fused experts (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`)
+    through vLLM's fused-MoE loader, everything else by its own name. An unknown name is an error."""
+    config = model.config
+    parameters = dict(model.named_parameters())
+    loaded = set()
+    if config.num_experts > 0 and config.shared_expert_intermediate_size == 0:
+        # vLLM's MoE block always has a shared-expert gate; without a shared expert nothing reads it.
+        loaded |= {name for name in parameters if name.endswith(".mlp.shared_expert_gate.weight")}
+    for name, tensor in weights:
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if ".mlp.experts." in name:
+            module_name, weight_name = name.split(".mlp.experts.")
+            experts = model.get_submodule(f"{module_name}.mlp.experts")
+            loaded |= {f"{module_name}.mlp.experts.{loaded_name}"
+                       for loaded_name in experts.load_weights([(weight_name, tensor)])}
+            continue
+        for part, fused_part, shard in STACKED_WEIGHTS + GLM_STACKED_WEIGHTS:
+            if part in name:
+                parameter = parameters[name.replace(part, fused_part)]
+                parameter.weight_loader(parameter, tensor, shard)
+                loaded.add(name.replace(part, fused_part))
+                break
+        else:
+            if name not in parameters:
+                raise ValueError(f"HybridIndexPool: the checkpoint has a weight {name!r} this model does not know.")
+            parameter = parameters[name]
+            getattr(parameter, "weight_loader", default_weight_loader)(parameter, tensor)
+            loaded.add(name)
+    return loaded

@@ -21,11 +21,13 @@ def reference(*arguments: str) -> None:
     subprocess.run([REFERENCE_PYTHON, str(REFERENCE_SCRIPT), *arguments], check=True)
 
 
-def tiny_checkpoint(path: Path, experts: bool = False, fp8_index_keys: bool = False, narrow: bool = False) -> Path:
+def tiny_checkpoint(path: Path, experts: bool = False, fp8_index_keys: bool = False, narrow: bool = False,
+                    mtp: bool = False) -> Path:
     """The tiny bfloat16 checkpoint of `hf_reference.py` (budget 16 tokens, r = 4), saved at `path`; with
     `experts`, a mixture of experts; with `fp8_index_keys`, pooled index keys cached packed in fp8; with `narrow`,
-    Gated DeltaNet heads of 32."""
-    variant = "experts" if experts else "fp8" if fp8_index_keys else "narrow" if narrow else None
+    Gated DeltaNet heads of 32; with `mtp`, one MTP layer."""
+    variant = ("experts" if experts else "fp8" if fp8_index_keys else "narrow" if narrow else "mtp" if mtp
+               else None)
     reference("checkpoint", str(path), *([variant] if variant else []))
     return path
 

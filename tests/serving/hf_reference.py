@@ -1,6 +1,6 @@
 """The transformers side of the vLLM tests, run with the main environment's Python (transformers 5.24).
 
-    python hf_reference.py checkpoint OUT [experts|fp8|narrow]  # save the tiny bfloat16 checkpoint the vLLM tests serve
+    python hf_reference.py checkpoint OUT [experts|fp8|narrow|mtp]  # the tiny bfloat16 checkpoint the vLLM tests serve
     python hf_reference.py qwen4_exp OUT [multimodal]    # a tiny Qwen4-Exp source converted, pooling trained off
     python hf_reference.py score CKPT IN.json OUT.json
 
@@ -21,8 +21,9 @@ def tiny_checkpoint(output_dir: str, variant: str = "") -> None:
     tokens at r = 4, learned pooling with non-zero gates, the byte-level tokenizer; saved in bfloat16. With
     `experts`, a mixture of 4 experts (2 per token) and a shared expert in place of the dense MLPs, with a decisive
     router (its weights scaled up), so that no expert choice ties within bfloat16 noise, and one MTP layer (which the
-    plugin does not serve: its weights are skipped). With `fp8`, pooled index keys cached packed in fp8. With `narrow`,
-    Gated DeltaNet heads of 32 (which vLLM's CPU kernels do not take)."""
+    plugin skips unless it drafts with it). With `fp8`, pooled index keys cached packed in fp8. With `narrow`,
+    Gated DeltaNet heads of 32 (which vLLM's CPU kernels do not take). With `mtp`, one (random) MTP layer of
+    DeepSeek's kind, for speculative decoding."""
     from hybrid_indexpool import HybridIndexPoolConfig, HybridIndexPoolForCausalLM
     from hybrid_indexpool.tokenization import byte_level_tokenizer
 
@@ -37,9 +38,10 @@ def tiny_checkpoint(output_dir: str, variant: str = "") -> None:
         linear_key_head_dim=32 if variant == "narrow" else 64, linear_value_head_dim=32 if variant == "narrow" else 64,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         max_position_embeddings=4096, initializer_range=0.05,
-        **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                num_mtp_layers=1) if variant == "experts" else {}),
+        **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+           if variant == "experts" else {}),
         index_key_cache_dtype="float8_e4m3fn" if variant == "fp8" else "auto",
+        num_mtp_layers=1 if variant in ("experts", "mtp") else 0,
     )
     model = HybridIndexPoolForCausalLM(config)
     generator = torch.Generator().manual_seed(1)
