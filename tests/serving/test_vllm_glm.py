@@ -104,3 +104,17 @@ def test_glm_conversion_in_float32_is_our_float32_model(checkpoint, tmp_path):
     for request, reference in zip(requests, score(checkpoint, requests, tmp_path), strict=True):
         worst = max(abs(a - b) for a, b in zip(request["logprobs"], reference["float32"], strict=True))
         assert worst <= FLOAT32_ROUNDING, (request["prompt"][:8], worst)
+
+
+def test_glm_conversion_keeps_prefix_caching_off_and_refuses_drafting(checkpoint):
+    """Kimi Delta Attention's states are kept neither at block boundaries nor per draft position: a GLM conversion's
+    engine turns prefix caching (vLLM's default) off, and drafting is refused at start with the reason named. Both
+    are decided on the engine's settings."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    plain = EngineArgs(str(checkpoint), dtype="bfloat16", max_model_len=256, enforce_eager=True)
+    assert not plain.create_engine_config().cache_config.enable_prefix_caching
+    with pytest.raises(ValueError, match="speculative decoding with GLM-5.3-Flash's layers"):
+        EngineArgs(str(checkpoint), dtype="bfloat16", max_model_len=256, enforce_eager=True,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+                   ).create_engine_config()
