@@ -22,7 +22,7 @@ from ..kernels.fp8_index_keys import is_packed, quantize_pooled_keys
 from ..kernels.pooled_key_write import gather_window_rows
 from ..kernels.sparse_attention import paged_sparse_attention
 from ..kernels.weighted_pool.reference import weighted_pool_torch
-from .paged_step import PagedCacheMetadata, select_windows, write_rows
+from .paged_step import PagedCacheMetadata, ring_windows, select_windows, write_rows
 
 
 @dataclass
@@ -54,7 +54,8 @@ def write_prenormed_pooled_keys(pooled_key_cache: torch.Tensor, ring_rows: torch
     """Pool every token's window of already normed keys (`ring_rows [tokens, head_dim + gate_width]`: normed key,
     gate logits) and store it, with no norm and no RoPE after, at the token's pooled-key row; packed in fp8 when the
     cache is. The ring must be written after this call (its rows of earlier steps are read here). No host read."""
-    rows = gather_window_rows(ring_rows, ring_cache, ring.window_token, ring.window_ring_block)
+    windows, window_ring_block = ring_windows(ring_cache, settings.pool_size, ring.window_ring_row)
+    rows = gather_window_rows(ring_rows, windows, ring.window_token, window_ring_block)
     logits = None
     if settings.pool_slot_bias is not None:
         logits = rows[..., head_dim:].float() + settings.pool_slot_bias.float()
