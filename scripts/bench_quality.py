@@ -764,17 +764,23 @@ def study_table(rows: list[dict]) -> str:
 
 def study_plot(rows: list[dict], path: str, title: str = "") -> None:
     """Quality against the indexer's cache bytes per token, one line per weighting (the mean over seeds, each seed a
-    dot), after the warm-up (top) and after stage 2 (bottom): captured attention mass with the best selection's mass
-    as a band (its range over seeds), passkey accuracy with dense's, perplexity beyond the budget vs dense."""
+    dot; unpooled r = 1 a black point), after the warm-up (top) and after stage 2 (bottom): captured attention mass
+    with the best selection's mass as a band (its range over seeds), the captured share of the best selection's mass
+    (each seed against its own best), passkey accuracy with dense's as a band, perplexity beyond the budget vs
+    dense."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     stages = [stage for _, stage in STUDY_STAGES if any(entry["stage"] == stage for entry in rows)]
-    figure, axes = plt.subplots(len(stages), 3, figsize=(16, 4.6 * len(stages)), squeeze=False)
+    figure, axes = plt.subplots(len(stages), 4, figsize=(20, 4.6 * len(stages)), squeeze=False)
     colors = dict(zip(WEIGHTINGS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    for stage, (masses, retrieval, ppls) in zip(stages, axes):
+    panels = (("attention_mass", 1, "attention mass captured"),
+              ("share_of_best", 100, "share of the best selection's mass (%)"),
+              ("passkey_accuracy", 100, "passkey accuracy (%)"),
+              ("ppl_beyond_budget_vs_dense", 100, "perplexity beyond the budget vs dense (%)"))
+    for stage, stage_axes in zip(stages, axes):
         entries = [entry for entry in rows if entry["stage"] == stage]
         sparse = sorted((entry for entry in entries if entry["pool_size"] is not None),
                         key=lambda entry: entry["index_cache_bytes_per_token"])
@@ -782,37 +788,36 @@ def study_plot(rows: list[dict], path: str, title: str = "") -> None:
         cache = {entry["pool_size"]: entry["index_cache_bytes_per_token"] for entry in sparse}
         best = [[value for entry in sparse if entry["pool_size"] == size for value in entry["best_selection_mass"]]
                 for size in sizes]
-        masses.fill_between([cache[size] for size in sizes], [min(values) for values in best],
-                            [max(values) for values in best], color="0.85", label="best selection (oracle)")
+        stage_axes[0].fill_between([cache[size] for size in sizes], [min(values) for values in best],
+                                   [max(values) for values in best], color="0.85", label="best selection (oracle)")
         dense = next((entry for entry in entries if entry["weighting"] == "dense"), None)
         if dense is not None:
-            retrieval.axhspan(100 * min(dense["passkey_accuracy"]), 100 * max(dense["passkey_accuracy"]),
-                              color="0.85", label="dense")
-        for weighting in WEIGHTINGS:
-            line = [entry for entry in sparse if entry["weighting"] == weighting]
+            stage_axes[2].axhspan(100 * min(dense["passkey_accuracy"]), 100 * max(dense["passkey_accuracy"]),
+                                  color="0.85", label="dense")
+        lines = [(WEIGHTING_LABELS[weighting], colors[weighting], "o-",
+                  [entry for entry in sparse if entry["weighting"] == weighting]) for weighting in WEIGHTINGS]
+        lines.append(("unpooled r=1", "black", "s", [entry for entry in sparse if entry["pool_size"] == 1]))
+        for name, color, style, line in lines:
             if not line:
                 continue
             x = [entry["index_cache_bytes_per_token"] for entry in line]
-            for axis, name, scale in ((masses, "attention_mass", 1), (retrieval, "passkey_accuracy", 100),
-                                      (ppls, "ppl_beyond_budget_vs_dense", 100)):
-                values = [[scale * value for value in entry[name]] for entry in line]
-                axis.plot(x, [sum(seed) / len(seed) for seed in values], marker="o", color=colors[weighting],
-                          label=WEIGHTING_LABELS[weighting])
+            for axis, (measure, scale, _) in zip(stage_axes, panels):
+                values = [[scale * value for value in entry[measure]] for entry in line]
+                axis.plot(x, [sum(seed) / len(seed) for seed in values], style, color=color, label=name)
                 axis.scatter([point for point, seed in zip(x, values) for _ in seed],
-                             [value for seed in values for value in seed], s=9, color=colors[weighting], alpha=0.5)
-        for axis, ylabel in ((masses, "attention mass captured"), (retrieval, "passkey accuracy (%)"),
-                             (ppls, "perplexity beyond the budget vs dense (%)")):
+                             [value for seed in values for value in seed], s=9, color=color, alpha=0.5)
+        for axis, (_, _, ylabel) in zip(stage_axes, panels):
             axis.set_xscale("log", base=2)
             axis.set_xticks([cache[size] for size in sizes], [f"{cache[size]:g}\n(r={size})" for size in sizes])
             axis.minorticks_off()
             axis.set(xlabel="indexer cache bytes per token", ylabel=ylabel, title=f"after {stage}")
             axis.grid(alpha=0.3)
-        masses.legend(fontsize=8)
-        retrieval.legend(fontsize=8)
+        for axis in stage_axes[:3]:
+            axis.legend(fontsize=8)
     if title:
         figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=100)
     plt.close(figure)
 
 
