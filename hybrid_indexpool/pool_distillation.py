@@ -85,6 +85,70 @@ def pool_distillation_loss(target: torch.Tensor, window_logits: torch.Tensor, co
     return kl[complete].sum() / complete.sum().clamp(min=1)
 
 
+def within_window_concentration(attention: torch.Tensor, positions: torch.Tensor, token_is_real: torch.Tensor,
+                                pool_size: int) -> dict:
+    """How far the attention inside windows is from uniform, per query and shared by the queries, in nats (0: the
+    mean's weights; at most `log r`). What bounds any pooling weighting, which is one per token for all queries.
+
+    - `per_query`: for each query and each complete window it sees, `KL(a_t(. | c) || uniform)` of the head-averaged
+      attention within the window, averaged with the window's attention mass `m_t(c)` as the weight;
+    - `shared`: `KL(pi_c || uniform)` of the distillation target (`window_token_mass`: the attention the window's
+      tokens receive from all those queries), averaged with the total mass `sum_t m_t(c)` as the weight.
+
+    `shared` near `per_query`: queries agree on which tokens of a window matter, and per-token weights can follow
+    them; `shared` far below it: each query wants other tokens, and one pooled key per window cannot serve them all.
+
+    Args: as `window_token_mass` (`attention` `[batch, heads, queries, keys]`).
+    """
+    batch_size, seq_len = positions.shape
+    num_windows = seq_len // pool_size
+    tiny = torch.finfo(torch.float32).tiny
+    averaged = attention.float().mean(dim=1)  # [batch, queries, keys]
+    query_sees = (positions[:, :, None] + 1) // pool_size > positions[:, None, :] // pool_size
+    query_sees &= token_is_real[:, :, None] & token_is_real[:, None, :]
+    by_position = averaged.new_zeros(batch_size, seq_len, seq_len + 1)
+    index = positions.masked_fill(~token_is_real, seq_len).clamp(max=seq_len)
+    by_position.scatter_add_(2, index[:, None, :].expand(-1, seq_len, -1), averaged * query_sees)
+    within = by_position[..., : num_windows * pool_size].unflatten(-1, (num_windows, pool_size))
+    mass = within.sum(-1)  # [batch, queries, windows]
+    shares = within / mass[..., None].clamp(min=tiny)
+    entropy = -(shares * shares.clamp(min=tiny).log()).sum(-1)
+    log_r = torch.log(torch.tensor(float(pool_size)))
+    per_query = ((log_r - entropy) * mass).sum() / mass.sum().clamp(min=tiny)
+    target, complete = window_token_mass(attention, positions, token_is_real, pool_size)
+    total = mass.sum(dim=1) * complete  # [batch, windows]
+    shared_entropy = -(target * target.clamp(min=tiny).log()).sum(-1)
+    shared = ((log_r - shared_entropy) * total).sum() / total.sum().clamp(min=tiny)
+    return {"per_query": float(per_query), "shared": float(shared)}
+
+
+@torch.no_grad()
+def layer_dense_attentions(model: torch.nn.Module, input_ids: torch.Tensor, **model_kwargs) -> list[tuple]:
+    """Run `model` on `input_ids` and return, per IndexPool layer with an indexer, its dense causal attention
+    `[batch, heads, seq, seq]` (recomputed from its own projections, as `PoolDistillation` does) with the layer's
+    `positions` and `token_is_real`."""
+    layers = [module for module in model.modules() if isinstance(module, HybridIndexPoolAttentionBase)
+              and module.indexer is not None]
+    entered, hooks = {}, []
+
+    def keep_inputs(module, args, kwargs):
+        entered[module] = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+
+    hooks = [layer.register_forward_pre_hook(keep_inputs, with_kwargs=True) for layer in layers]
+    try:
+        model(input_ids, use_cache=False, **model_kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    results = []
+    for layer in layers:
+        inputs = entered[layer]
+        attention = PoolDistillation.dense_attention(layer, inputs["hidden_states"], inputs["position_embeddings"],
+                                                     inputs["positions"], inputs["token_is_real"])
+        results.append((attention, inputs["positions"], inputs["token_is_real"]))
+    return results
+
+
 class PoolDistillation:
     """Hooks on a model's IndexPool layers that compute the pool distillation loss of the forward run inside the
     `with` block: `loss()` (differentiable in the pooling gates and slot biases only), averaged over the layers that

@@ -51,6 +51,7 @@ weighting (a table, and with `--plot` quality against the indexer's cache bytes 
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -455,6 +456,30 @@ def distillation_summary(stage: str, log_history: list[dict]) -> dict:
         if values else {}
 
 
+@torch.no_grad()
+def window_concentration(base_state: dict, args, tokenizer, blocks: torch.Tensor) -> dict:
+    """How far the base model's attention inside windows of each pool size of the sparse settings is from uniform
+    (`hybrid_indexpool.pool_distillation.within_window_concentration`: per query, and shared by the queries), in nats,
+    averaged over the IndexPool layers and the held-out blocks. The warm-up trains only the indexer, so this is the
+    attention every setting's indexer learns from."""
+    from hybrid_indexpool import HybridIndexPoolForCausalLM
+    from hybrid_indexpool.pool_distillation import layer_dense_attentions, within_window_concentration
+
+    sizes = sorted({parse_setting(setting)[0] for setting in args.settings if setting != "dense"} - {1})
+    model = HybridIndexPoolForCausalLM(model_config("dense", args, tokenizer))
+    model.load_state_dict(base_state)
+    model.eval()
+    sums = {size: {"per_query": 0.0, "shared": 0.0} for size in sizes}
+    count = 0
+    for batch in blocks.split(args.eval_batch_size):
+        for attention, positions, token_is_real in layer_dense_attentions(model, batch):
+            for size in sizes:
+                for name, value in within_window_concentration(attention, positions, token_is_real, size).items():
+                    sums[size][name] += value
+            count += 1
+    return {str(size): {name: value / count for name, value in values.items()} for size, values in sums.items()}
+
+
 def run(args) -> dict:
     from transformers import DataCollatorForLanguageModeling
 
@@ -515,9 +540,11 @@ def run(args) -> dict:
                 store.save_setting(records[setting])
             else:
                 tqdm.write(f"  {setting}: finished in an earlier run ({args.results_dir}/{setting}.json)")
-    return assemble_report(args, records, base, recall_stages, depths, started,
-                           {"train_files": train_files, "held_out_files": held_out_files,
-                            "train_chars": len(train_text), "held_out_chars": len(held_out_text)})
+    report = assemble_report(args, records, base, recall_stages, depths, started,
+                             {"train_files": train_files, "held_out_files": held_out_files,
+                              "train_chars": len(train_text), "held_out_chars": len(held_out_text)})
+    report["window_concentration"] = window_concentration(base["state"], args, tokenizer, blocks)
+    return report
 
 
 def assemble_report(args, records: dict, base: dict, recall_stages, depths, started: float, text: dict) -> dict:
@@ -830,7 +857,17 @@ def summarize(paths: list[str], plot_path: str | None) -> str:
         study_plot(rows, plot_path, f"held-out stdlib source, context {settings['context']} tokens, budget "
                                     f"{settings['budget']} tokens, seeds "
                                     f"{', '.join(str(report['settings']['seed']) for report in reports)}")
-    return study_table(rows)
+    lines = [study_table(rows)]
+    concentrations = [report.get("window_concentration") for report in reports]
+    if all(concentrations):
+        lines += ["", "Attention inside the windows (the base model's, nats from uniform, at most log r; per seed): "
+                      "per query, and shared by the queries that see the window",
+                  "", "| r | log r | per query | shared |", "|---|---|---|---|"]
+        for size in sorted(concentrations[0], key=int, reverse=True):
+            lines.append(f"| {size} | {math.log(int(size)):.3f} | "
+                         + " / ".join(f"{values[size]['per_query']:.3f}" for values in concentrations) + " | "
+                         + " / ".join(f"{values[size]['shared']:.3f}" for values in concentrations) + " |")
+    return "\n".join(lines)
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:

@@ -11,8 +11,10 @@ from hybrid_indexpool.kernels.pooled_key_write import write_pooled_keys_torch, w
 from hybrid_indexpool.modeling.attention_indexpool import HybridIndexPoolAttentionBase
 from hybrid_indexpool.pool_distillation import (
     PoolDistillation,
+    layer_dense_attentions,
     pool_distillation_loss,
     window_token_mass,
+    within_window_concentration,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -164,3 +166,36 @@ def test_distilled_gates_pool_the_same_in_the_model_and_in_the_triton_write(weig
         cache = torch.zeros(1, windows, 1, head_dim)
         write(cache, **arguments)
         torch.testing.assert_close(cache[0, :, 0], expected, rtol=2e-6, atol=2e-6, msg=write.__name__)
+
+
+def concentration_of(weights: list[list[float]], pool_size: int = 4) -> dict:
+    """`within_window_concentration` of one head whose query `t` puts `weights[t]` on the keys (rows padded with 0)."""
+    seq_len = len(weights)
+    attention = torch.tensor([row + [0.0] * (seq_len - len(row)) for row in weights])[None, None]
+    positions = torch.arange(seq_len)[None]
+    return within_window_concentration(attention, positions, torch.ones(1, seq_len, dtype=torch.bool), pool_size)
+
+
+def test_concentration_is_log_r_when_every_query_wants_the_same_token_and_shared_zero_when_they_disagree():
+    # 7 tokens: window 0 = tokens 0..3, complete, seen by queries 3..6 (queries 0..2 see no window: not counted).
+    same = [[1.0]] * 3 + [[0.0, 0.0, 1.0] + [0.0] * (query - 2) for query in range(3, 7)]
+    result = concentration_of(same)
+    assert result["per_query"] == pytest.approx(math.log(4), abs=1e-5)
+    assert result["shared"] == pytest.approx(math.log(4), abs=1e-5)
+    # Each of the four queries wants another token of window 0: each is as peaked, together they are uniform.
+    disagree = [[1.0]] * 3 + [[1.0 if key == query - 3 else 0.0 for key in range(query + 1)] for query in range(3, 7)]
+    result = concentration_of(disagree)
+    assert result["per_query"] == pytest.approx(math.log(4), abs=1e-5)
+    assert result["shared"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_layer_dense_attentions_are_the_layers_own():
+    model = tiny_model(index_pool_weighting="mean")
+    input_ids = torch.randint(1, 97, (2, 21), generator=torch.Generator().manual_seed(4))
+    ((attention, positions, real),) = layer_dense_attentions(model, input_ids, indexer_loss="dense")
+    with torch.no_grad():
+        dense = model(input_ids, output_attentions=True, indexer_loss="dense").attentions[0]
+    torch.testing.assert_close(attention, dense, rtol=1e-5, atol=1e-6)
+    assert torch.equal(positions, torch.arange(21).expand(2, -1)) and bool(real.all())
+    concentration = within_window_concentration(attention, positions, real, 4)
+    assert 0.0 < concentration["shared"] < concentration["per_query"] < math.log(4)

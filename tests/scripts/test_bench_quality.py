@@ -210,7 +210,7 @@ def test_the_study_summary_puts_each_pool_size_and_weighting_of_each_seed_side_b
     result = bench_quality.main(["--summarize", *paths, "--plot", str(tmp_path / "study.png")])
     table = result["table"]
     assert table == capsys.readouterr().out.strip()
-    lines = table.splitlines()
+    lines = table.split("\n\n")[0].splitlines()
     assert lines[0].startswith("| after | r | indexer cache bytes/token | weighting |")
     rows = {tuple(cell.strip() for cell in line.split("|")[1:5]): line for line in lines[2:]}
     assert set(rows) == {(stage, r, cache, weighting) for stage in ("warm-up", "+ stage 2")
@@ -225,3 +225,8 @@ def test_the_study_summary_puts_each_pool_size_and_weighting_of_each_seed_side_b
     assert learned["seeds"] == [0, 1] and learned["share_of_best"][1] == pytest.approx(
         learned["attention_mass"][1] / learned["best_selection_mass"][1])
     assert (tmp_path / "study.png").stat().st_size > 0
+    # The base model's attention inside windows of each pool size of the run, per seed.
+    concentration = json.loads((tmp_path / "seed0.json").read_text())["window_concentration"]
+    assert set(concentration) == {"4", "8"}
+    assert 0.0 < concentration["8"]["shared"] < concentration["8"]["per_query"] < math.log(8)
+    assert "| 8 | 2.079 |" in table
