@@ -309,10 +309,15 @@ class ResultStore:
     folder holding results of other options is refused."""
 
     # Options that do not change any result (which settings run, outputs, threads).
-    FREE = ("settings", "key_cache_settings", "json", "plot", "results_dir", "threads", "summarize")
+    FREE = ("settings", "key_cache_settings", "json", "plot", "results_dir", "threads", "summarize", "base_model")
+    # Options the base model depends on (its data, sizes, training, and the held-out samples of its recall check).
+    BASE = ("seed", "context", "hidden_size", "layers", "batch_size", "recall_steps", "train_steps", "learning_rate",
+            "recall_learning_rate", "passkey_fraction", "max_needles", "list_fraction", "eval_blocks",
+            "passkey_samples", "eval_batch_size")
 
     def __init__(self, folder: str | None, args):
         self.folder = None if folder is None else Path(folder)
+        self.args = args
         if self.folder is None:
             return
         options = {name: value for name, value in vars(args).items() if name not in self.FREE}
@@ -337,14 +342,36 @@ class ResultStore:
             torch.save(text_or_object, partial)
         os.replace(partial, path)
 
-    def base(self) -> dict | None:
+    @classmethod
+    def base_options(cls, args) -> dict:
+        return {name: getattr(args, name) for name in cls.BASE}
+
+    @classmethod
+    def load_base(cls, path: Path, args) -> dict:
+        """A base model written by a run (`base.pt`), refused unless its base options are this run's."""
+        base = torch.load(path, weights_only=True)
+        held = base.get("options")
+        if held is None:  # written before base.pt kept its options: those of the run folder it is in
+            held = {name: value for name, value in json.loads((path.parent / "options.json").read_text()).items()
+                    if name in cls.BASE}
+        wanted = cls.base_options(args)
+        differing = sorted(name for name in wanted if held.get(name) != wanted[name])
+        if differing:
+            raise SystemExit(f"The base model {path} was trained with other options (differing: "
+                             f"{', '.join(differing)}); use the same options or train a new one.")
+        return base
+
+    def base(self, base_model: str | None = None) -> dict | None:
+        """The run's base model: from `base_model` (another run's `base.pt`) or this folder's, or None."""
+        if base_model is not None:
+            return self.load_base(Path(base_model), self.args)
         if self.folder is None or not (self.folder / "base.pt").exists():
             return None
-        return torch.load(self.folder / "base.pt", weights_only=True)
+        return self.load_base(self.folder / "base.pt", self.args)
 
     def save_base(self, base: dict) -> None:
         if self.folder is not None:
-            self._write(self.folder / "base.pt", base)
+            self._write(self.folder / "base.pt", {**base, "options": self.base_options(self.args)})
 
     def setting(self, setting: str) -> dict | None:
         path = None if self.folder is None else self.folder / f"{setting}.json"
@@ -523,12 +550,12 @@ def run(args) -> dict:
 
     records = {}
     with tempfile.TemporaryDirectory() as scratch:
-        base = store.base()
+        base = store.base(args.base_model)
         if base is None:
             base = train_base(args, tokenizer, collator, base_data, recall_stages, passkeys, scratch)
             store.save_base(base)
         else:
-            print(f"1/3 the dense base model from {args.results_dir}/base.pt", flush=True)
+            print(f"1/3 the dense base model from {args.base_model or f'{args.results_dir}/base.pt'}", flush=True)
         print("2/3 dense warm-up of each indexer, 3/3 evaluation on held-out text"
               + (f", then {args.sparse_steps} sparse-stage steps and evaluation again" if args.sparse_steps else ""),
               flush=True)
@@ -906,6 +933,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                              "(default 1.0).")
     parser.add_argument("--untrained", action=argparse.BooleanOptionalAction, default=True,
                         help="Measure each indexer untrained too, before its warm-up (default: yes).")
+    parser.add_argument("--base-model", metavar="FILE",
+                        help="Start from the base model an earlier run kept (its --results-dir's base.pt) instead of "
+                             "training one; refused unless it was trained with the same options.")
     parser.add_argument("--results-dir", metavar="DIR",
                         help="Keep the trained base model and each finished setting's results here, so that a rerun "
                              "with the same options skips what is finished (a killed run loses at most the setting "

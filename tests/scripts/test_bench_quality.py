@@ -197,6 +197,16 @@ def test_a_rerun_resumes_from_the_results_folder_and_other_options_are_refused(t
     with pytest.raises(SystemExit, match="holds results of other options \\(differing: train_steps\\)"):
         bench_quality.main(options[:options.index("--train-steps")] + ["--train-steps", "5"]
                            + options[options.index("--train-steps") + 2:] + ["--settings", "mean_r8,dense"])
+    # Another schedule of the indexers in another folder starts from the same base model; another base is refused.
+    base = str(tmp_path / "results" / "base.pt")
+    other = [*TINY, "--key-cache-settings", "", "--no-untrained", "--settings", "mean_r8,dense"]
+    other[other.index("--warmup-steps") + 1] = "2"
+    third = bench_quality.main(other + ["--base-model", base, "--results-dir", str(tmp_path / "other")])
+    assert "1/3 training" not in capsys.readouterr().out and third["base_training"] == first["base_training"]
+    assert third["results"][0] != first["results"][0]  # fewer warm-up steps
+    other[other.index("--train-steps") + 1] = "5"
+    with pytest.raises(SystemExit, match="trained with other options \\(differing: train_steps\\)"):
+        bench_quality.main(other + ["--base-model", base])
 
 
 def test_the_study_summary_puts_each_pool_size_and_weighting_of_each_seed_side_by_side(tmp_path, capsys):
