@@ -11,12 +11,17 @@
 With `freeze_pooling` neither stage trains the learned pooling weights (`pool_gate_proj`, `pool_slot_bias`): a model
 converted from Qwen4-Exp keeps pooling by the mean, which is all Qwen4-Exp's format can express.
 
-The KL is logged per logging step as `indexer_kl` (and the language-model part of the loss as `lm_loss`).
+With `pool_distillation_weight` either stage also trains the learned pooling gate toward the attention each key
+receives within its window (`pool_distillation`), weighted into the loss.
+
+The KL is logged per logging step as `indexer_kl` (and the language-model part of the loss as `lm_loss`, the pool
+distillation loss as `pool_distillation`).
 """
 
 import copy
 import inspect
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +31,7 @@ from transformers.utils import logging
 from .kernels.fp8_index_keys import fp8_round_trip_unrotated, quantize_pooled_keys
 from .kernels.pooled_index_topk import pooled_index_topk
 from .modeling.attention_gqa import HybridIndexPoolAttention
+from .pool_distillation import PoolDistillation
 from .training import (
     ModelDataArguments,
     TrainingInputError,
@@ -69,6 +75,13 @@ class IndexerTrainingArguments(ModelDataArguments):
         metadata={"help": "Weight of the indexer KL in the sparse stage's loss (default: the model config's "
                           "indexer_loss_weight); saved into the config."},
     )
+    pool_distillation_weight: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the pool distillation loss in both stages: the learned pooling gate also learns "
+                          "the dense attention each key receives within its window (hybrid_indexpool."
+                          "pool_distillation). 0 (the default) turns it off; needs index_pool_weighting 'learned' or "
+                          "'learned_scalar'."},
+    )
 
 
 def is_indexer_parameter(name: str) -> bool:
@@ -98,32 +111,45 @@ class IndexerTrainer(Trainer):
 
     `indexer_loss="dense"` (warm-up): the loss is the KL alone. `"sparse"`: the model's loss, i.e. the language-model
     loss plus `config.indexer_loss_weight` times the KL. Both are means over the batch, so the Trainer divides them by
-    the gradient-accumulation steps.
+    the gradient-accumulation steps. A positive `pool_distillation_weight` adds that times the pool distillation loss
+    (`PoolDistillation`) in either stage.
     """
 
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, indexer_loss: str, **kwargs):
+    def __init__(self, *args, indexer_loss: str, pool_distillation_weight: float = 0.0, **kwargs):
         if indexer_loss not in STAGE_LOSS.values():
             raise ValueError(f"indexer_loss is {indexer_loss!r}; use 'dense' (warm-up) or 'sparse'.")
+        if pool_distillation_weight < 0:
+            raise ValueError(f"pool_distillation_weight is {pool_distillation_weight}; use 0 (off) or a positive "
+                             "weight.")
         super().__init__(*args, **kwargs)
         self.indexer_loss = indexer_loss
-        self._logged_sums = {"indexer_kl": 0.0, "lm_loss": 0.0}
+        self.pool_distillation_weight = pool_distillation_weight
+        self.pool_distillation = PoolDistillation(self.model) if pool_distillation_weight else None
+        self._logged_sums = {"indexer_kl": 0.0, "lm_loss": 0.0, "pool_distillation": 0.0}
         self._logged_count = 0
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         if self.indexer_loss == "dense":
             inputs.pop("labels", None)  # the warm-up trains on the KL alone
-        outputs = model(**inputs, indexer_loss=self.indexer_loss)
+        with self.pool_distillation or nullcontext():
+            outputs = model(**inputs, indexer_loss=self.indexer_loss)
         if outputs.indexer_loss is None:
             raise ValueError("The model returned no indexer loss: it needs at least one `indexpool_attention` layer.")
         loss = outputs.indexer_loss if self.indexer_loss == "dense" else outputs.loss
+        distillation = None
+        if self.pool_distillation is not None:
+            distillation = self.pool_distillation.loss()
+            loss = loss + self.pool_distillation_weight * distillation
         if model.training:
             self._logged_sums["indexer_kl"] += outputs.indexer_loss.item()
             if self.indexer_loss == "sparse":
                 weight = self.accelerator.unwrap_model(model).config.get_text_config().indexer_loss_weight
                 self._logged_sums["lm_loss"] += (outputs.loss - weight * outputs.indexer_loss).item()
+            if distillation is not None:
+                self._logged_sums["pool_distillation"] += distillation.item()
             self._logged_count += 1
         return (loss, outputs) if return_outputs else loss
 
@@ -132,21 +158,28 @@ class IndexerTrainer(Trainer):
             logs["indexer_kl"] = round(self._logged_sums["indexer_kl"] / self._logged_count, 5)
             if self.indexer_loss == "sparse":
                 logs["lm_loss"] = round(self._logged_sums["lm_loss"] / self._logged_count, 5)
+            if self.pool_distillation is not None:
+                logs["pool_distillation"] = round(self._logged_sums["pool_distillation"] / self._logged_count, 5)
             self._logged_sums = dict.fromkeys(self._logged_sums, 0.0)
             self._logged_count = 0
         super().log(logs, start_time)
 
 
 def train_indexer_stage(model, stage: str, train_dataset, training_args: TrainingArguments, data_collator,
-                        eval_dataset=None, processing_class=None, keep_pooling: bool = False) -> IndexerTrainer:
+                        eval_dataset=None, processing_class=None, keep_pooling: bool = False,
+                        pool_distillation_weight: float = 0.0) -> IndexerTrainer:
     """Run one stage (`"warmup"` or `"sparse"`) on `model` in place for `training_args.max_steps` steps.
 
     The warm-up freezes everything but the indexer for its duration, and `keep_pooling` the learned pooling weights
-    in either stage; afterwards every parameter is trainable again. Returns the trainer (its `state.log_history`
-    holds the logged `indexer_kl`).
+    in either stage; afterwards every parameter is trainable again. `pool_distillation_weight` adds the pool
+    distillation loss (see `IndexerTrainer`). Returns the trainer (its `state.log_history` holds the logged
+    `indexer_kl`).
     """
     if stage not in STAGES:
         raise ValueError(f"stage is {stage!r}; use one of {list(STAGES)}.")
+    if keep_pooling and pool_distillation_weight:
+        raise TrainingInputError("Pool distillation trains the pooling weights, which --freeze_pooling keeps as they "
+                                 "are; drop one of the two.")
     if stage == "warmup":
         freeze_all_but_indexer(model, keep_pooling)
     elif keep_pooling:
@@ -154,6 +187,7 @@ def train_indexer_stage(model, stage: str, train_dataset, training_args: Trainin
     trainer = IndexerTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=data_collator, processing_class=processing_class, indexer_loss=STAGE_LOSS[stage],
+        pool_distillation_weight=pool_distillation_weight,
     )
     try:
         trainer.train()
@@ -183,6 +217,12 @@ def check_indexer_arguments(args: IndexerTrainingArguments, training_args: Train
                                ("sparse", args.sparse_steps, "--sparse_steps")):
         if stage in stages and steps <= 0:
             raise TrainingInputError(f"{flag} is {steps}; give a positive number of steps for the {stage} stage.")
+    if args.pool_distillation_weight < 0:
+        raise TrainingInputError(f"--pool_distillation_weight is {args.pool_distillation_weight}; use 0 (off) or a "
+                                 "positive weight.")
+    if args.pool_distillation_weight and args.freeze_pooling:
+        raise TrainingInputError("--pool_distillation_weight trains the pooling weights, which --freeze_pooling keeps "
+                                 "as they are; drop one of the two.")
     if training_args.max_steps > 0:
         raise TrainingInputError(
             "Set the length of each stage with --dense_warmup_steps and --sparse_steps, not --max_steps."
@@ -220,6 +260,11 @@ def run_indexer_training(args: IndexerTrainingArguments, training_args: Training
     text_config = model.config.get_text_config()  # a multimodal model's settings are its text model's
     if args.indexer_loss_weight is not None:
         text_config.indexer_loss_weight = args.indexer_loss_weight
+    if args.pool_distillation_weight and text_config.index_pool_weighting not in ("learned", "learned_scalar"):
+        raise TrainingInputError(
+            f"--pool_distillation_weight trains a learned pooling gate, but the model pools with "
+            f"index_pool_weighting={text_config.index_pool_weighting!r}; use a model with 'learned' or "
+            "'learned_scalar' pooling (or drop --pool_distillation_weight).")
     if args.block_size <= text_config.index_topk + text_config.index_pool_size - 1:
         logger.warning(
             f"--block_size {args.block_size} is within the token budget ({text_config.index_topk}): every window is "
@@ -235,6 +280,7 @@ def run_indexer_training(args: IndexerTrainingArguments, training_args: Training
             trainer = train_indexer_stage(
                 model, stage, train_dataset, stage_training_arguments(args, training_args, stage), collator,
                 eval_dataset=eval_dataset, processing_class=tokenizer, keep_pooling=args.freeze_pooling,
+                pool_distillation_weight=args.pool_distillation_weight,
             )
             stage_metrics = {"steps": trainer.state.global_step, "log_history": trainer.state.log_history}
             if eval_dataset is not None:

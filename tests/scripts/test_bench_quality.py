@@ -138,3 +138,105 @@ def test_fp8_index_keys_need_a_power_of_two_index_head_dim(capsys):
     assert "power of two" in capsys.readouterr().err
     assert bench_quality.parse_arguments(TINY + ["--hidden-size", "96", "--key-cache-settings", ""]) \
         .key_cache_settings == []
+
+
+def test_pool_sizes_8_and_16_at_the_same_budget_with_their_cache_bytes_and_the_distilled_gate(capsys):
+    args = bench_quality.parse_arguments(TINY + ["--settings", "mean_r16,dense"])
+    assert args.beyond_budget_from == 16 + 15  # where r = 16 starts pruning, for every setting of the run
+    report = bench_quality.main(TINY + ["--settings", "mean_r8,distilled_scalar_r8,mean_r4,dense",
+                                        "--key-cache-settings", "", "--no-untrained"])
+    assert "| distilled scalar pooling r=8 | warm-up |" in capsys.readouterr().out
+    assert report["results_fresh"] == []
+    rows = {row["setting"]: row for row in report["results_after_sparse"]}
+    assert (rows["mean_r8"]["pool_size"], rows["distilled_scalar_r8"]["weighting"]) == (8, "learned_scalar")
+    # One IndexPool layer with float32 index keys of 16 channels: 64 bytes per pooled key, per token 64 / r.
+    assert report["index_cache_bytes"]["mean_r8"] == {"tokens": 128, "pooled_index_keys": 8.0, "open_window": 0.0,
+                                                      "per_token": 8.0, "unpooled": 64.0}
+    assert rows["mean_r4"]["index_cache_bytes_per_token"] == 16.0 and "index_cache_bytes_per_token" not in rows["dense"]
+    warmed = {row["setting"]: row for row in report["results"]}
+    # Only the distilled setting trains its gate toward the attention its keys receive (both stages).
+    assert warmed["distilled_scalar_r8"]["warmup_pool_distillation_first"] > 0
+    assert rows["distilled_scalar_r8"]["sparse_pool_distillation_last"] > 0
+    assert "warmup_pool_distillation_first" not in warmed["mean_r8"]
+    for row in rows.values():
+        if row["setting"] != "dense":
+            assert 0.0 < row["attention_mass"] <= row["best_selection_mass"] + 1e-6 < 1.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--settings", "mean_r16,dense", "--budget", "24"], "multiple of 16 (the largest pool size"),
+    (["--settings", "mean_r3,dense"], "not ['mean_r3']"),
+    (["--settings", "mean_r8,dense", "--sink-windows", "2", "--local-windows", "1"],
+     "fit in the r=8 budget of 2 windows"),
+    (["--pool-distillation-weight", "-1"], "must not be negative"),
+])
+def test_bad_pool_sizes_are_refused(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_quality.parse_arguments(TINY + extra)
+    assert message in capsys.readouterr().err
+
+
+def test_a_rerun_resumes_from_the_results_folder_and_other_options_are_refused(tmp_path, capsys, monkeypatch):
+    folder = str(tmp_path / "results")
+    options = TINY + ["--key-cache-settings", "", "--no-untrained", "--results-dir", folder]
+    first = bench_quality.main(options + ["--settings", "mean_r8,dense"])
+    assert sorted(path.name for path in (tmp_path / "results").iterdir()) == \
+        ["base.pt", "dense.json", "mean_r8.json", "options.json"]
+    capsys.readouterr()
+    ran = []
+    run_setting = bench_quality.run_setting
+    monkeypatch.setattr(bench_quality, "run_setting", lambda setting, *args: ran.append(setting) or
+                        run_setting(setting, *args))
+    second = bench_quality.main(options + ["--settings", "mean_r8,learned_r8,dense"])
+    printed = capsys.readouterr().out
+    # Neither the base model nor the finished settings are trained again; the new setting is.
+    assert ran == ["learned_r8"] and "the dense base model from" in printed and "1/3 training" not in printed
+    assert "mean_r8: finished in an earlier run" in printed
+    assert second["results"][0] == first["results"][0] and second["results"][2] == first["results"][1]
+    assert second["base_training"] == first["base_training"]
+    with pytest.raises(SystemExit, match="holds results of other options \\(differing: train_steps\\)"):
+        bench_quality.main(options[:options.index("--train-steps")] + ["--train-steps", "5"]
+                           + options[options.index("--train-steps") + 2:] + ["--settings", "mean_r8,dense"])
+    # Another schedule of the indexers in another folder starts from the same base model; another base is refused.
+    base = str(tmp_path / "results" / "base.pt")
+    other = [*TINY, "--key-cache-settings", "", "--no-untrained", "--settings", "mean_r8,dense"]
+    other[other.index("--warmup-steps") + 1] = "2"
+    third = bench_quality.main(other + ["--base-model", base, "--results-dir", str(tmp_path / "other")])
+    assert "1/3 training" not in capsys.readouterr().out and third["base_training"] == first["base_training"]
+    assert third["results"][0] != first["results"][0]  # fewer warm-up steps
+    other[other.index("--train-steps") + 1] = "5"
+    with pytest.raises(SystemExit, match="trained with other options \\(differing: train_steps\\)"):
+        bench_quality.main(other + ["--base-model", base])
+
+
+def test_the_study_summary_puts_each_pool_size_and_weighting_of_each_seed_side_by_side(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (in the dev extra)")
+    paths = []
+    for seed in (0, 1):
+        paths.append(str(tmp_path / f"seed{seed}.json"))
+        bench_quality.main(TINY + ["--settings", "mean_r8,learned_r8,mean_r4,dense", "--key-cache-settings", "",
+                                   "--no-untrained", "--seed", str(seed), "--json", paths[-1]])
+    capsys.readouterr()
+    result = bench_quality.main(["--summarize", *paths, "--plot", str(tmp_path / "study.png")])
+    table = result["table"]
+    assert table == capsys.readouterr().out.strip()
+    lines = table.split("\n\n")[0].splitlines()
+    assert lines[0].startswith("| after | r | indexer cache bytes/token | weighting |")
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:5]): line for line in lines[2:]}
+    assert set(rows) == {(stage, r, cache, weighting) for stage in ("warm-up", "+ stage 2")
+                         for r, cache, weighting in (("8", "8", "mean"), ("8", "8", "learned"), ("4", "16", "mean"),
+                                                     ("-", "-", "dense"))}
+    # Two seeds per cell; mean pooling is its own reference.
+    assert rows["+ stage 2", "8", "8", "mean"].split("|")[8].strip() == "+0.0 / +0.0"
+    assert rows["warm-up", "8", "8", "learned"].count(" / ") == 6  # six measures, each of two seeds
+    study = bench_quality.pool_size_study([json.loads((tmp_path / f"seed{seed}.json").read_text())
+                                           for seed in (0, 1)])
+    learned = next(entry for entry in study if entry["setting"] == "learned_r8" and entry["stage"] == "warm-up")
+    assert learned["seeds"] == [0, 1] and learned["share_of_best"][1] == pytest.approx(
+        learned["attention_mass"][1] / learned["best_selection_mass"][1])
+    assert (tmp_path / "study.png").stat().st_size > 0
+    # The base model's attention inside windows of each pool size of the run, per seed.
+    concentration = json.loads((tmp_path / "seed0.json").read_text())["window_concentration"]
+    assert set(concentration) == {"4", "8"}
+    assert 0.0 < concentration["8"]["shared"] < concentration["8"]["per_query"] < math.log(8)
+    assert "| 8 | 2.079 |" in table

@@ -40,7 +40,7 @@ def test_help_lists_the_stage_options(capsys):
     printed = capsys.readouterr().out
     for option in ("--stage", "--dense_warmup_steps", "--sparse_steps", "--dense_warmup_learning_rate",
                    "--indexer_loss_weight", "--init_config", "--overwrite_output_dir", "--learning_rate",
-                   "--freeze_pooling"):
+                   "--freeze_pooling", "--pool_distillation_weight"):
         assert option in printed
 
 
@@ -76,6 +76,22 @@ def test_warm_up_trains_only_the_indexer_and_lowers_its_kl_then_sparse_stage_sav
         torch.testing.assert_close(remote(input_ids).logits, sparse(input_ids).logits)
 
 
+def test_pool_distillation_is_logged_and_falls_in_the_warm_up_and_runs_in_the_sparse_stage(tmp_path,
+                                                                                            checkpoint_and_data):
+    base, data = checkpoint_and_data
+    metrics = train_indexer.main(command_line(base, data, tmp_path / "out", "--dense_warmup_steps", "10",
+                                              "--dense_warmup_learning_rate", "3e-2", "--sparse_steps", "2",
+                                              "--pool_distillation_weight", "1.0"))
+    warmup = [entry for entry in metrics["warmup"]["log_history"] if "pool_distillation" in entry]
+    distillation = [entry["pool_distillation"] for entry in warmup]
+    assert len(distillation) == 10 and sum(distillation[-3:]) < 0.8 * sum(distillation[:3]), distillation
+    # The logged loss is the KL plus the distillation (weight 1).
+    assert all(entry["loss"] == pytest.approx(entry["indexer_kl"] + entry["pool_distillation"], rel=1e-3, abs=1e-4)
+               for entry in warmup)
+    sparse = [entry for entry in metrics["sparse"]["log_history"] if "pool_distillation" in entry]
+    assert len(sparse) == 2 and all(entry["pool_distillation"] > 0 for entry in sparse)
+
+
 def test_both_stages_from_scratch(tmp_path, checkpoint_and_data):
     _, data = checkpoint_and_data
     config = json.dumps(dict(
@@ -96,6 +112,8 @@ def test_both_stages_from_scratch(tmp_path, checkpoint_and_data):
     (["--stage", "sparse", "--sparse_steps", "0"], "--sparse_steps is 0"),
     (["--resume_from_checkpoint", "last"], "does not resume inside a stage"),
     (["--block_size", "0"], "--block_size is 0; give the number of tokens per training sequence"),
+    (["--pool_distillation_weight", "-1"], "--pool_distillation_weight is -1.0; use 0 (off) or a positive"),
+    (["--pool_distillation_weight", "1", "--freeze_pooling"], "drop one of the two"),
 ])
 def test_bad_options_are_refused(tmp_path, capsys, checkpoint_and_data, extra, message):
     base, data = checkpoint_and_data
@@ -104,6 +122,21 @@ def test_bad_options_are_refused(tmp_path, capsys, checkpoint_and_data, extra, m
     assert stop.value.code == 2
     printed = capsys.readouterr().err
     assert "\nerror: " in "\n" + printed and message in printed and "Traceback" not in printed
+
+
+def test_pool_distillation_of_a_mean_pooling_model_is_refused(tmp_path, capsys, checkpoint_and_data):
+    _, data = checkpoint_and_data
+    config = json.dumps(dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, layer_types=["linear_attention",
+        "indexpool_attention"], num_attention_heads=2, num_key_value_heads=1, head_dim=16, index_n_heads=2,
+        index_head_dim=16, index_topk=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, index_pool_weighting="mean",
+    ))
+    with pytest.raises(SystemExit) as stop:
+        train_indexer.main(["--init_config", config, *command_line("", data, tmp_path / "out")[2:],
+                            "--pool_distillation_weight", "1"])
+    assert stop.value.code == 2
+    assert "index_pool_weighting='mean'; use a model with 'learned' or 'learned_scalar'" in capsys.readouterr().err
 
 
 def test_a_non_empty_output_folder_is_refused_unless_overwriting(tmp_path, checkpoint_and_data):
