@@ -2,7 +2,6 @@ from .cache_hybrid_indexpool import (
     HybridIndexPoolCache,
     IndexPoolLayerCache,
     LinearAttentionLayerCache,
-    MultiTokenPredictionCache,
 )
 from .modeling_hybrid_indexpool import (
     HybridIndexPoolForCausalLM,
@@ -21,7 +20,6 @@ __all__ = [
     "HybridIndexPoolCache",
     "IndexPoolLayerCache",
     "LinearAttentionLayerCache",
-    "MultiTokenPredictionCache",
     "HybridIndexPoolMTPCandidateGenerator",
     "HybridIndexPoolForCausalLM",
     "HybridIndexPoolForSequenceClassification",

@@ -11,7 +11,7 @@ from torch import nn
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.pooled_index_topk import pooled_index_scores_torch, pooled_index_topk
 from ..kernels.sparse_attention import masked_softmax
-from .cache_hybrid_indexpool import IndexPoolLayerCache
+from .cache_layers import IndexPoolLayerCache
 from .indexer import HybridIndexPoolIndexer, window_kl_divergence
 
 
@@ -87,25 +87,30 @@ class HybridIndexPoolAttentionBase(nn.Module):
         projected = self.project(hidden_states, cos, sin)
         self.check_indexer_loss(indexer_loss, layer_cache, projected.query.shape[1])
 
-        index_queries = raw_index_keys = gate_logits = head_weights = None
+        index_queries = head_weights = pooled_index_keys = None
         if self.indexer is not None:
             # The indexer reads detached inputs: only its own loss trains it, and it never trains the model (the
             # selection passes no gradient either way).
             query_latent = None if projected.query_latent is None else projected.query_latent.detach()
             index_queries, raw_index_keys, gate_logits, head_weights = self.indexer(
                 hidden_states.detach(), cos, sin, query_latent)
-        state = layer_cache
-        if state is None:  # without a cache, a per-call state does the same bookkeeping
-            state = IndexPoolLayerCache(self.pool_size)
-            state.plan(token_is_real)
-        # By position: [batch, kv_heads, capacity, head_dim] (MLA: latents, no values)
-        key, value, completed = state.update(
-            projected.key, projected.value, raw_index_keys, gate_logits, token_is_real, rope_positions)
-        pooled_index_keys = state.pooled_index_keys  # [batch, capacity // r, index_head_dim]
-        if completed is not None:
-            pooled = self.indexer.pool_windows(completed.keys, completed.gate_logits, completed.first_positions,
-                                               quantize=state.fp8_index_keys)
-            pooled_index_keys = state.store_pooled_index_keys(completed, pooled)
+        key, value = projected.key, projected.value  # [batch, kv_heads, seq, head_dim] (MLA: latents, no values)
+        if layer_cache is None:
+            # Without a cache each row's real tokens come first, so position p is column p: pool its complete windows.
+            if self.indexer is not None:
+                num_windows, r = seq_len // self.pool_size, self.pool_size
+                pooled_index_keys = self.indexer.pool_windows(
+                    raw_index_keys[:, : num_windows * r].unflatten(1, (num_windows, r)),
+                    None if gate_logits is None else gate_logits[:, : num_windows * r].unflatten(1, (num_windows, r)),
+                    rope_positions[:, :, : num_windows * r: r])
+        else:
+            windows = pooled = None
+            if self.indexer is not None:
+                windows = layer_cache.place_windows(raw_index_keys, gate_logits, token_is_real, rope_positions)
+                pooled = self.indexer.pool_windows(windows.keys, windows.gate_logits, windows.first_positions,
+                                                   quantize=layer_cache.fp8_index_keys)
+            # By position: [batch, kv_heads, capacity, head_dim]; pooled keys [batch, capacity // r, index_head_dim]
+            key, value, pooled_index_keys = layer_cache.update(key, value, token_is_real, windows, pooled)
         # A padding query sees no window, only its tail: a finite output that is never read.
         num_visible = torch.where(token_is_real, (positions + 1) // self.pool_size, 0)
 

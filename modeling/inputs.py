@@ -103,7 +103,7 @@ def prepare_inputs(model, inputs_embeds, attention_mask, position_ids, cache, us
         ple_token_ids = None if ple_token_ids is None else layout.to_grid(ple_token_ids)
     # Storage positions: each row counts its real tokens (the cache's per-row lengths come first).
     if cache is not None:
-        positions = cache.begin_update(token_is_real)
+        positions = cache.positions(token_is_real)
     else:
         positions = (token_is_real.long().cumsum(dim=1) - 1).clamp(min=0)
     if text_positions is not None and seq_len > 1:
