@@ -13,6 +13,7 @@ from ..kernels.pooled_index_topk import pooled_index_scores_torch, pooled_index_
 from ..kernels.sparse_attention import masked_softmax
 from .cache_layers import IndexPoolLayerCache
 from .indexer import HybridIndexPoolIndexer, window_kl_divergence
+from .inputs import tracing
 
 
 @dataclass
@@ -97,6 +98,10 @@ class HybridIndexPoolAttentionBase(nn.Module):
         key, value = projected.key, projected.value  # [batch, kv_heads, seq, head_dim] (MLA: latents, no values)
         if layer_cache is None:
             # Without a cache each row's real tokens come first, so position p is column p: pool its complete windows.
+            # Padding (and an MTP entry without its next token) holds no key, as in a cache.
+            absent = ~token_is_real[:, None, :, None]
+            key = key.masked_fill(absent, 0)
+            value = None if value is None else value.masked_fill(absent, 0)
             if self.indexer is not None:
                 num_windows, r = seq_len // self.pool_size, self.pool_size
                 pooled_index_keys = self.indexer.pool_windows(
@@ -116,7 +121,8 @@ class HybridIndexPoolAttentionBase(nn.Module):
 
         decode = seq_len == 1 and layer_cache is not None and indexer_loss is None
         if not decode:
-            length = int(positions.max()) + 1  # no query of this input sees beyond
+            # No query of this input sees beyond its last position; a trace, which cannot read it, takes a bound.
+            length = int(positions.max()) + 1 if not tracing() else key.shape[2] if layer_cache else seq_len
             key = key[:, :, :length]
             value = None if value is None else value[:, :, :length]
             if pooled_index_keys is not None:
@@ -168,27 +174,28 @@ class HybridIndexPoolAttentionBase(nn.Module):
 
         Decode (`decode`: one token per row with a cache): fixed shapes, no host synchronisation, always a selection
         (everything visible while that fits the budget, so the dense result too). Otherwise None while every query
-        sees at most the budget's windows (or for the dense indexer warm-up). A shared layer returns
-        `shared_selection`, which its full layer made under the same rule.
+        sees at most the budget's windows (or for the dense indexer warm-up); a trace (torch.compile, torch.export),
+        which cannot read how many windows the queries see, bounds them by the stored windows and selects with fixed
+        shapes. A shared layer returns `shared_selection`, which its full layer made under the same rule.
         """
         if self.indexer is None:
             return shared_selection
-        if decode:
+        max_visible = pooled_index_keys.shape[1]
+        if not decode:
+            max_visible = max_visible if tracing() else int(num_visible.max())
+            if indexer_loss == "dense" or max_visible <= self.topk_windows:
+                return None
+        head_weights = None if head_weights is None else head_weights.detach()
+        if decode or tracing():
             # The budget, or every window the storage can hold when that is less: the shapes follow the capacity.
             topk = min(self.topk_windows, pooled_index_keys.shape[1])
             # Forced windows matter only when the budget is smaller than the storage (otherwise all are selected).
             forced = (self.sink_windows, self.local_windows) if topk == self.topk_windows else (0, 0)
-            return pooled_index_topk(
-                index_queries.detach(), pooled_index_keys.detach(), num_visible, topk,
-                None if head_weights is None else head_weights.detach(), None, *forced,
-            )
-        max_visible = int(num_visible.max())
-        if indexer_loss == "dense" or max_visible <= self.topk_windows:
-            return None
+            return pooled_index_topk(index_queries.detach(), pooled_index_keys.detach(), num_visible, topk,
+                                     head_weights, None, *forced)
         return pooled_index_topk(
-            index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows,
-            None if head_weights is None else head_weights.detach(), window_limit=max_visible,
-            sink_windows=self.sink_windows, local_windows=self.local_windows,
+            index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows, head_weights,
+            window_limit=max_visible, sink_windows=self.sink_windows, local_windows=self.local_windows,
         )
 
     def _indexer_kl(self, query, key, index_queries, pooled_index_keys, head_weights, num_visible, positions,

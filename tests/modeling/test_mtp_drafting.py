@@ -8,8 +8,8 @@ import torch
 from model_factory import DRAFTING_VARIANTS, randomize_parameters, repetitive_prompt, tiny_model
 from transformers import CompileConfig
 
-from hybrid_indexpool.modeling.inputs import LayerStep
 from hybrid_indexpool.modeling.mtp_drafting import HybridIndexPoolMTPCandidateGenerator
+from hybrid_indexpool.modeling.token_layout import TokenLayout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -66,11 +66,10 @@ def greedy(model, input_ids, **kwargs):
 def run_mtp_layer(model, layer, hidden, next_ids):
     """MTP layer `layer` over one unpadded row of entries at positions 0.. without a cache: `(next input, head
     input)`."""
-    positions = torch.arange(next_ids.shape[1])[None]
-    step = LayerStep(positions, positions[None], torch.ones_like(positions, dtype=torch.bool))
+    tokens = TokenLayout.of_sequences(torch.arange(next_ids.shape[1])[None])
     text = model.model
-    return text.mtp.layer_step(layer, hidden, text.embed_tokens(next_ids), text._position_embeddings(hidden, step),
-                               step)
+    return text.mtp.layer_step(layer, hidden, text.embed_tokens(next_ids), text.position_embeddings(hidden, tokens),
+                               tokens)
 
 
 def drafts_by_definition(model, input_ids, drafts) -> torch.Tensor:
