@@ -344,6 +344,12 @@ class HybridIndexPoolCache(Cache):
             "per forward); to count synthetic content use cache.extend_to(num_tokens)."
         )
 
+    def offload(self, layer_idx: int, only_non_sliding: bool = True):
+        self.layers[layer_idx].offload()
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True):
+        self.layers[layer_idx].prefetch()
+
     def early_initialization(self, *args, **kwargs):
         raise ValueError(
             "HybridIndexPoolCache allocates each layer when it is first written, for max_cache_len tokens: build it "
