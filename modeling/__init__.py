@@ -3,6 +3,7 @@ from .cache_hybrid_indexpool import (
     IndexPoolLayerCache,
     LinearAttentionLayerCache,
 )
+from .export import HybridIndexPoolDecodeStep
 from .modeling_hybrid_indexpool import (
     HybridIndexPoolForCausalLM,
     HybridIndexPoolForSequenceClassification,
@@ -21,6 +22,7 @@ __all__ = [
     "IndexPoolLayerCache",
     "LinearAttentionLayerCache",
     "HybridIndexPoolMTPCandidateGenerator",
+    "HybridIndexPoolDecodeStep",
     "HybridIndexPoolForCausalLM",
     "HybridIndexPoolForSequenceClassification",
     "HybridIndexPoolModel",
