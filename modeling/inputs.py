@@ -122,10 +122,16 @@ def columns_of_positions(attention_mask, grid, batch_size, device) -> torch.Tens
     return torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices[:, None]
 
 
-def check_inputs(config, input_ids, inputs_embeds, indexer_loss: str | None = None) -> None:
+def check_inputs(config, input_ids, inputs_embeds, indexer_loss: str | None = None,
+                 ple_input_ids: torch.Tensor | None = None) -> None:
     """Refuse malformed inputs with a message that names the argument and the fix."""
     if indexer_loss not in (None, "dense", "sparse"):
         raise ValueError(f"indexer_loss is {indexer_loss!r}; use None, 'dense' or 'sparse'.")
+    if config.ple_layers and ple_input_ids is None and input_ids is None:
+        raise ValueError(
+            "This model has per-layer n-gram embeddings (`ple_layers`), which need the token ids: with "
+            "`inputs_embeds`, also pass `ple_input_ids` [batch, seq]."
+        )
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
     given = input_ids if input_ids is not None else inputs_embeds
@@ -167,6 +173,27 @@ def check_mtp_inputs(config, cache) -> None:
             "continued forward adds: ask for them in a forward from an empty cache (the prompt's, which fills their "
             "cache layers for drafting) or with use_cache=False, not in one that continues a cache."
         )
+
+
+def cache_for_forward(config, cache: HybridIndexPoolCache | None, use_cache: bool | None, recomputing: bool,
+                      batch_size: int, packed: bool) -> tuple[HybridIndexPoolCache | None, bool]:
+    """The cache a forward continues (checked, or created when `use_cache`, default `config.use_cache`) and whether it
+    returns it. None while gradient checkpointing `recomputing` (a layer recomputed would update it twice); refused for
+    `packed` sequences when asked for, and otherwise left out."""
+    use_cache_asked, use_cache = use_cache, config.use_cache if use_cache is None else use_cache
+    if recomputing:
+        use_cache, cache = False, None
+    check_cache(config, cache, batch_size)
+    if packed:
+        if cache is not None or use_cache_asked:
+            raise ValueError(
+                "`position_ids` restart at 0 inside a row (packed sequences, as DataCollatorWithFlattening "
+                "makes): that is for training without a cache; pass use_cache=False, or one sequence per row."
+            )
+        use_cache = False
+    if use_cache and cache is None:
+        cache = HybridIndexPoolCache(config)
+    return cache, use_cache
 
 
 def check_cache(config, cache, batch_size: int) -> None:

@@ -38,7 +38,7 @@ from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .indexer import HybridIndexPoolIndexer
 from .inputs import (
     HybridIndexPoolKwargs,
-    check_cache,
+    cache_for_forward,
     check_inputs,
     check_mtp_inputs,
     packed_sequences,
@@ -300,31 +300,17 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
                 `output_indexer_selections`, `output_mtp_hidden_states` and `output_mtp_inputs`.
         """
         config = self.config
-        check_inputs(config, input_ids, inputs_embeds, kwargs.get("indexer_loss"))
         ple_input_ids = kwargs.pop("ple_input_ids", None)
         ple_input_ids = input_ids if ple_input_ids is None else ple_input_ids
-        if config.ple_layers and ple_input_ids is None:
-            raise ValueError(
-                "This model has per-layer n-gram embeddings (`ple_layers`), which need the token ids: with "
-                "`inputs_embeds`, also pass `ple_input_ids` [batch, seq]."
-            )
+        check_inputs(config, input_ids, inputs_embeds, kwargs.get("indexer_loss"), ple_input_ids)
         # Embeddings in another precision (float64 from a user's pipeline) are cast to the model's, as its own are.
         inputs_embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.to(
             self.embed_tokens.weight.dtype)
-        batch_size, seq_len = inputs_embeds.shape[:2]
-        use_cache_asked, use_cache = use_cache, config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            use_cache, cache = False, None  # the recomputation would update a cache twice
-        check_cache(config, cache, batch_size)
-        if packed_sequences(position_ids, attention_mask, seq_len):
-            if cache is not None or use_cache_asked:
-                raise ValueError(
-                    "`position_ids` restart at 0 inside a row (packed sequences, as DataCollatorWithFlattening "
-                    "makes): that is for training without a cache; pass use_cache=False, or one sequence per row."
-                )
-            use_cache = False
-        if use_cache and cache is None:
-            cache = HybridIndexPoolCache(config)
+        seq_len = inputs_embeds.shape[1]
+        # Gradient checkpointing recomputes layers, which would update a cache twice.
+        recomputing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        cache, use_cache = cache_for_forward(config, cache, use_cache, recomputing, inputs_embeds.shape[0],
+                                             packed_sequences(position_ids, attention_mask, seq_len))
         output_mtp_inputs = kwargs.pop("output_mtp_inputs", False)
         output_mtp_hidden_states = kwargs.get("output_mtp_hidden_states", False)
         if output_mtp_hidden_states or output_mtp_inputs:
@@ -432,7 +418,8 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
         """
         mtp_logits = wants_mtp_logits(self.config, kwargs.pop("output_mtp_logits", None), labels)
         kwargs["output_mtp_hidden_states"] = mtp_logits or kwargs.get("output_mtp_hidden_states", False)
-        kwargs.setdefault("output_router_logits", self.config.output_router_logits)
+        if kwargs.get("output_router_logits") is None:  # the config's default, as transformers' MoE heads take it
+            kwargs["output_router_logits"] = self.config.output_router_logits
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         return causal_lm_output(self, outputs, labels, logits_to_keep, attention_mask, mtp_logits, **kwargs)
@@ -466,7 +453,8 @@ class HybridIndexPoolForSequenceClassification(GenericForSequenceClassification,
         """`GenericForSequenceClassification.forward`: class logits `[batch, num_labels]` of the last real token of
         each row and, given `labels`, the loss; plus `router_logits` and their load-balancing `aux_loss` (added to the
         loss) with `output_router_logits` (default `config.output_router_logits`)."""
-        kwargs.setdefault("output_router_logits", self.config.output_router_logits)
+        if kwargs.get("output_router_logits") is None:  # the config's default, as transformers' MoE heads take it
+            kwargs["output_router_logits"] = self.config.output_router_logits
         base_outputs = []  # the text model's output, which the generic head keeps only in part
         hook = self.model.register_forward_hook(lambda module, args, output: base_outputs.append(output))
         try:

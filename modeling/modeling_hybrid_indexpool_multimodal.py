@@ -270,7 +270,8 @@ class HybridIndexPoolForConditionalGeneration(HybridIndexPoolMultimodalPreTraine
         text_config = self.config.text_config
         mtp_logits = wants_mtp_logits(text_config, kwargs.pop("output_mtp_logits", None), labels)
         kwargs["output_mtp_hidden_states"] = mtp_logits or kwargs.get("output_mtp_hidden_states", False)
-        kwargs.setdefault("output_router_logits", text_config.output_router_logits)
+        if kwargs.get("output_router_logits") is None:  # the config's default, as transformers' MoE heads take it
+            kwargs["output_router_logits"] = text_config.output_router_logits
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, pixel_values=pixel_values, pixel_values_videos=pixel_values_videos,

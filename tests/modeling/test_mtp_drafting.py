@@ -117,6 +117,21 @@ def test_mtp_drafting_gives_the_greedy_tokens_and_drafts_by_definition(variant, 
             torch.testing.assert_close(logits[0], drafts_by_definition(model, verified, drafts), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_mtp_layers, k", [(1, 2), (2, 3)])
+def test_the_prompts_forward_fills_the_mtp_layers_so_the_first_round_is_a_step(num_mtp_layers, k, monkeypatch):
+    """The prompt's forward runs the MTP layers over the prompt into the cache's MTP layers: the first drafting round
+    runs each layer over as few entries as every later round (`num_mtp_layers` each, not the 40-token prompt), and
+    the tokens are greedy's."""
+    model = mtp_model("gdn-r4", num_mtp_layers=num_mtp_layers)
+    input_ids = repetitive_prompt(40, seed=7)
+    expected = greedy(model, input_ids)
+    log = DraftLog(monkeypatch)
+    torch.testing.assert_close(greedy(model, input_ids, use_mtp=True, num_assistant_tokens=k), expected, rtol=0,
+                               atol=0)
+    first_round = log.entries[:k]  # one layer pass per draft
+    assert first_round[:num_mtp_layers] == [num_mtp_layers] * num_mtp_layers and max(first_round) <= num_mtp_layers
+
+
 def agreeing_model(leak: float, **overrides):
     """A model whose layers write `leak` times their random outputs (0: it predicts the next token from the current
     one alone) and whose MTP layer predicts that same way from the token it reads: with `leak = 0` every draft is the

@@ -125,12 +125,6 @@ class HybridIndexPoolModelTest(ModelTesterMixin, GenerationTesterMixin, unittest
         if experts_test and not self.model_tester.config_kwargs.get("num_experts"):
             self.skipTest("no experts in this config (HybridIndexPoolMoeModelTest runs it)")
 
-    @unittest.skip("router logits are collected by the model (mapped back from its padding-free token layout), not by "
-                   "transformers' output recorder, which would see them in that layout; returned and tested in "
-                   "test_output_router_logits_from_config and tests/modeling/test_mixture_of_experts.py")
-    def test_moe_models_record_router_logits(self):
-        pass
-
     def test_attention_outputs(self):
         """Only the IndexPool layers return attention weights (Qwen3-Next's convention for its linear layers),
         `[batch, heads, queries, keys]` over every mask column, through the argument or the config."""
