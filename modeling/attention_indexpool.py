@@ -14,6 +14,7 @@ from ..kernels.sparse_attention import masked_softmax
 from .cache_layers import IndexPoolLayerCache
 from .indexer import HybridIndexPoolIndexer, window_kl_divergence
 from .inputs import tracing
+from .layers import FEW_TOKENS
 
 
 @dataclass
@@ -119,7 +120,8 @@ class HybridIndexPoolAttentionBase(nn.Module):
         # A padding query sees no window, only its tail: a finite output that is never read.
         num_visible = torch.where(token_is_real, (positions + 1) // self.pool_size, 0)
 
-        decode = seq_len == 1 and layer_cache is not None and indexer_loss is None
+        # A decode step, or a verify forward's few tokens over a cache: fixed shapes, nothing read from the device.
+        decode = seq_len <= FEW_TOKENS and layer_cache is not None and indexer_loss is None
         if not decode:
             # No query of this input sees beyond its last position; a trace, which cannot read it, takes a bound.
             length = int(positions.max()) + 1 if not tracing() else key.shape[2] if layer_cache else seq_len
@@ -172,7 +174,8 @@ class HybridIndexPoolAttentionBase(nn.Module):
                        indexer_loss: str | None, shared_selection: torch.Tensor | None) -> torch.Tensor | None:
         """Windows each query attends to, `[batch, queries, topk]` (`-1` for none), or None for dense attention.
 
-        Decode (`decode`: one token per row with a cache): fixed shapes, no host synchronisation, always a selection
+        Decode (`decode`: up to `FEW_TOKENS` tokens per row with a cache, a decode step or a speculative verify
+        forward): fixed shapes, no host synchronisation, always a selection
         (everything visible while that fits the budget, so the dense result too). Otherwise None while every query
         sees at most the budget's windows (or for the dense indexer warm-up); a trace (torch.compile, torch.export),
         which cannot read how many windows the queries see, bounds them by the stored windows and selects with fixed

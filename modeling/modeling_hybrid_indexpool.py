@@ -303,9 +303,13 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         ple_input_ids = kwargs.pop("ple_input_ids", None)
         ple_input_ids = input_ids if ple_input_ids is None else ple_input_ids
         check_inputs(config, input_ids, inputs_embeds, kwargs.get("indexer_loss"), ple_input_ids)
-        # Embeddings in another precision (float64 from a user's pipeline) are cast to the model's, as its own are.
-        inputs_embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.to(
-            self.embed_tokens.weight.dtype)
+        # Embeddings in another precision (float64 from a user's pipeline) are cast to the model's, as its own are (a
+        # later pipeline stage has no embedding: it takes the states the stage before handed it).
+        embedding_weight = getattr(self.embed_tokens, "weight", None)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        elif embedding_weight is not None:
+            inputs_embeds = inputs_embeds.to(embedding_weight.dtype)
         seq_len = inputs_embeds.shape[1]
         # Gradient checkpointing recomputes layers, which would update a cache twice.
         recomputing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
