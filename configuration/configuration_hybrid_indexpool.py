@@ -1,5 +1,8 @@
 """Configuration of the HybridIndexPool model: Gated DeltaNet layers interleaved with IndexPool sparse attention."""
 
+import dataclasses
+import difflib
+import warnings
 from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
@@ -80,6 +83,25 @@ def _in_interval(value, interval: str) -> bool:
     low, high = (float(bound) for bound in interval[1:-1].split(","))
     above = low <= value if interval[0] == "[" else low < value
     return above and (value <= high if interval[-1] == "]" else value < high)
+
+
+def misspelled_fields(config_class, keys) -> dict[str, str | None]:
+    """Each of `keys` that is not a field of the dataclass `config_class`, with the field it most resembles (`difflib`,
+    similarity >= 0.85), or None when it resembles none; private keys (`_name`) are left out."""
+    fields = [field.name for field in dataclasses.fields(config_class)]
+    return {key: next(iter(difflib.get_close_matches(key, fields, n=1, cutoff=0.85)), None)
+            for key in keys if key not in fields and not key.startswith("_")}
+
+
+def warn_misspelled_fields(config_class, keys) -> None:
+    """One warning for the `keys` a config was given that are not its fields but resemble one (a typo, which
+    transformers would keep as an attribute nobody reads). Other unknown keys pass silently: checkpoints carry keys of
+    other tools and versions."""
+    resembling = {key: field for key, field in misspelled_fields(config_class, keys).items() if field is not None}
+    if resembling:
+        listed = "; ".join(f"`{key}` (did you mean `{field}`?)" for key, field in resembling.items())
+        warnings.warn(f"{config_class.__name__}: {listed} is not a setting of the model and is ignored; use the "
+                      "field's name.", UserWarning, stacklevel=5)  # the caller of the config class
 
 
 def register_layer_type() -> None:
@@ -413,6 +435,7 @@ class HybridIndexPoolConfig(PreTrainedConfig):
     source_config: dict | None = None
 
     def __post_init__(self, **kwargs):
+        warn_misspelled_fields(type(self), kwargs)
         if self.layer_types is None:
             self.layer_types = [
                 "indexpool_attention" if (i + 1) % 4 == 0 else "linear_attention"

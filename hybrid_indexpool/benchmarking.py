@@ -77,21 +77,23 @@ class MeasuringProcesses:
         return payload
 
 
-def median_seconds(function, repeats: int = 5) -> float:
-    """Median wall time of `repeats` calls of `function`."""
+def median_seconds(function, repeats: int = 5, clock=time.perf_counter) -> float:
+    """Median time of `repeats` calls of `function` on `clock` (wall time; `time.process_time` for the CPU time the
+    process used, which a loaded machine's waits for a core do not count)."""
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         function()
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)
     return statistics.median(samples)
 
 
-def copy_bandwidth(elements: int = 1 << 27) -> float:
-    """Bytes read plus written per second by a 512 MiB in-memory copy with the current thread count, median of five."""
+def copy_bandwidth(elements: int = 1 << 27, clock=time.perf_counter) -> float:
+    """Bytes read plus written per second by a 512 MiB in-memory copy with the current thread count, median of five
+    (seconds on `clock`, as `median_seconds`)."""
     source = torch.ones(elements)
     target = torch.empty_like(source)
-    return 2 * source.numel() * source.element_size() / median_seconds(lambda: target.copy_(source))
+    return 2 * source.numel() * source.element_size() / median_seconds(lambda: target.copy_(source), clock=clock)
 
 
 def read_bandwidth(elements: int = 1 << 27) -> float:

@@ -268,10 +268,12 @@ def copying_prompt(passage: torch.Tensor, repeat_marker: torch.Tensor, copies: i
     return torch.cat(pieces)[None]
 
 
-def drafting_model_config(hidden_size: int = 128, layers: int = 4, context: int = 256) -> dict:
+def drafting_model_config(hidden_size: int = 128, layers: int = 4, context: int = 256,
+                          head_dim: int | None = None) -> dict:
     """`HybridIndexPoolConfig` settings of the byte-level model the drafting rows run on (as the quality benchmark's:
-    linear-attention and IndexPool layers alternating, r = 4, a budget of a quarter of the training context)."""
-    head_dim = max(16, hidden_size // 4)
+    linear-attention and IndexPool layers alternating, r = 4, a budget of a quarter of the training context). Heads
+    of `head_dim` channels (default `hidden_size / 4`; vLLM's CPU Gated DeltaNet needs 64 or 128)."""
+    head_dim = head_dim or max(16, hidden_size // 4)
     return dict(
         hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
         layer_types=["linear_attention" if i % 2 == 0 else "indexpool_attention" for i in range(layers)],
@@ -298,7 +300,7 @@ def training_text_file(path: str, characters: int) -> str:
 
 def train_drafting_model(output_dir: str, base_steps: int = 600, mtp_steps: int = 300, hidden_size: int = 128,
                          layers: int = 4, block_size: int = 256, batch_size: int = 8, learning_rate: float = 2e-3,
-                         mtp_learning_rate: float = 2e-3, seed: int = 0) -> str:
+                         mtp_learning_rate: float = 2e-3, seed: int = 0, head_dim: int | None = None) -> str:
     """Train the drafting rows' model with the project's own training commands: a fresh byte-level model on the
     standard library's training split (`training.run_finetune` with `init_config`), then one fresh MTP layer on the
     same text with the model frozen (`mtp_training.run_mtp_training`, MTP loss alone). Writes `output_dir/base` and
@@ -315,7 +317,7 @@ def train_drafting_model(output_dir: str, base_steps: int = 600, mtp_steps: int 
     os.makedirs(output_dir, exist_ok=True)
     settings = dict(base_steps=base_steps, mtp_steps=mtp_steps, hidden_size=hidden_size, layers=layers,
                     block_size=block_size, batch_size=batch_size, learning_rate=learning_rate,
-                    mtp_learning_rate=mtp_learning_rate, seed=seed)
+                    mtp_learning_rate=mtp_learning_rate, seed=seed, head_dim=head_dim)
     # Enough text that no block repeats (10% over, for what packing drops at file ends).
     text = training_text_file(os.path.join(output_dir, "train.txt"),
                               int(1.1 * max(base_steps, mtp_steps) * batch_size * block_size))
@@ -328,7 +330,7 @@ def train_drafting_model(output_dir: str, base_steps: int = 600, mtp_steps: int 
 
     base, mtp = os.path.join(output_dir, "base"), os.path.join(output_dir, "mtp")
     base_metrics = run_finetune(
-        FinetuneArguments(init_config=json.dumps(drafting_model_config(hidden_size, layers, block_size)),
+        FinetuneArguments(init_config=json.dumps(drafting_model_config(hidden_size, layers, block_size, head_dim)),
                           train_files=[text], block_size=block_size, overwrite_output_dir=True),
         trainer_arguments(base, base_steps, learning_rate))
     mtp_metrics = run_mtp_training(

@@ -43,19 +43,22 @@ GLM5_NEXT_VISION_TOKENS = dict(image_token_id=258, video_token_id=257, image_sta
                                image_end_token_id=255, video_start_token_id=254, video_end_token_id=253)
 
 
-def tiny_source_model(family: str, seed: int = 0) -> torch.nn.Module:
+def tiny_source_model(family: str, seed: int = 0, **text_overrides) -> torch.nn.Module:
     """A random float32 source model of `family`: `qwen4_exp` (transformers' `Qwen4ExpForCausalLM`) or `glm5_next`
     (`Glm5NextForConditionalGeneration`, with its vision tower). Parameters that start at constants (norms, biases,
-    routers, pooling gates) get random values, so that every converted weight matters."""
+    routers, pooling gates) get random values, so that every converted weight matters. `text_overrides` change the
+    text model's settings (e.g. the widths a serving engine's kernels take)."""
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration, Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
     if family not in FAMILIES:
         raise ValueError(f"family {family!r} is not one of {list(FAMILIES)}.")
     torch.manual_seed(seed)
     if family == "qwen4_exp":
-        model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**QWEN4_EXP_TEXT, rope_parameters=dict(ROPE)))
+        model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**QWEN4_EXP_TEXT | text_overrides,
+                                                       rope_parameters=dict(ROPE)))
     else:
-        config = Glm5NextConfig(text_config=GLM5_NEXT_TEXT, vision_config=GLM5_NEXT_VISION, **GLM5_NEXT_VISION_TOKENS)
+        config = Glm5NextConfig(text_config=GLM5_NEXT_TEXT | text_overrides, vision_config=GLM5_NEXT_VISION,
+                                **GLM5_NEXT_VISION_TOKENS)
         model = Glm5NextForConditionalGeneration(config)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -70,11 +73,16 @@ def tiny_source_model(family: str, seed: int = 0) -> torch.nn.Module:
 
 def save_tiny_source(family: str, folder, seed: int = 0) -> Path:
     """Write a tiny random checkpoint of `family` (see `tiny_source_model`) and the byte-level tokenizer into
-    `folder`, in several shards as the released checkpoints are; FileExistsError if `folder` is a non-empty folder
-    or a file."""
+    `folder`, in several shards as the released checkpoints are, and for GLM-5.3-Flash (a multimodal model) the
+    image processor's settings its vision tower reads (patches of 14, merged 2 x 2) as its release ships them;
+    FileExistsError if `folder` is a non-empty folder or a file."""
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FileExistsError(f"{folder} already exists and is not an empty folder; choose a new output folder.")
     tiny_source_model(family, seed).save_pretrained(folder, max_shard_size="200KB")
     byte_level_tokenizer().save_pretrained(folder)
+    if family == "glm5_next":
+        from transformers import Glm5NextImageProcessorPil
+
+        Glm5NextImageProcessorPil(patch_size=GLM5_NEXT_VISION["patch_size"], merge_size=2).save_pretrained(folder)
     return folder

@@ -5,6 +5,7 @@ Works on one process or under `accelerate launch` (DDP, FSDP, DeepSpeed: the Tra
 with packing or padding, gradient checkpointing, resuming, and LoRA through `peft`.
 """
 
+import argparse
 import contextlib
 import json
 import os
@@ -15,7 +16,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import huggingface_hub
 import torch
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import (
     AutoConfig,
@@ -30,10 +34,11 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
-from transformers.utils import cached_file
+from transformers.utils import CONFIG_NAME, cached_file
 
 from .command_line import exit_with_error
 from .configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
+from .configuration.configuration_hybrid_indexpool import misspelled_fields
 from .modeling import HybridIndexPoolForCausalLM, HybridIndexPoolForConditionalGeneration
 from .tokenization import byte_level_tokenizer
 
@@ -141,7 +146,9 @@ def parse_training_command_line(arguments_class, argv=None, description=None, de
     `accelerate launch`, and each process would train alone); `default_options` are `(flag, value)` pairs added when
     the flag is absent; bf16 is turned on where the GPU supports it unless `--bf16` was given.
     """
-    parser = HfArgumentParser((arguments_class, TrainingArguments), description=description)
+    # The description's examples are command lines: shown as written, not reflowed into one paragraph.
+    parser = HfArgumentParser((arguments_class, TrainingArguments), description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and argv[0].endswith(".json"):
         return parser.parse_json_file(argv[0])
@@ -292,6 +299,26 @@ def pretrained_model_class(name_or_path: str, **options):
     return AutoModelForImageTextToText if isinstance(config, HybridIndexPoolMultimodalConfig) else AutoModelForCausalLM
 
 
+def init_config_settings(text: str) -> dict:
+    """The settings of `--init_config` (a JSON object of config fields, or a file of one). Refuses a key that is not a
+    `HybridIndexPoolConfig` field, naming the field it resembles: the config itself would keep it as an attribute
+    nobody reads (checkpoints carry such keys) and the model would be built at the default."""
+    what = "--init_config (a JSON object of config fields, or a file of one)"
+    try:
+        settings = json.loads(text if text.lstrip()[:1] in ("{", "[") else Path(text).read_text())
+    except (OSError, ValueError) as error:  # no such file, not JSON
+        raise TrainingInputError(f"{what}: {error}") from error
+    if not isinstance(settings, dict):
+        raise TrainingInputError(f"{what}: it holds a {type(settings).__name__}, not an object of fields.")
+    unknown = misspelled_fields(HybridIndexPoolConfig, settings)
+    if unknown:
+        listed = "; ".join(f"`{key}`" + (f" (did you mean `{field}`?)" if field else "")
+                           for key, field in unknown.items())
+        raise TrainingInputError(f"{what}: {listed} is not a field of HybridIndexPoolConfig; use the field names of "
+                                 "its documentation.")
+    return settings
+
+
 def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) \
         -> HybridIndexPoolForCausalLM | HybridIndexPoolForConditionalGeneration:
     """Load the checkpoint, or build a fresh model from `--init_config` sized for the tokenizer.
@@ -317,11 +344,10 @@ def load_model(args: ModelDataArguments, tokenizer, distributed_config=None) \
     else:
         settings = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        settings.update(init_config_settings(args.init_config))
         try:
-            text = args.init_config
-            settings.update(json.loads(text if text.lstrip().startswith("{") else Path(text).read_text()))
             config = HybridIndexPoolConfig(**settings)
-        except (OSError, ValueError, TypeError) as error:  # no such file, not JSON, a field unknown or invalid
+        except (ValueError, TypeError) as error:  # a value invalid or of the wrong type
             raise TrainingInputError(f"--init_config (a JSON object of config fields, or a file of one): {error}") \
                 from error
         model = HybridIndexPoolForCausalLM(config)
@@ -448,6 +474,8 @@ def check_arguments(args: ModelDataArguments, training_args: TrainingArguments) 
     if args.block_size <= 0:
         raise TrainingInputError(f"--block_size is {args.block_size}; give the number of tokens per training sequence, "
                                  "a positive number (default 512).")
+    if args.init_config is not None:
+        init_config_settings(args.init_config)
     name = args.model_name_or_path
     if name is not None and not Path(name).is_dir():
         try:
@@ -455,7 +483,30 @@ def check_arguments(args: ModelDataArguments, training_args: TrainingArguments) 
         except HFValidationError:
             raise TrainingInputError(f"--model_name_or_path {name}: no such folder (nor a Hub model id); give the "
                                      "folder of a checkpoint of ours, or --init_config to train a new model.") from None
+        check_hub_model(name)
     check_output_dir(args, training_args)
+
+
+def check_hub_model(name: str) -> None:
+    """Refuse at once a `--model_name_or_path` that is no local folder and that the Hub cannot give: not downloaded
+    before and offline (or the Hub out of reach), or a model the Hub does not have. One short request instead of
+    transformers' retries, which take over a minute offline and end in a message about the tokenizer."""
+    if isinstance(try_to_load_from_cache(name, CONFIG_NAME), str):  # downloaded before: it loads from the cache
+        return
+    fix = "give the folder of a checkpoint of ours, or --init_config to train a new model"
+    if huggingface_hub.is_offline_mode():
+        raise TrainingInputError(f"--model_name_or_path {name}: no such folder, and no download of it in the Hub "
+                                 f"cache while offline (HF_HUB_OFFLINE); {fix}.")
+    try:
+        huggingface_hub.model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise TrainingInputError(f"--model_name_or_path {name}: no such folder, and the Hub has no model {name} (if "
+                                 f"it is private, log in with `hf auth login`); {fix}.") from None
+    except HfHubHTTPError:  # gated, rate limited, ...: the download itself says what is wrong
+        return
+    except Exception as error:  # no connection at all (name resolution, refused, timeout): the Hub is out of reach
+        raise TrainingInputError(f"--model_name_or_path {name}: no such folder, and the Hub cannot be reached to "
+                                 f"download it ({type(error).__name__}: {error}); {fix}.") from None
 
 
 def check_output_dir(args: ModelDataArguments, training_args: TrainingArguments) -> None:

@@ -17,6 +17,17 @@ static inline lanes load_lanes(const float *p) {
     return v;
 }
 
+/* bfloat16 -> float32: the 16 bits under float32's high half. With AVX2 one zero-extending load and a shift: GCC 12
+   compiles the vector-extension conversion into two half-width widenings put back together (3 more instructions). */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline lanes load_bf16_lanes(const uint16_t *p) {
+    __m256i word = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    lanes v;
+    memcpy(&v, &word, sizeof v);
+    return v;
+}
+#else
 static inline lanes load_bf16_lanes(const uint16_t *p) {
     halves half;
     memcpy(&half, p, sizeof half);
@@ -25,6 +36,7 @@ static inline lanes load_bf16_lanes(const uint16_t *p) {
     memcpy(&v, &word, sizeof v);
     return v;
 }
+#endif
 
 /* The lane sums of 4 vectors, in the first 4 lanes. Clang spells a two-vector shuffle `__builtin_shufflevector` with
    the lane indices as arguments, GCC before 12 only `__builtin_shuffle` with an index vector. */
@@ -125,25 +137,6 @@ static inline lanes load_fp8_lanes_over_256(const uint8_t *p) {
 #else
 static inline lanes load_fp8_lanes_over_256(const uint8_t *p) { return load_fp8_lanes(p) * 0x1p-8f; }
 #endif
-
-/* 16 of them into 16 float32 lanes: one AVX-512 conversion where there is one (two halves put together through
-   memory would stall on the store forwarding), else two of load_fp8_lanes_over_256. */
-typedef float wide_lanes __attribute__((vector_size(64)));
-
-static inline wide_lanes load_fp8_wide_over_256(const uint8_t *p) {
-    wide_lanes v;
-#if defined(__AVX512F__) && defined(__F16C__)
-    /* Intrinsics: the vector-extension spelling of the same steps compiles to 3 shuffles more per 16 values. */
-    __m256i bits = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-    bits = _mm256_and_si256(_mm256_slli_epi16(bits, 7), _mm256_set1_epi16((short)0xBF80));
-    __m512 wide = _mm512_cvtph_ps(bits);
-    memcpy(&v, &wide, sizeof v);
-#else
-    lanes halves[2] = {load_fp8_lanes_over_256(p), load_fp8_lanes_over_256(p + 8)};
-    memcpy(&v, halves, sizeof v);
-#endif
-    return v;
-}
 
 static inline float fp8_to_float(uint8_t byte) {
     uint32_t magnitude = byte & 0x7F, bits = ((magnitude + (120 << 3)) << 20) | ((uint32_t)(byte & 0x80) << 24);

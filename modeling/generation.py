@@ -30,7 +30,15 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
     def _get_candidate_generator(self, generation_config, *args, **kwargs):
         """With `use_mtp=True`, a [`HybridIndexPoolMTPCandidateGenerator`]: transformers' own MTP drafting builds a
         copy of the MTP layers from known layer patterns, which ours are not. Refused in one line for a model without
-        MTP layers, a multimodal model and a draft depth below 1."""
+        MTP layers, a multimodal model and a draft depth below 1; prompt lookup's own settings below 1 are refused
+        naming the argument (transformers' message names neither)."""
+        prompt_lookup = (("prompt_lookup_num_tokens", "tokens prompt lookup drafts per verify forward"),
+                         ("max_matching_ngram_size", "longest n-gram prompt lookup matches (default 2)"))
+        for name, meaning in prompt_lookup if generation_config.prompt_lookup_num_tokens is not None else ():
+            value = getattr(generation_config, name)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} is {value!r}: the {meaning}; give 1 or more (or leave prompt lookup's "
+                                 "arguments out to decode without drafting).")
         if not generation_config.use_mtp:
             return super()._get_candidate_generator(generation_config, *args, **kwargs)
         text_config = self.config.get_text_config()

@@ -569,6 +569,14 @@ def parse_arguments(argv=None):
         args.new_tokens, args.repeats = 4, 3
         args.reference_max_context = min(args.reference_max_context, 4096)
     args.contexts = args.contexts or "8192,16384,32768,65536,131072,262144,524288,1048576"
+    lengths = [entry.strip() for entry in args.contexts.split(",")]
+    if not all(entry.isdigit() and int(entry) > 0 for entry in lengths):
+        parser.error(f"--contexts {args.contexts!r}: give prompt lengths in tokens, positive whole numbers separated "
+                     "by commas (e.g. 8192,131072).")
+    args.contexts = ",".join(lengths)
+    for name in ("new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} is {getattr(args, name)}; give a positive number.")
     args.settings = args.settings or ",".join(GLM_SETTINGS if is_glm(args) else SETTINGS)
     unknown = set(args.settings.split(",")) - set(ALL_SETTINGS)
     if unknown:

@@ -300,12 +300,16 @@ def step_sizes(model: dict, args):
 
 def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int = 7) -> dict:
     """One IndexPool layer's batched decode step (`indexpool_step`, bfloat16) of `requests` requests at each of
-    `contexts`, and its sparse attention alone, with the attention on the compiled CPU kernel and on the PyTorch
-    path, calls alternated (a shared machine's load falls on both) and the median kept; beside them the bytes the
-    step must read (each request's selected keys and values, its pooled keys) and their time at the copy bandwidth
-    measured in the same run (`benchmarking.copy_bandwidth`, bytes read plus written per second)."""
+    `contexts`, and its window selection and sparse attention alone, on the compiled CPU kernels and on the PyTorch
+    paths (`HYBRID_INDEXPOOL_CPU_KERNELS=0`), calls alternated (a shared machine's load falls on both) and the median
+    kept; beside them the bytes the step must read (each request's selected keys and values, its pooled keys) and
+    their time at the copy bandwidth measured in the same run (`benchmarking.copy_bandwidth`, bytes read plus written
+    per second). Each time is taken twice: wall time (`_ms`), and the CPU time the process used (`_cpu_ms`, against
+    the copy bandwidth in CPU time), which leaves out the waits for a core on a loaded machine; with one thread it is
+    the time the work took on the core (with more, waiting threads may spin and count)."""
     from hybrid_indexpool.benchmarking import copy_bandwidth
     from hybrid_indexpool.kernels import sparse_attention
+    from hybrid_indexpool.kernels.cpu_build import ENABLE_VARIABLE
     from hybrid_indexpool.serving.paged_step import select_windows
     from hybrid_indexpool.serving.synthetic_step import synthetic_step
 
@@ -313,30 +317,36 @@ def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int =
         samples = {name: [] for name in paths}
         for _ in range(repeats + 1):  # the first round warms up (kernel builds, allocator)
             for name, run in paths.items():
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 run()
-                samples[name].append(time.perf_counter() - start)
-        return {name: 1e3 * statistics.median(times[1:]) for name, times in samples.items()}
+                samples[name].append((time.perf_counter() - start, time.process_time() - start_cpu))
+        return {f"{name}{suffix}": 1e3 * statistics.median(sample[clock] for sample in times[1:])
+                for name, times in samples.items() for clock, suffix in ((0, ""), (1, "_cpu"))}
 
-    def with_attention_path(kernel: bool, run):
+    def with_cpu_kernels(enabled: bool, run):
         def call():
-            applies = sparse_attention.paged_attention_cpu_applies
-            if not kernel:  # the dispatch's check, turned off for this call only
-                sparse_attention.paged_attention_cpu_applies = lambda *tensors: False
+            saved = os.environ.get(ENABLE_VARIABLE)
+            os.environ[ENABLE_VARIABLE] = "1" if enabled else "0"
             try:
                 return run()
             finally:
-                sparse_attention.paged_attention_cpu_applies = applies
+                if saved is None:
+                    del os.environ[ENABLE_VARIABLE]
+                else:
+                    os.environ[ENABLE_VARIABLE] = saved
         return call
 
-    bandwidth = copy_bandwidth()
+    bandwidth, bandwidth_cpu = copy_bandwidth(), copy_bandwidth(clock=time.process_time)
     rows = []
     for context in contexts:
         step = synthetic_step([context] * requests, [1] * requests, sizes, seed=context)
         main, head_dim = step.main, sizes.head_dim
         with torch.no_grad():
-            selected = select_windows(step.inputs["index_queries"], step.inputs["head_weights"], step.caches, main,
+            def selection():
+                return select_windows(step.inputs["index_queries"], step.inputs["head_weights"], step.caches, main,
                                       step.metadata["pooled_keys"], step.settings)
+
+            selected = selection()
 
             def attention():
                 kv = step.caches.main
@@ -345,40 +355,50 @@ def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int =
                     main.token_request, selected, main.token_position, sizes.pool_size, step.settings.scaling,
                     step.inputs["output_gate"])
 
-            torch.testing.assert_close(with_attention_path(True, attention)(),
-                                       with_attention_path(False, attention)(), rtol=1.6e-2, atol=1e-2)
-            times = timed({"step_kernel": with_attention_path(True, step.run),
-                           "step_torch": with_attention_path(False, step.run),
-                           "attention_kernel": with_attention_path(True, attention),
-                           "attention_torch": with_attention_path(False, attention)})
+            torch.testing.assert_close(with_cpu_kernels(True, attention)(), with_cpu_kernels(False, attention)(),
+                                       rtol=1.6e-2, atol=1e-2)
+            if not torch.equal(with_cpu_kernels(True, selection)(), with_cpu_kernels(False, selection)()):
+                raise AssertionError("the CPU kernel selected other windows than the PyTorch path")
+            paths = {"step": step.run, "selection": selection, "attention": attention}
+            times = timed({f"{name}_{path}": with_cpu_kernels(path == "kernel", run)
+                           for name, run in paths.items() for path in ("kernel", "torch")})
         attended = min(sizes.topk, context // sizes.pool_size * sizes.pool_size) + sizes.pool_size - 1
         element = step.caches.main.element_size()
         attention_bytes = requests * sizes.kv_heads * attended * 2 * head_dim * element
         index_bytes = requests * (context // sizes.pool_size) * step.caches.pooled_keys.shape[-1] * \
             step.caches.pooled_keys.element_size()
         row = {"context": context, "requests": requests, **{f"{name}_ms": ms for name, ms in times.items()},
-               "attention_bytes": attention_bytes, "index_bytes": index_bytes,
-               "attention_bytes_ms": 1e3 * attention_bytes / bandwidth,
-               "step_bytes_ms": 1e3 * (attention_bytes + index_bytes) / bandwidth}
-        for path in ("kernel", "torch"):
-            row[f"attention_{path}_over_bytes"] = row[f"attention_{path}_ms"] / row["attention_bytes_ms"]
-            row[f"step_{path}_over_bytes"] = row[f"step_{path}_ms"] / row["step_bytes_ms"]
+               "attention_bytes": attention_bytes, "index_bytes": index_bytes}
+        for suffix, rate in (("", bandwidth), ("_cpu", bandwidth_cpu)):
+            bytes_ms = {"attention": 1e3 * attention_bytes / rate, "selection": 1e3 * index_bytes / rate,
+                        "step": 1e3 * (attention_bytes + index_bytes) / rate}
+            row.update({"attention_bytes_ms" + suffix: bytes_ms["attention"],
+                        "index_bytes_ms" + suffix: bytes_ms["selection"], "step_bytes_ms" + suffix: bytes_ms["step"]})
+            for part in ("attention", "selection", "step"):
+                for path in ("kernel", "torch"):
+                    row[f"{part}_{path}{suffix}_over_bytes"] = row[f"{part}_{path}{suffix}_ms"] / bytes_ms[part]
         rows.append(row)
-    return {"copy_bandwidth": bandwidth, "threads": torch.get_num_threads(),
+    return {"copy_bandwidth": bandwidth, "copy_bandwidth_cpu": bandwidth_cpu, "threads": torch.get_num_threads(),
             "load_average_1min_after": os.getloadavg()[0], "rows": rows}
 
 
 def print_decode_step_timing(timing: dict) -> None:
-    print(f"one IndexPool layer's decode step, bfloat16, {timing['threads']} threads, copy bandwidth "
-          f"{timing['copy_bandwidth'] / 1e9:.1f} GB/s (read + written); ms, and x its bytes' time at that bandwidth:")
-    print("| context | requests | bytes (MB) | at copy bandwidth | attention: CPU kernel | attention: PyTorch | "
-          "step: CPU kernel | step: PyTorch |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in timing["rows"]:
-        cells = [f"{row[name + '_ms']:.2f} ({row[name + '_over_bytes']:.1f}x)"
-                 for name in ("attention_kernel", "attention_torch", "step_kernel", "step_torch")]
-        print(f"| {row['context']} | {row['requests']} | {(row['attention_bytes'] + row['index_bytes']) / 1e6:.1f} | "
-              f"{row['step_bytes_ms']:.2f} ms | " + " | ".join(cells) + " |")
+    for suffix, clock, rate in (("", "wall time", timing["copy_bandwidth"]),
+                                ("_cpu", "CPU time", timing["copy_bandwidth_cpu"])):
+        print(f"one IndexPool layer's decode step, bfloat16, {timing['threads']} threads, {clock}, copy bandwidth "
+              f"{rate / 1e9:.1f} GB/s (read + written, in {clock}), load average "
+              f"{timing['load_average_1min_after']:.1f}; ms, and x its bytes' time at that bandwidth (the selection's: "
+              "the pooled keys; the attention's: the selected keys and values; the step's: both):")
+        print("| context | requests | bytes (MB) | at copy bandwidth | selection: CPU kernel | selection: PyTorch | "
+              "attention: CPU kernel | attention: PyTorch | step: CPU kernels | step: PyTorch |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for row in timing["rows"]:
+            cells = [f"{row[name + suffix + '_ms']:.2f} ({row[name + suffix + '_over_bytes']:.1f}x)"
+                     for name in ("selection_kernel", "selection_torch", "attention_kernel", "attention_torch",
+                                  "step_kernel", "step_torch")]
+            megabytes, bytes_ms = (row["attention_bytes"] + row["index_bytes"]) / 1e6, row["step_bytes_ms" + suffix]
+            print(f"| {row['context']} | {row['requests']} | {megabytes:.1f} | {bytes_ms:.2f} ms | "
+                  + " | ".join(cells) + " |")
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -406,12 +426,27 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="stream the replies and also report the decode phase (tokens/s once every request has "
                              "its first token) and each request's time to its first token")
     parser.add_argument("--decode-step-requests", type=int, default=16,
-                        help="requests of the timed decode step of one IndexPool layer (CPU kernel against PyTorch)")
+                        help="requests of the timed decode step of one IndexPool layer (CPU kernels against PyTorch)")
     parser.add_argument("--decode-step-only", action="store_true",
                         help="only time one IndexPool layer's decode step at --min-prompt and --max-prompt tokens "
                              "(no vLLM)")
     parser.add_argument("--skip-r1", action="store_true",
                         help="do not start the r = 1 engine that counts its KV cache's tokens")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="only measure prefix caching: the time to the first token of a request sharing a "
+                             "--prefix-tokens prefix with the request before it, with prefix caching on and off")
+    parser.add_argument("--prefix-tokens", type=int, default=4096)
+    parser.add_argument("--suffix-tokens", type=int, default=64)
+    parser.add_argument("--drafting", metavar="CHECKPOINT",
+                        help="only measure speculative decoding: tokens/s of one request (batch 1) on a copying prompt "
+                             "served from CHECKPOINT (a byte-level model with MTP layers, e.g. bench_speculative's "
+                             "trained one) without drafting and with each of --drafting-methods")
+    parser.add_argument("--drafting-methods", default="ngram,mtp:1,mtp:2,mtp:3",
+                        help="comma-separated: 'ngram' (prompt lookup of 2 to 5 tokens, 5 drafts) and 'mtp:K' (the "
+                             "checkpoint's MTP layers, K drafts)")
+    parser.add_argument("--copy-length", type=int, default=200,
+                        help="characters of the held-out passage the copying prompt repeats (the tokens generated: "
+                             "one fewer than the passage's tokens)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.vllm_python is None and not args.decode_step_only:
@@ -419,9 +454,86 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return args
 
 
+def prefix_cache_rows(args, scratch: Path) -> list[dict]:
+    """`serving_reuse_benchmark.prefix_cache_first_tokens` with prefix caching on and off, on the bench model (its
+    budget `--budget`), for a random text prefix of `--prefix-tokens` characters (one token each) and two suffixes."""
+    from hybrid_indexpool.serving_reuse_benchmark import prefix_cache_first_tokens
+
+    generator = random.Random(1)
+    def text(length):
+        return "".join(generator.choices(string.ascii_letters + " ", k=length))
+
+    prefix, suffixes = text(args.prefix_tokens), (text(args.suffix_tokens), text(args.suffix_tokens))
+    checkpoint = scratch / "prefix_model"
+    save_checkpoint(checkpoint, args.pool_size, "mean", args.budget,
+                    max(MODEL["max_position_embeddings"], args.prefix_tokens + args.suffix_tokens + 128))
+    return [prefix_cache_first_tokens(args.vllm_python, checkpoint, prefix, suffixes, scratch, caching,
+                                      args.threads, args.kv_cache_gib) for caching in (True, False)]
+
+
+def drafting_rows(args, scratch: Path) -> list[dict]:
+    """`serving_reuse_benchmark.drafting_throughput` on bench_speculative's copying prompt (token ids: a held-out
+    passage of `--copy-length` characters tokenized, twice, each after a marker, then the marker and the passage's
+    first token), without drafting and with each of `--drafting-methods`; each row records whether its text is plain
+    decoding's."""
+    from transformers import AutoTokenizer
+
+    from hybrid_indexpool.retrieval_task import stdlib_texts, text_window
+    from hybrid_indexpool.serving_reuse_benchmark import drafting_throughput
+    from hybrid_indexpool.speculative_benchmark import copying_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(args.drafting)
+    _, held_out, _, _ = stdlib_texts()
+    passage = torch.tensor(tokenizer(text_window(held_out, args.copy_length, random.Random(0)))["input_ids"])
+    marker = torch.tensor(tokenizer("\n# again:\n")["input_ids"])
+    prompt = copying_prompt(passage, marker)[0].tolist()
+    methods = {"greedy": None}
+    for method in args.drafting_methods.split(","):
+        if method == "ngram":
+            methods[method] = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+                               "prompt_lookup_max": 5}
+        elif method.startswith("mtp:"):
+            methods[method] = {"method": "mtp", "num_speculative_tokens": int(method.removeprefix("mtp:"))}
+        else:
+            raise ValueError(f"--drafting-methods: unknown method {method!r} (use 'ngram' or 'mtp:K')")
+    rows = [drafting_throughput(args.vllm_python, Path(args.drafting), prompt, len(passage) - 1, config, scratch,
+                                name, args.threads, args.kv_cache_gib) for name, config in methods.items()]
+    for row in rows:
+        row["same_text_as_greedy"] = row["text"] == rows[0]["text"]
+        row["speedup"] = row["tokens_per_second"] / rows[0]["tokens_per_second"]
+    return rows
+
+
+def print_reuse_rows(results: dict) -> None:
+    for row in results.get("prefix_cache", []):
+        print(f"prefix caching {'on ' if row['prefix_caching'] else 'off'}: first token of the first request "
+              f"{row['first_request_first_token_seconds']:.2f} s, of the second (same {row['prefix_characters']}-"
+              f"token prefix) {row['second_request_first_token_seconds']:.2f} s: {row['first_over_second']:.1f}x; "
+              f"prefix-cache hits {row['prefix_cache_hits']:.0f} of {row['prefix_cache_queries']:.0f} tokens")
+    for row in results.get("drafting", []):
+        print(f"{row['method']:8s} {row['tokens_per_second']:7.1f} tokens/s ({row['speedup']:.2f}x), "
+              f"{row['num_accepted_tokens']:.0f} of {row['num_draft_tokens']:.0f} drafts kept"
+              + (f", {row['accepted_per_verify']:.2f} tokens per verify step" if row["accepted_per_verify"] else "")
+              + ("" if row["same_text_as_greedy"] else "; TEXT DIFFERS FROM GREEDY"))
+
+
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
     torch.set_num_threads(args.threads)
+    if args.prefix_cache or args.drafting:
+        results = {"threads": args.threads, "kv_cache_gib": args.kv_cache_gib, "machine": machine_description(),
+                   "load_average_1min_before": os.getloadavg()[0]}
+        with tempfile.TemporaryDirectory() as scratch:
+            if args.prefix_cache:
+                results["model"] = {**MODEL, "index_topk": args.budget, "index_pool_size": args.pool_size}
+                results["prefix_cache"] = prefix_cache_rows(args, Path(scratch))
+            if args.drafting:
+                results["drafting_checkpoint"] = args.drafting
+                results["drafting"] = drafting_rows(args, Path(scratch))
+        print_reuse_rows(results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        return results
     generator = random.Random(0)
     prompts = ["".join(generator.choices(string.ascii_letters + " ", k=generator.randint(args.min_prompt,
                                                                                        args.max_prompt)))

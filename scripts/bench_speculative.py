@@ -9,7 +9,8 @@
    MTP drafting of `k` = `--draft-lengths` tokens: time per token and the time of a drafting round.
 3. Drafting: plain greedy decoding against prompt lookup and MTP drafting of each `k`, on held-out text (the standard
    library's held-out files, byte-level tokens) at `--contexts` tokens and on a copying task (a passage of the prompt
-   to repeat), per dtype of `--drafting-dtypes`: tokens per second after the prefill, tokens per verify forward,
+   to repeat; `--copy-passages` held-out passages, each its own prompt, summarised by the median and range over
+   them), per dtype of `--drafting-dtypes`: tokens per second after the prefill, tokens per verify forward,
    extra cache bytes, whether the tokens equal greedy's. `--model` is a checkpoint with an MTP head, `--train FOLDER`
    trains one first (`speculative_benchmark.train_drafting_model`); without either a random tiny model runs (timings
    only). A method `generate()` refuses is reported as not available, with its error.
@@ -25,6 +26,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 
@@ -117,19 +119,51 @@ def drafting_rows(args) -> list[dict]:
     _, held_out, _, _ = stdlib_texts()
     rng = random.Random(args.seed)
     draft_lengths = [int(k) for k in args.draft_lengths.split(",")]
-    tasks = [(f"held-out text {context}", torch.tensor([tokenizer(text_window(held_out, context, rng))["input_ids"]]))
-             for context in (int(c) for c in args.contexts.split(","))]
-    passage = torch.tensor(tokenizer(text_window(held_out, args.copy_length, rng))["input_ids"])
+    # (task, prompt, tokens to generate, passage number of the copying task)
+    tasks = [(f"held-out text {context}", torch.tensor([tokenizer(text_window(held_out, context, rng))["input_ids"]]),
+              args.new_tokens, None) for context in (int(c) for c in args.contexts.split(","))]
     marker = torch.tensor(tokenizer("\n# again:\n")["input_ids"])
-    tasks.append(("copying", copying_prompt(passage, marker)))
+    for passage_index in range(args.copy_passages):
+        passage = torch.tensor(tokenizer(text_window(held_out, args.copy_length, rng))["input_ids"])
+        tasks.append(("copying", copying_prompt(passage, marker), min(args.new_tokens, len(passage) - 1),
+                      passage_index))
     rows = []
     for dtype in args.drafting_dtypes.split(","):
         model = load_model(args, dtype)
-        for task, prompt in tasks:
-            new_tokens = min(args.new_tokens, len(passage) - 1) if task == "copying" else args.new_tokens
-            rows += [{"task": task, "dtype": dtype, **row} for row in compare_methods(
+        for task, prompt, new_tokens, passage_index in tasks:
+            which = {} if passage_index is None else {"passage": passage_index}
+            rows += [{"task": task, "dtype": dtype, **which, **row} for row in compare_methods(
                 model, prompt, new_tokens, draft_lengths, args.prompt_lookup_tokens, repeats=args.generation_repeats)]
     return rows
+
+
+def tokens_per_verify(row: dict) -> float:
+    """Tokens each verify forward yields: `1 +` the drafts kept (the MTP drafter's own count where it has one)."""
+    if "accepted_drafts_per_verify" in row:
+        return 1 + row["accepted_drafts_per_verify"]
+    return row["mean_accepted_per_verify"]
+
+
+def copying_summary(rows: list[dict]) -> list[dict]:
+    """The copying task over its passages, per dtype and draft method: the median and the range (lowest, highest) of
+    the speedup over greedy and of the tokens per verify forward, and whether every passage gave greedy's tokens."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["task"] == "copying" and "error" not in row:
+            groups.setdefault((row["dtype"], row["method"], row["draft_tokens"]), []).append(row)
+    summary = []
+    for (dtype, method, draft_tokens), group in groups.items():
+        speedups = [row["speedup"] for row in group]
+        per_verify = [tokens_per_verify(row) for row in group]
+        summary.append({
+            "dtype": dtype, "method": method, "draft_tokens": draft_tokens, "passages": len(group),
+            "speedup_median": statistics.median(speedups), "speedup_range": [min(speedups), max(speedups)],
+            "tokens_per_verify_median": statistics.median(per_verify),
+            "tokens_per_verify_range": [min(per_verify), max(per_verify)],
+            "tokens_per_second_median": statistics.median(row["tokens_per_second"] for row in group),
+            "same_tokens_as_greedy": all(row.get("same_tokens_as_greedy", True) for row in group),
+        })
+    return summary
 
 
 def derived_speedups(report: dict) -> list[dict]:
@@ -191,14 +225,27 @@ def format_table(report: dict) -> str:
         lines.append(f"{'task':<22} {'dtype':<9} {'method':<14} {'k':>2} {'tok/s':>8} {'speedup':>8} "
                      f"{'tok/verify':>10} {'extra cache B':>14} {'= greedy':>9}")
         for row in report["drafting"]:
-            head = f"{row['task']:<22} {row['dtype']:<9} {row['method']:<14} {row['draft_tokens']:>2}"
+            task = row["task"] + (f" {row['passage'] + 1}" if "passage" in row else "")
+            head = f"{task:<22} {row['dtype']:<9} {row['method']:<14} {row['draft_tokens']:>2}"
             if "error" in row:
                 lines.append(f"{head}  not available: {row['error'][:90]}")
                 continue
-            per_verify = (1 + row["accepted_drafts_per_verify"] if "accepted_drafts_per_verify" in row
-                          else row["mean_accepted_per_verify"])
+            per_verify = tokens_per_verify(row)
             lines.append(f"{head} {row['tokens_per_second']:>8.2f} {row['speedup']:>7.2f}x {per_verify:>10.2f} "
                          f"{row.get('extra_cache_bytes', 0):>14} {str(row.get('same_tokens_as_greedy', '')):>9}")
+    if report.get("copying_summary"):
+        first = report["copying_summary"][0]
+        lines += ["", f"Copying task over {first['passages']} passages: median speedup over greedy (range), median "
+                      "tokens per verify (range)"]
+        lines.append(f"{'dtype':<9} {'method':<14} {'k':>2} {'speedup':>8} {'range':>14} {'tok/verify':>10} "
+                     f"{'range':>12} {'= greedy':>9}")
+        for row in report["copying_summary"]:
+            low, high = row["speedup_range"]
+            verify_low, verify_high = row["tokens_per_verify_range"]
+            lines.append(f"{row['dtype']:<9} {row['method']:<14} {row['draft_tokens']:>2} "
+                         f"{row['speedup_median']:>7.2f}x {f'{low:.2f}-{high:.2f}x':>14} "
+                         f"{row['tokens_per_verify_median']:>10.2f} {f'{verify_low:.2f}-{verify_high:.2f}':>12} "
+                         f"{str(row['same_tokens_as_greedy']):>9}")
     if report.get("derived"):
         lines += ["", "DERIVED (not measured): MTP speedup at the verify widths from the trained head's acceptance, "
                       "(tokens/verify) x t_1 / (t_verify(k+1) + t_draft(k))"]
@@ -221,7 +268,7 @@ def machine(args) -> dict:
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke test)")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="dtypes of the verify-cost model")
@@ -246,6 +293,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft-lengths", default="1,2,3", help="MTP draft lengths k")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=5)
     parser.add_argument("--copy-length", type=int, default=200, help="characters of the passage to copy")
+    parser.add_argument("--copy-passages", type=int, default=7,
+                        help="held-out passages of the copying task, each a prompt of its own (median and range)")
     parser.add_argument("--draft-new-tokens", type=int, help="tokens per run of the random-head rows (default 16)")
     parser.add_argument("--generation-repeats", type=int,
                         help="rounds of every generate() row, methods taking turns (median; default 2)")
@@ -267,6 +316,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         unknown = set(getattr(args, name).split(",")) - {"float32", "bfloat16"}
         if unknown:
             exit_with_error(f"--{name.replace('_', '-')} has {sorted(unknown)}; use float32 and/or bfloat16.")
+    if args.copy_passages < 1:
+        exit_with_error(f"--copy-passages is {args.copy_passages}; give at least 1 passage for the copying task.")
     if args.model and args.train:
         exit_with_error("give either --model (a trained checkpoint) or --train FOLDER (train one), not both.")
     if args.baseline_python and not os.access(args.baseline_python, os.X_OK):
@@ -289,6 +340,7 @@ def run(args) -> dict:
         report["weight_bound_drafting"] = weight_bound_draft_rows(args)
     if not args.skip_drafting:
         report["drafting"] = drafting_rows(args)
+        report["copying_summary"] = copying_summary(report["drafting"])
     report["derived"] = derived_speedups(report)
     return report
 

@@ -5,8 +5,11 @@ Every `TrainingArguments` option is accepted (`--learning_rate`, `--max_steps`, 
 
     python -m hybrid_indexpool.scripts.finetune --model_name_or_path ckpt --train_files data.txt \\
         --output_dir out --max_steps 100 --per_device_train_batch_size 4 --gradient_checkpointing
-    accelerate launch --multi_gpu --num_processes 2 -m hybrid_indexpool.scripts.finetune ...   # 2 processes, DDP
-                                                                           # (gloo on CPU, NCCL on GPUs)
+
+The same on 2 processes with DDP (gloo on CPU, NCCL on GPUs):
+
+    accelerate launch --multi_gpu --num_processes 2 -m hybrid_indexpool.scripts.finetune \\
+        --model_name_or_path ckpt --train_files data.txt --output_dir out --max_steps 100
 """
 
 from transformers import TrainingArguments

@@ -10,10 +10,10 @@ classes, and that lookup) and starts the server pinned to CHECKPOINT. Requests a
 """
 
 import inspect
+import os
+import socket
 import sys
 from typing import Annotated
-
-import transformers
 
 import hybrid_indexpool
 from hybrid_indexpool.command_line import exit_with_error
@@ -33,15 +33,38 @@ MODEL_CLASSES = (
 
 def register_with_transformers() -> None:
     """Make `getattr(transformers, "HybridIndexPoolForCausalLM")` (and the other classes) work, as for the
-    architectures transformers ships; importing `hybrid_indexpool` already registered them with the Auto classes."""
+    architectures transformers ships; importing `hybrid_indexpool` already registered them with the Auto classes.
+
+    The first import of `transformers.processing_utils` executes transformers' `__init__` again and puts the new
+    module object in `sys.modules`: a `transformers` bound before that (this file's own import, when it runs as a file
+    and imports transformers before the package does) is a stale object the server never looks at. So the classes go
+    on the module transformers' server will read, fetched once that import has happened."""
+    import transformers.processing_utils  # noqa: F401  (the import that replaces the module, if not done yet)
+
+    module = sys.modules["transformers"]
     for model_class in MODEL_CLASSES:
-        setattr(transformers, model_class.__name__, model_class)
+        setattr(module, model_class.__name__, model_class)
 
 
 # transformers' server loads the model (and serves, with --api-server-count) in processes it spawns, where
 # multiprocessing imports this script as `__mp_main__` and runs nothing else of it: the classes must be known there.
 if __name__ == "__mp_main__":
     register_with_transformers()
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse, before the server starts, a `--port` that is no port number, or an address the server could not listen
+    on (the port taken, the host not this machine's): the server itself would fail after loading, with a socket error
+    that names neither."""
+    if not 1 <= port <= 65535:
+        exit_with_error(f"--port is {port}; give a port number from 1 to 65535 (default 8000).")
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        exit_with_error(f"cannot listen on {host}:{port} ({reason}); choose a free --port (or a --host of this "
+                        "machine).")
 
 
 def check_checkpoint(checkpoint: str, trust_remote_code: bool = False) -> None:
@@ -78,6 +101,7 @@ def _serve_command():
                 "compiles the decode step on GPUs by itself.",
                 param_hint="--compile",
             )
+        check_address(options["host"], options["port"])
         check_checkpoint(options["force_model"], options["trust_remote_code"])
         register_with_transformers()
         Serve(**options)

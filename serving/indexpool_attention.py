@@ -52,8 +52,10 @@ from .paged_step import (
     PagedMetadataBuilder,
     indexpool_step,
     pooled_key_width,
+    ring_capacity,
     step_working_memory_bytes,
 )
+from .rope import text_rope_parameters
 from .vllm_config import ATTENTION_OP
 from .vllm_versions import qsa_cache_classes
 
@@ -78,14 +80,19 @@ class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        kind = ("open_window" if isinstance(kv_cache_spec, CircularBufferSpec) else
-                "pooled_keys" if isinstance(kv_cache_spec, MLAAttentionSpec) else "main")
+        kind = self.cache_kind(kv_cache_spec)
         scheduler = vllm_config.scheduler_config
         self.compilation_config = vllm_config.compilation_config
         self.step_builder = PagedMetadataBuilder(
-            kind, vllm_config.model_config.hf_config.index_pool_size, kv_cache_spec.block_size,
+            kind, vllm_config.model_config.hf_text_config.index_pool_size, kv_cache_spec.block_size,
             vllm_config.model_config.max_model_len, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, device,
             metadata_class=IndexPoolMetadata)
+
+    @staticmethod
+    def cache_kind(kv_cache_spec) -> str:
+        """Which of a layer's caches `kv_cache_spec` describes (`PagedMetadataBuilder`'s `kind`)."""
+        return ("open_window" if isinstance(kv_cache_spec, CircularBufferSpec) else
+                "pooled_keys" if isinstance(kv_cache_spec, MLAAttentionSpec) else "main")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> IndexPoolMetadata:
@@ -102,7 +109,7 @@ class IndexPoolMetadataBuilder(AttentionMetadataBuilder[IndexPoolMetadata]):
 class IndexPoolAttentionBackend(AttentionBackend):
     """The plugin's backend for the main key/value cache: metadata only; the layer computes the attention."""
 
-    supported_dtypes = [torch.float16, torch.bfloat16]
+    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
 
     @staticmethod
     def get_name() -> str:
@@ -119,11 +126,12 @@ class IndexPoolAttentionBackend(AttentionBackend):
 
 class IndexPoolStateBackend(IndexPoolAttentionBackend):
     """Backend of the pooled-key and open-window caches: the same metadata, and the page layouts vLLM packs such
-    caches in beside the main keys/values."""
+    caches in beside the main keys/values, or the layer-major one of vLLM's CPU attention (an MTP drafter's layer
+    beside them: the step reads any layout through its strides)."""
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.BLNHC, KVCacheLayout.BLHNC)
+        return (KVCacheLayout.BLNHC, KVCacheLayout.BLHNC, KVCacheLayout.LBHNC)
 
 
 class PooledKeyCache(QSACompressedKeyCache):
@@ -139,8 +147,9 @@ class PooledKeyCache(QSACompressedKeyCache):
 
 
 class OpenWindowCache(QSARawKeyCache):
-    """vLLM's ring of each request's last `r` tokens (one block per request): raw indexer keys and gate logits,
-    `kv_cache [blocks, r, 1, head_dim + gate_width]`; token `p` at row `p % r`."""
+    """vLLM's ring of each request's last `R` tokens (one block per request): raw indexer keys and gate logits,
+    `kv_cache [blocks, R, 1, head_dim + gate_width]`; token `p` at row `p % R`. `R = r`, or with speculative decoding
+    enough rows that a rejected draft's row is never one the next step pools (`ring_capacity`)."""
 
     def __init__(self, gate_width: int, **kwargs):
         super().__init__(**kwargs)
@@ -150,7 +159,8 @@ class OpenWindowCache(QSARawKeyCache):
         return IndexPoolStateBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return open_window_spec(self.head_size - self.gate_width, self.gate_width, self.compress_ratio, self.dtype)
+        return open_window_spec(self.head_size - self.gate_width, self.gate_width,
+                                ring_capacity(self.compress_ratio, vllm_config.num_speculative_tokens), self.dtype)
 
 
 class IndexPoolKVCache(nn.Module, AttentionLayerBase):
@@ -252,7 +262,7 @@ class IndexPoolAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(head_size=self.head_dim, max_position=config.max_position_embeddings,
-                                   rope_parameters=config.rope_parameters)
+                                   rope_parameters=text_rope_parameters(config))
         self.indexer = IndexPoolIndexer(config, vllm_config, f"{prefix}.indexer")
         self.main_cache = IndexPoolKVCache(self.num_kv_heads, self.head_dim, vllm_config.model_config.dtype,
                                          vllm_config, f"{prefix}.attn")

@@ -25,10 +25,11 @@ def pooled_key_spec(width: int, pool_size: int, block_size: int,
                             tokens_per_state=pool_size)
 
 
-def open_window_spec(index_head_dim: int, gate_width: int, pool_size: int,
+def open_window_spec(index_head_dim: int, gate_width: int, rows: int,
                      dtype: torch.dtype = torch.bfloat16) -> CircularBufferSpec:
-    """A ring of each request's last `pool_size` raw indexer keys and gate logits: one block per request."""
-    return CircularBufferSpec(block_size=pool_size, num_kv_heads=1, head_size=index_head_dim + gate_width,
+    """A ring of each request's last `rows` raw indexer keys and gate logits (`r`, or `paged_step.ring_capacity` with
+    speculative decoding): one block per request."""
+    return CircularBufferSpec(block_size=rows, num_kv_heads=1, head_size=index_head_dim + gate_width,
                               head_size_v=0, dtype=dtype)
 
 

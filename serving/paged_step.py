@@ -9,8 +9,10 @@ Three caches per IndexPool layer, in vLLM's layouts (each a cache layer of its o
 - pooled indexer keys `[blocks, block_size // r, 1, width]`, one row per window of `r` tokens, paged with the
   request's blocks: `width = index_head_dim` in the model's dtype, or `index_head_dim + 4` bytes (uint8) of packed fp8
   keys (`kernels/fp8_index_keys`);
-- the open-window ring `[ring blocks, r, 1, index_head_dim + gate_width]`: each request's last `r` raw indexer keys
-  and pooling-gate logits (one block per request), token `p` at row `p % r`.
+- the open-window ring `[ring blocks, R, 1, index_head_dim + gate_width]`: each request's last `R` raw indexer keys
+  and pooling-gate logits (one block per request), token `p` at row `p % R`. `R = r` without speculative decoding;
+  with drafts of up to `k` tokens `R` is a multiple of `r` of at least `r + k - 1` rows (`ring_capacity`), so that the
+  rows a rejected draft wrote never hold a token of the open window the next step pools.
 
 A step is any mix of prefill chunks and decodes. `PagedMetadataBuilder.build` runs once per step and cache and puts
 everything that needs the host (token -> request, positions, write destinations, the selection's tiles and window
@@ -20,6 +22,7 @@ it can be compiled whole and captured in a CUDA graph.
 """
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +82,7 @@ class PagedCacheMetadata:
     request_tiles: RequestTiles | None = None  # the PyTorch attention's grouping of the queries by request
     # Open-window ring only: where the rows of each token's window come from.
     window_token: torch.Tensor | None = None  # [tokens, r] int64: this step's token holding each row, or -1
-    window_ring_block: torch.Tensor | None = None  # [tokens] int64
+    window_ring_row: torch.Tensor | None = None  # [tokens] int64: ring block * R + ring row of the window's first token
 
 
 class PagedMetadataBuilder:
@@ -111,7 +114,7 @@ class PagedMetadataBuilder:
         buffer = functools.partial(torch.empty, dtype=torch.long, device=device)
         self.token_buffers = {name: buffer(max_num_tokens) for name in (
             "token_request", "token_position", "write_token", "write_block", "write_row", "num_visible_windows",
-            "token_tile", "window_ring_block")}
+            "token_tile", "window_ring_row")}
         self.write_keep_buffer = torch.empty(max_num_tokens, dtype=torch.bool, device=device)
         self.window_token_buffer = buffer(max_num_tokens, pool_size)
         self.tile_tokens_buffer = buffer(max_num_tokens + max_num_requests * QUERY_TILE)
@@ -176,9 +179,10 @@ class PagedMetadataBuilder:
             block, row = block_table[request, column].long(), window % (self.block_size // r)
         else:
             # Of the step's tokens sharing a ring row, the last one's row stays: every earlier token writes it too.
+            capacity = self.block_size  # ring rows R, a multiple of r
             last_token = end_token - 1
-            write_token = source + r * ((last_token - source) // r)
-            block, row = block_table[request, 0].long(), position % r
+            write_token = source + capacity * ((last_token - source) // capacity)
+            block, row = block_table[request, 0].long(), position % capacity
             # The r rows of each token's window: this step's tokens, the earlier ones from the ring.
             rows = (position // r * r)[:, None] + torch.arange(r, device=self.device)
             step_start = position - (source - first_token)
@@ -186,7 +190,7 @@ class PagedMetadataBuilder:
             window_token = torch.minimum(first_token[:, None] + rows - step_start[:, None], last_token[:, None])
             metadata["window_token"] = self.window_token_buffer[:num_tokens].copy_(
                 torch.where(from_step, window_token, -1))
-            metadata["window_ring_block"] = out["window_ring_block"].copy_(block)
+            metadata["window_ring_row"] = out["window_ring_row"].copy_(block * capacity + position // r * r % capacity)
         no_write = ~keep
         metadata.update(
             token_request=request, token_position=out["token_position"],
@@ -388,6 +392,37 @@ def step_working_memory_bytes(query: torch.Tensor, key: torch.Tensor, index_quer
     return max(gathered + scores, PAGED_SCORE_CHUNK_BYTES)
 
 
+def ring_capacity(pool_size: int, num_speculative_tokens: int) -> int:
+    """Rows `R` of the open-window ring for drafts of up to `num_speculative_tokens` tokens: the smallest power-of-two
+    multiple of `pool_size` of at least `pool_size + num_speculative_tokens - 1` rows.
+
+    A verify step writes its drafts' rows before acceptance is known; the next step starts at the first token not
+    accepted and pools its window from the ring rows of that window's earlier tokens (at most `r - 1`, all accepted).
+    A rejected draft is at most `k` positions beyond the last accepted token, so its row `p % R` holds a token at
+    least `R - k + 1` positions back: outside the open window when `R >= r + k - 1`. A power-of-two multiple of `r`
+    divides vLLM's block sizes (the ring's rows join the least common multiple of the block sizes that sets the
+    scheduler's block)."""
+    needed = -(-(pool_size + max(num_speculative_tokens, 1) - 1) // pool_size)
+    return pool_size * (1 << (needed - 1).bit_length())
+
+
+def ring_windows(ring: torch.Tensor, pool_size: int,
+                 window_ring_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring `[blocks, R, 1, width]` as the pooled-key write reads it, `[windows, r, 1, width]` with a window of `r`
+    rows starting at every row (an overlapping strided view of the same memory, read only), and each token's window
+    in that view, from `window_ring_row` `[tokens]` (ring block * R + the row of the window's first token).
+
+    vLLM pads a ring block to the page of the other caches, so the blocks are not `R` rows apart: the view steps by
+    the greatest common divisor of the block and row strides, at which both land."""
+    blocks, capacity = ring.shape[:2]
+    block_stride, row_stride = ring.stride(0), ring.stride(1)
+    step = math.gcd(block_stride, row_stride)
+    count = ((blocks - 1) * block_stride + (capacity - pool_size) * row_stride) // step + 1
+    windows = ring.as_strided((count, pool_size, *ring.shape[2:]), (step, row_stride, *ring.stride()[2:]))
+    block, row = window_ring_row // capacity, window_ring_row % capacity
+    return windows, (block * block_stride + row * row_stride) // step
+
+
 def write_rows(cache: torch.Tensor, metadata: PagedCacheMetadata, rows: torch.Tensor) -> None:
     """Write each token's `rows[write_token]` `[tokens, ...]` at `(write_block, write_row)` of a `[blocks, rows,
     ...]` cache (the main cache seen slot-major). Tokens sharing a destination write the same bits; in a step without
@@ -437,7 +472,7 @@ def indexpool_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    ring: PagedCacheMetadata, settings: IndexPoolStepSettings) -> torch.Tensor:
     """One IndexPool step of every request at once: write the new keys/values, pool every token's window into the
     pooled-key cache (complete windows are final, an open one is overwritten by a later step before any query sees
-    it), keep the last `r` tokens in the ring, select each query's windows and attend to them and to its open window.
+    it), keep the last `R` tokens in the ring, select each query's windows and attend to them and to its open window.
 
     `query [tokens, heads, head_dim]`, `key`/`value [tokens, kv_heads, head_dim]` (normed and rotated),
     `index_queries [tokens, index_heads, index_head_dim]` (rotated), `ring_rows [tokens, index_head_dim +
@@ -446,8 +481,9 @@ def indexpool_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """
     head_dim = query.shape[-1]
     write_rows(caches.main.transpose(1, 2), main, torch.cat([key, value], dim=-1))
+    windows, window_ring_block = ring_windows(caches.open_window, settings.pool_size, ring.window_ring_row)
     write_pooled_keys(
-        caches.pooled_keys, ring_rows, caches.open_window, ring.window_token, ring.window_ring_block,
+        caches.pooled_keys, ring_rows, windows, ring.window_token, window_ring_block,
         ring.token_position // settings.pool_size * settings.pool_size, settings.cos_sin_cache,
         settings.key_norm_weight, settings.key_norm_eps, settings.pool_slot_bias, settings.weighting,
         pooled.write_token, pooled.write_block, pooled.write_row, pooled.write_keep)

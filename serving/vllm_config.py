@@ -6,11 +6,21 @@ unsupported setting must never produce wrong tokens.
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
+from vllm.platforms import current_platform
+
+from .gated_deltanet_kernel import gdn_kernel, gdn_kernel_problems
+from .glm_options import glm_unsupported_options, serves_glm
 
 logger = init_logger(__name__)
 
 # The IndexPool layer's step, a custom op (`indexpool_attention.py`); named here, where the compilation settings are.
 ATTENTION_OP = "vllm::hybrid_indexpool_attention"
+# The project's Gated DeltaNet core, where it runs in place of vLLM's kernels (`gated_deltanet.py`).
+GDN_CORE_OP = "vllm::hybrid_indexpool_gdn_core"
+# The steps of GLM-5.3-Flash's layers (`vllm_kda.py`, `vllm_mla.py`), custom ops too.
+GLM_OPS = ("vllm::hybrid_indexpool_kda", "vllm::hybrid_indexpool_latent_attention")
+# A per-layer n-gram embedding's step (`per_layer_embedding.py`).
+PLE_OP = "vllm::hybrid_indexpool_ple"
 
 
 # Settings whose other values (GLM-5.3-Flash's MLA, Kimi Delta Attention, indexer, Sinkhorn streams and MoE) the vLLM
@@ -31,13 +41,9 @@ SERVED_VARIANTS = {
 
 def unsupported_options(config) -> list[str]:
     """Why this checkpoint config cannot be served by the vLLM model (empty when it can)."""
+    if serves_glm(config):  # GLM-5.3-Flash's decoder (`vllm_glm.py`)
+        return glm_unsupported_options(config)
     problems = []
-    if config.hc_count > 1:
-        problems.append(f"hyper-connections (hc_count = {config.hc_count}; the vLLM model supports hc_count = 1)")
-    if config.ple_layers:
-        problems.append(f"per-layer n-gram embeddings (ple_layers = {config.ple_layers}; the vLLM model has none)")
-    if "mrope_section" in config.rope_parameters:
-        problems.append("multimodal RoPE (rope_parameters['mrope_section']; the multimodal model is not served yet)")
     for name, served in SERVED_VARIANTS.items():
         if getattr(config, name) != served:
             problems.append(f"{name} = {getattr(config, name)!r} (a GLM-5.3-Flash variant; the vLLM model serves "
@@ -53,11 +59,12 @@ def unsupported_options(config) -> list[str]:
 
 class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
     """vLLM's per-architecture hook (`MODELS_CONFIG_MAP`): refuse what the model cannot serve, split piecewise
-    graphs at the IndexPool step, turn prefix caching off."""
+    graphs at the IndexPool step, and on vLLM's CPU build turn prefix caching off when drafting (which vLLM cannot
+    combine there)."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        config = vllm_config.model_config.hf_config
+        config = vllm_config.model_config.hf_text_config
         problems = unsupported_options(config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
@@ -66,26 +73,42 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
             config.check_tensor_parallel_size(parallel.tensor_parallel_size)
         except ValueError as error:
             problems.append(str(error).removeprefix("HybridIndexPoolConfig: "))
-        if vllm_config.speculative_config is not None:
-            problems.append("speculative decoding (the open-window ring holds no draft tokens)")
         cache = vllm_config.cache_config
         if cache.cache_dtype not in ("auto", "bfloat16", "float16"):
             problems.append(f"kv_cache_dtype = {cache.cache_dtype!r} (use 'auto')")
-        if vllm_config.model_config.dtype.itemsize != 2:
-            problems.append(f"dtype = {vllm_config.model_config.dtype} (vLLM's CPU Gated DeltaNet needs bfloat16)")
+        problems += gdn_kernel_problems(vllm_config)
+        glm = serves_glm(config)
+        if glm and vllm_config.speculative_config is not None:
+            problems.append("speculative decoding with GLM-5.3-Flash's layers (Kimi Delta Attention keeps no state per "
+                            "draft position)")
+        if config.ple_layers and vllm_config.model_config.enable_prompt_embeds:
+            problems.append(f"enable_prompt_embeds with per-layer n-gram embeddings (ple_layers = {config.ple_layers}: "
+                            "they hash the token ids, which prompt embeddings do not give)")
         if problems:
             raise ValueError("HybridIndexPool in vLLM does not support: " + "; ".join(problems) + ".")
         compilation = vllm_config.compilation_config
         if compilation.splitting_ops is None:  # vLLM fills in its own attention ops later: ours go with them
             compilation.splitting_ops = list(compilation._attention_ops)
-        if ATTENTION_OP not in compilation.splitting_ops:
-            # Piecewise CUDA graphs run the IndexPool step between graphs (a mixed batch's tiles change its shapes).
-            compilation.splitting_ops.append(ATTENTION_OP)
+        # Piecewise CUDA graphs run between the IndexPool steps (a mixed batch's tiles change their shapes), the
+        # project's Gated DeltaNet cores, the n-gram embeddings and GLM's layers' steps (these read the step's prefill
+        # lengths or KDA's chunk offsets on the host).
+        host_ops = [ATTENTION_OP, *([GDN_CORE_OP] if gdn_kernel(vllm_config) == "project" else []),
+                    *([PLE_OP] if config.ple_layers else []), *GLM_OPS]
+        for op in host_ops:
+            if op not in compilation.splitting_ops:
+                compilation.splitting_ops.append(op)
         if cache.mamba_ssm_cache_dtype == "auto":
             cache.mamba_ssm_cache_dtype = "float32"  # our model keeps the Gated DeltaNet recurrent state in float32
-        if cache.enable_prefix_caching:
-            # A cached prefix would need its pooled windows, its open window's raw keys and the Gated DeltaNet states
-            # at the prefix's end; the last two are not kept per block, so reuse would give wrong tokens.
-            logger.warning("HybridIndexPool: prefix caching is not supported (the open window's raw indexer keys and "
-                           "the Gated DeltaNet states are not kept per block); it is disabled for this engine.")
+        # Prefix caching stays on (vLLM's default): its hits land on block boundaries, multiples of r, where the open
+        # window is empty, and vLLM's hybrid "align" mode keeps the Gated DeltaNet states there (vLLM switches it on).
+        if cache.enable_prefix_caching and glm:
+            # Kimi Delta Attention's states are not kept at block boundaries: a cached prefix would resume wrongly.
+            logger.warning("HybridIndexPool: prefix caching is not supported with GLM-5.3-Flash's layers (Kimi Delta "
+                           "Attention's states are not kept per block); it is disabled for this engine.")
+            cache.enable_prefix_caching = False
+        elif cache.enable_prefix_caching and vllm_config.speculative_config is not None and current_platform.is_cpu():
+            # "align" mode with drafts copies the Gated DeltaNet states with Triton kernels vLLM's CPU build lacks.
+            logger.warning("HybridIndexPool: vLLM's CPU build cannot combine prefix caching with speculative "
+                           "decoding (its 'align' state copies for drafts are Triton kernels); prefix caching is "
+                           "disabled for this engine.")
             cache.enable_prefix_caching = False

@@ -40,3 +40,27 @@ def without_c_compiler(monkeypatch, tmp_path):
         assert "no-such-compiler" in cpu_impl.KERNEL.error
 
     return disable
+
+
+# The node ids a run of the whole default selection collected, for tests/docs/test_documented_numbers.py: the
+# documentation gives their count, and a run that collects everything anyway need not collect a second time.
+DEFAULT_SELECTION = pytest.StashKey[list]()
+
+
+def default_marker_expression(config) -> str | None:
+    """The `-m` expression of the `addopts` in setup.cfg (which tests the default suite runs)."""
+    addopts = config.getini("addopts")
+    return addopts[addopts.index("-m") + 1] if "-m" in addopts else None
+
+
+def pytest_collection_finish(session):
+    config = session.config
+    if (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+            and config.option.markexpr == default_marker_expression(config) and not config.option.deselect):
+        config.stash[DEFAULT_SELECTION] = [item.nodeid for item in session.items]
+
+
+@pytest.fixture
+def collected_in_this_run(request) -> list[str] | None:
+    """The node ids of the whole default selection when this run collected exactly that, else None."""
+    return request.config.stash.get(DEFAULT_SELECTION, None)

@@ -3,6 +3,7 @@ checkpoint and teacher-forced log-probabilities from our model, computed by `ser
 environment's Python (`HYBRID_INDEXPOOL_REFERENCE_PYTHON`, default `.venv/bin/python` of this checkout): the vLLM
 environment pins an older transformers than the model needs."""
 
+import functools
 import json
 import os
 import random
@@ -11,17 +12,31 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_SCRIPT = REPO / "tests" / "serving" / "hf_reference.py"
-REFERENCE_PYTHON = os.environ.get("HYBRID_INDEXPOOL_REFERENCE_PYTHON", str(REPO / ".venv" / "bin" / "python"))
+# Absolute (not resolved: a virtual environment's interpreter is a link), so that subprocesses may run elsewhere.
+REFERENCE_PYTHON = os.path.abspath(os.environ.get("HYBRID_INDEXPOOL_REFERENCE_PYTHON",
+                                                  REPO / ".venv" / "bin" / "python"))
 
 
 def reference(*arguments: str) -> None:
     subprocess.run([REFERENCE_PYTHON, str(REFERENCE_SCRIPT), *arguments], check=True)
 
 
-def tiny_checkpoint(path: Path, experts: bool = False, fp8_index_keys: bool = False) -> Path:
+def tiny_checkpoint(path: Path, experts: bool = False, fp8_index_keys: bool = False, narrow: bool = False,
+                    mtp: bool = False) -> Path:
     """The tiny bfloat16 checkpoint of `hf_reference.py` (budget 16 tokens, r = 4), saved at `path`; with
-    `experts`, a mixture of experts; with `fp8_index_keys`, pooled index keys cached packed in fp8."""
-    reference("checkpoint", str(path), *(["experts"] if experts else ["fp8"] if fp8_index_keys else []))
+    `experts`, a mixture of experts; with `fp8_index_keys`, pooled index keys cached packed in fp8; with `narrow`,
+    Gated DeltaNet heads of 32; with `mtp`, one MTP layer."""
+    variant = ("experts" if experts else "fp8" if fp8_index_keys else "narrow" if narrow else "mtp" if mtp
+               else None)
+    reference("checkpoint", str(path), *([variant] if variant else []))
+    return path
+
+
+def qwen4_exp_checkpoint(path: Path, multimodal: bool = False) -> Path:
+    """A tiny Qwen4-Exp source converted with `convert_qwen4_exp` (hyper-connections, PLE, MoE; Gated DeltaNet heads
+    of 64, budget 8 tokens at r = 4), its pooling moved off the mean, in bfloat16 (`hf_reference.py qwen4_exp`); with
+    `multimodal`, converted from the multimodal source with its vision tower and multimodal RoPE."""
+    reference("qwen4_exp", str(path), *(["multimodal"] if multimodal else []))
     return path
 
 
@@ -64,3 +79,107 @@ def assert_close_to_reference(requests: list[dict], references: list[dict], with
     assert within(served) >= within(bfloat16) - 0.1, (within(served), within(bfloat16), served[-10:])
     assert median(served) <= 2 * median(bfloat16) + 0.005, (median(served), median(bfloat16))
     assert served[-1] < 1.5, served[-5:]
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int, top_logprobs: int = 0) -> list[dict]:
+    """Greedy completions of token-id prompts on a `vllm.LLM`: per request its `prompt`, `output` tokens, their
+    `logprobs` and, with `top_logprobs = k`, `top` (per step, the k most likely tokens' log-probabilities)."""
+    import vllm
+
+    params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top_logprobs, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    requests = []
+    for prompt, output in zip(prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        request = {"prompt": prompt, "output": list(completion.token_ids),
+                   "logprobs": [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]}
+        if top_logprobs:
+            request["top"] = [{token: entry.logprob for token, entry in step.items() if entry.rank <= top_logprobs}
+                              for step in completion.logprobs]
+        requests.append(request)
+    return requests
+
+
+def num_preemptions(llm) -> int:
+    """Requests the engine has preempted so far (an engine built with `disable_log_stats=False`)."""
+    return int({metric.name: metric for metric in llm.get_metrics()}["vllm:num_preemptions"].value)
+
+
+def assert_matches_float32_reference(requests: list[dict], references: list[dict], tolerance: float = 1e-3) -> None:
+    """A float32 engine against our float32 transformers model teacher-forced along its tokens: every step's
+    log-probability within `tolerance` (float32 rounding; a wrong layer moves them by far more)."""
+    for request, reference_run in zip(requests, references, strict=True):
+        worst = max(abs(a - b) for a, b in zip(request["logprobs"], reference_run["float32"], strict=True))
+        assert worst < tolerance, (len(request["prompt"]), worst)
+
+
+def assert_same_tokens(runs: list[dict], other_runs: list[dict], logprob_tolerance: float = 0.0) -> None:
+    """Exactness (float32): the same tokens at every step of every request, their log-probabilities within
+    `logprob_tolerance` (0: bit for bit)."""
+    for run, other in zip(runs, other_runs, strict=True):
+        assert run["output"] == other["output"], (run["prompt"][:8], run["output"], other["output"])
+        worst = max(abs(a - b) for a, b in zip(run["logprobs"], other["logprobs"], strict=True))
+        assert worst <= logprob_tolerance, (run["prompt"][:8], worst, run["logprobs"], other["logprobs"])
+
+
+def assert_tokens_part_within_top_k(runs: list[dict], other_runs: list[dict], k: int = 5) -> int:
+    """vLLM's rule for comparing two runs in bfloat16 (its tests' `check_logprobs_close`): per request the tokens
+    agree up to the first step where the runs part, and there each run's token is among the other's `k` most likely
+    (both generated with `top_logprobs >= k`); after it the runs continue from different text and are not compared.
+    Returns how many requests parted."""
+    parted = 0
+    for run, other in zip(runs, other_runs, strict=True):
+        for step, (token, other_token) in enumerate(zip(run["output"], other["output"], strict=True)):
+            if token != other_token:
+                top, other_top = sorted(run["top"][step], key=run["top"][step].get)[-k:], \
+                    sorted(other["top"][step], key=other["top"][step].get)[-k:]
+                assert token in other_top and other_token in top, (run["prompt"][:8], step, run["output"],
+                                                                   other["output"])
+                parted += 1
+                break
+    return parted
+
+
+def fill_caches(llm, fill: str = "nan", seed: int = 0) -> int:
+    """Overwrite every KV-cache and state tensor of the engine's model (main keys/values, pooled keys, open-window
+    rings, Gated DeltaNet convolution and recurrent states) with NaN (`fill = "nan"`; random bytes where the dtype
+    has no NaN) or random values (`"random"`), in every worker. What a correct engine computes next cannot depend on
+    what was there. Returns the number of tensors filled (per worker, summed). Needs
+    `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (the function travels to the engine's processes)."""
+    return sum(llm.apply_model(functools.partial(_fill_model_caches, fill=fill, seed=seed)))
+
+
+def cache_tensor_count(checkpoint: Path) -> int:
+    """The KV-cache and state tensors an engine serving `checkpoint` keeps per worker: two per Gated DeltaNet layer
+    (convolution, recurrent), three per IndexPool layer (keys/values, pooled keys, open-window ring), two per PLE layer
+    (n-gram context, convolution)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config = config.get("text_config", config)
+    return (2 * config["layer_types"].count("linear_attention") + 3 * config["layer_types"].count("indexpool_attention")
+            + 2 * len(config.get("ple_layers") or []))
+
+
+def _fill_model_caches(model, fill: str, seed: int) -> int:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    filled = 0
+
+    def fill_tensor(tensor: torch.Tensor) -> None:
+        nonlocal filled
+        if tensor.numel() == 0:
+            return
+        if tensor.is_floating_point() and fill == "nan":
+            tensor.fill_(float("nan"))
+        elif tensor.is_floating_point():
+            tensor.copy_(torch.randn(tensor.shape, generator=generator).mul_(4.0))
+        else:  # packed fp8 keys: random bytes
+            tensor.copy_(torch.randint(0, 256, tensor.shape, generator=generator).to(tensor.dtype))
+        filled += 1
+
+    for module in model.modules():
+        caches = getattr(module, "kv_cache", None)
+        for tensor in caches if isinstance(caches, (list, tuple)) else [caches]:
+            if isinstance(tensor, torch.Tensor):
+                fill_tensor(tensor)
+    return filled

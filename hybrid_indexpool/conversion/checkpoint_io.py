@@ -18,9 +18,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from ..configuration.configuration_hybrid_indexpool import misspelled_fields
 from .errors import ConversionError, names_preview
 
 if TYPE_CHECKING:
@@ -90,6 +94,31 @@ def open_shard(path: Path):
 
 
 
+def read_json_file(path: Path):
+    """The JSON in `path`; a file that is not valid JSON is a ConversionError naming it and where it breaks."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ConversionError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); re-download it or "
+                              "fix the file.") from error
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}; "
+                              "fix the file (or re-download it).") from error
+
+
+def misspelled_source_fields(config_class, settings: dict, where: str) -> list[str]:
+    """For each key of `settings` (a config.json's object, or its `text_config` / `vision_config`) that is not a field
+    of `config_class` but resembles one that `settings` lacks (a typo, which transformers would keep as an attribute
+    nobody reads while the field takes its default), a phrase naming both; the same for its sub-configs."""
+    found = [f"`{where}{key}` (did you mean `{field}`?)"
+             for key, field in misspelled_fields(config_class, settings).items()
+             if field is not None and field not in settings]
+    for name, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
+        if isinstance(settings.get(name), dict) and isinstance(sub_class, type):
+            found += misspelled_source_fields(sub_class, settings[name], f"{where}{name}.")
+    return found
+
+
 @dataclass
 class SourceCheckpoint:
     """A checkpoint folder to convert: its `config.json` and safetensors weights (one file or an index of shards).
@@ -120,9 +149,13 @@ class SourceCheckpoint:
         if not config_path.is_file():
             raise ConversionError(f"{label} {folder} has no config.json; it is not a transformers checkpoint: "
                                   f"{role.wanted}.")
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config = read_json_file(config_path)
+        if not isinstance(config, dict):
+            raise ConversionError(f"{config_path} holds a {type(config).__name__}, not a config (a JSON object of "
+                                  "settings); re-download the checkpoint.")
         if (folder / SAFETENSORS_INDEX_FILE).is_file():
-            weight_map = json.loads((folder / SAFETENSORS_INDEX_FILE).read_text(encoding="utf-8")).get("weight_map")
+            index = read_json_file(folder / SAFETENSORS_INDEX_FILE)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConversionError(
                     f"{folder / SAFETENSORS_INDEX_FILE} has no `weight_map`; re-download the checkpoint."
@@ -158,6 +191,24 @@ class SourceCheckpoint:
                         "the shard and the index do not belong together: re-download the checkpoint."
                     )
         return cls(folder=folder, config=config, shard_names=shard_names, shard_sizes=shard_sizes)
+
+    def transformers_config(self) -> PreTrainedConfig:
+        """The source's config as transformers reads it (`AutoConfig`: defaults filled in, old field names mapped).
+        A key of config.json that is not a field but resembles a missing one (`num_hidden_layer`), or a config
+        transformers refuses, is a ConversionError naming the file and the key; nothing of transformers' defaults
+        reaches the message as if the user had written it."""
+        path = self.folder / "config.json"
+        config_class = CONFIG_MAPPING[self.model_type] if self.model_type in CONFIG_MAPPING else None
+        typos = misspelled_source_fields(config_class, self.config, "") if config_class is not None else []
+        if typos:
+            raise ConversionError(f"{path}: {'; '.join(typos)} is not a field of {config_class.__name__}, so "
+                                  "transformers would read that field at its default; fix the key's name.")
+        try:
+            return AutoConfig.from_pretrained(self.folder)
+        except (ValueError, TypeError, KeyError, StrictDataclassError) as error:
+            cause = str(error).strip().splitlines()[-1].strip()
+            raise ConversionError(f"{path} is not a valid {self.model_type} config: transformers refuses it ({cause}); "
+                                  "fix the file (or re-download it).") from error
 
     def shards(self) -> list[str]:
         """Shard file names in order."""

@@ -425,6 +425,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     max_shard_size: int | str = "5GB",
     extra_tensors: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]] | None = None,
+    computed_tensors: Mapping[str, torch.Tensor] | None = None,
     target: CheckpointTarget | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
@@ -433,10 +434,12 @@ def convert_checkpoint(
 
     Before any tensor is read: the output folder is checked (refused if it exists, unless `overwrite`), the plan is
     checked against the source's weight names ([`ConversionPlan.check`]) and the plan's targets plus `extra_tensors`
-    (freshly initialised weights, a mapping or a callable returning one) against what our model expects for
-    `config`. Then each source shard is loaded alone, its tensors handed to their groups, and each group built as
-    soon as all its sources have arrived; built tensors go to output shards of at most `max_shard_size`. Every
-    tensor's shape is checked as it is built, and the set of written names and shapes at the end.
+    (freshly initialised weights, a mapping or a callable returning one; the report lists them) and
+    `computed_tensors` (values the target stores and the config determines, such as hashing tables: written, not
+    reported as initialised) against what our model expects for `config`. Then each source shard is loaded alone,
+    its tensors handed to their groups, and each group built as soon as all its sources have arrived; built tensors
+    go to output shards of at most `max_shard_size`. Every tensor's shape is checked as it is built, and the set of
+    written names and shapes at the end.
 
     The result is written into a temporary folder next to `output_dir` and renamed at the end; on any exception
     (KeyboardInterrupt included, and SIGTERM or SIGHUP, which raise `Terminated`) the temporary folder is removed and
@@ -466,6 +469,12 @@ def convert_checkpoint(
         target = CheckpointTarget(expected, lambda folder: _write_metadata(source, config, meta_model, folder))
     expected = dict(target.expected)
     extra = dict(extra_tensors() if callable(extra_tensors) else (extra_tensors or {}))
+    fresh, computed = list(extra), dict(computed_tensors or {})
+    both = set(extra) & set(computed)
+    if both:
+        raise ConversionError(f"Both `extra_tensors` and `computed_tensors` produce {names_preview(both)}; "
+                              "give each one source.")
+    extra.update(computed)
     both = set(plan.targets) & set(extra)
     if both:
         raise ConversionError(f"Both the plan and `extra_tensors` produce {names_preview(both)}; "
@@ -490,7 +499,7 @@ def convert_checkpoint(
         try:
             work_dir.mkdir()
             return _convert_into(source, plan, output_dir, work_dir, streams, expected, target.write_metadata, extra,
-                                 max_shard_size, ignored, progress, rss)
+                                 fresh, max_shard_size, ignored, progress, rss)
         except BaseException:
             for stream in streams:
                 stream.handle.close()
@@ -498,9 +507,10 @@ def convert_checkpoint(
             raise
 
 
-def _convert_into(source, plan, output_dir, work_dir, streams, expected, write_metadata, extra, max_shard_size,
+def _convert_into(source, plan, output_dir, work_dir, streams, expected, write_metadata, extra, fresh, max_shard_size,
                   ignored, progress, rss) -> "ConversionReport":
-    """The streaming conversion of `convert_checkpoint` into `work_dir`, renamed to `output_dir` at the end."""
+    """The streaming conversion of `convert_checkpoint` into `work_dir`, renamed to `output_dir` at the end; `extra`
+    are the tensors written up front, `fresh` the names among them the report lists as freshly initialised."""
     writer = ShardWriter(work_dir, max_shard_size)
     # Bytes held at most: the current shard's unconsumed tensors + sources of groups still waiting (or being
     # built) + built tensors not yet buffered + the output buffer. A renamed tensor counts twice while it moves
@@ -515,8 +525,7 @@ def _convert_into(source, plan, output_dir, work_dir, streams, expected, write_m
             )
         writer.add(name, _own_tensor(tensor))
 
-    fresh = list(extra)
-    for name in fresh:
+    for name in list(extra):
         emit(name, extra.pop(name))  # the writer holds it now
         max_held = max(max_held, writer.buffer_bytes)
 

@@ -210,7 +210,8 @@ def export_checkpoint(
         # Not an error: the weights export all the same, and the files can be added afterwards.
         warnings.warn(
             f"{checkpoint.folder} has no {missing}; the export is written without them, and the engines serving it "
-            f"need them: copy them from the checkpoint this model was converted from into {output_dir}.",
+            f"need them: add them to {output_dir} (a converter carries them over from a source that has them, as the "
+            "released checkpoints do).",
             ExportWarning, stacklevel=3,
         )
     expected = saved_weight_shapes(source_model_class, source_config)
@@ -234,5 +235,5 @@ def export_checkpoint(
 
     return convert_checkpoint(
         checkpoint, plan, source_config, output_dir, overwrite=overwrite, max_shard_size=max_shard_size,
-        extra_tensors=computed, target=CheckpointTarget(expected, write_metadata), progress=progress, log=log,
+        computed_tensors=computed, target=CheckpointTarget(expected, write_metadata), progress=progress, log=log,
     )

@@ -6,7 +6,7 @@ vision tower is kept unless `text_only`. `export_glm5_next` runs the same plan b
 import re
 
 import torch
-from transformers import AutoConfig, Glm5NextConfig, Glm5NextForConditionalGeneration
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
 from ..configuration import HybridIndexPoolConfig, HybridIndexPoolMultimodalConfig
 from .checkpoint_io import SourceCheckpoint
@@ -134,7 +134,7 @@ def glm_text_config_to_ours(text, tie_word_embeddings: bool, dtype, source_confi
 def build_config(source: SourceCheckpoint, text_only: bool = False):
     """Our config for the source: a `HybridIndexPoolMultimodalConfig` with GLM's vision tower as it is, or the text
     config alone with `text_only`."""
-    full = AutoConfig.from_pretrained(source.folder)
+    full = source.transformers_config()
     num_mtp_layers, copies = mtp_layout(source, full.text_config)
     source_config = full.to_dict()
     if copies:  # which shared weights the next-n layers repeat on disk, to write them back on export

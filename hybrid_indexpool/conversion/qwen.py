@@ -1,8 +1,6 @@
 """What every Qwen hybrid (Qwen3-Next, Qwen3.5, Qwen4-Exp) maps the same way: config fields, where the text model's
 weights live, the plan outside the layers, gated attention and MoE blocks."""
 
-from transformers import AutoConfig
-
 from ..configuration import HybridIndexPoolConfig
 from .checkpoint_io import SourceCheckpoint
 from .engine import ConversionPlan, IgnoreRule, fuse_experts, rename
@@ -51,7 +49,7 @@ def qwen_hybrid_settings(full_config, text_config, multimodal_rope: bool = False
 def qwen_source_configs(source: SourceCheckpoint, multimodal: bool):
     """A Qwen source's full config, read by transformers (which fills defaults and old field names), and its text
     part (the same object for a text-only checkpoint)."""
-    full = AutoConfig.from_pretrained(source.folder)
+    full = source.transformers_config()
     return full, (full.get_text_config() if multimodal else full)
 
 

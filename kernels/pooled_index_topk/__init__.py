@@ -1,9 +1,10 @@
 """Pooled index score + top-k window selection behind one entry point: Triton on CUDA, the compiled CPU kernel
 for decode-sized selections on CPU, the PyTorch reference otherwise. `paged_pooled_index_topk` is the same selection
-for a serving step over vLLM's paged pooled-key cache."""
+for a serving step over vLLM's paged pooled-key cache (Triton on CUDA, the same CPU kernel reading the pages in place
+on CPU)."""
 
 from ..dispatch import use_fast_path
-from .cpu_impl import fused_topk_applies, pooled_index_topk_cpu
+from .cpu_impl import fused_topk_applies, paged_pooled_index_topk_cpu, paged_topk_applies, pooled_index_topk_cpu
 from .reference import paged_pooled_index_topk_torch, pooled_index_scores_torch, pooled_index_topk_torch
 
 try:
@@ -38,19 +39,24 @@ def pooled_index_topk(index_queries, pooled_index_keys, num_visible_windows, top
 def paged_pooled_index_topk(index_queries, pooled_key_cache, block_table, tile_tokens, tile_request, token_tile,
                             num_visible_windows, window_bound, topk, head_weights=None, sink_windows=0,
                             local_windows=0):
-    """Select each token's `topk` best visible windows over vLLM's paged pooled-key cache (Triton on CUDA, PyTorch
-    otherwise); see `paged_pooled_index_topk_torch` for shapes. No host reads, shapes fixed by the arguments' shapes
-    and `window_bound`, `topk`: capturable in a CUDA graph."""
+    """Select each token's `topk` best visible windows over vLLM's paged pooled-key cache (Triton on CUDA, the compiled
+    kernel on CPU, PyTorch otherwise); see `paged_pooled_index_topk_torch` for shapes. No host reads, shapes fixed
+    by the arguments' shapes and `window_bound`, `topk`: capturable in a CUDA graph."""
     _check_forced(sink_windows, local_windows, topk)
     if paged_pooled_index_topk_triton is not None and use_fast_path(index_queries, pooled_key_cache):
         return paged_pooled_index_topk_triton(index_queries, pooled_key_cache, block_table, tile_tokens,
                                               tile_request, token_tile, num_visible_windows, window_bound, topk,
                                               head_weights, sink_windows, local_windows)
+    if paged_topk_applies(index_queries, pooled_key_cache):
+        return paged_pooled_index_topk_cpu(index_queries, pooled_key_cache, block_table, tile_tokens, tile_request,
+                                           token_tile, num_visible_windows, window_bound, topk, head_weights,
+                                           sink_windows, local_windows)
     return paged_pooled_index_topk_torch(index_queries, pooled_key_cache, block_table, tile_tokens, tile_request,
                                          token_tile, num_visible_windows, window_bound, topk, head_weights,
                                          sink_windows, local_windows)
 
 
-__all__ = ["paged_pooled_index_topk", "paged_pooled_index_topk_torch", "paged_pooled_index_topk_triton",
+__all__ = ["paged_pooled_index_topk", "paged_pooled_index_topk_cpu", "paged_pooled_index_topk_torch",
+           "paged_pooled_index_topk_triton",
            "pooled_index_topk", "pooled_index_topk_cpu", "pooled_index_topk_torch", "pooled_index_topk_triton",
            "pooled_index_scores_torch"]

@@ -3,7 +3,14 @@ norm, RoPE, optional fp8 packing, store in vLLM's paged pooled-key cache) behind
 PyTorch reference otherwise."""
 
 from ..dispatch import use_fast_path
-from .reference import WEIGHTINGS, gemma_rms_norm, neox_rotary, pool_window_rows, write_pooled_keys_torch
+from .reference import (
+    WEIGHTINGS,
+    gather_window_rows,
+    gemma_rms_norm,
+    neox_rotary,
+    pool_window_rows,
+    write_pooled_keys_torch,
+)
 
 try:
     from .triton_impl import write_pooled_keys_triton
@@ -23,5 +30,5 @@ def write_pooled_keys(pooled_key_cache, step_rows, ring_cache, window_token, win
     return write_pooled_keys_torch(*args)
 
 
-__all__ = ["WEIGHTINGS", "gemma_rms_norm", "neox_rotary", "pool_window_rows", "write_pooled_keys",
+__all__ = ["WEIGHTINGS", "gather_window_rows", "gemma_rms_norm", "neox_rotary", "pool_window_rows", "write_pooled_keys",
            "write_pooled_keys_torch", "write_pooled_keys_triton"]

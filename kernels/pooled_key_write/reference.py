@@ -64,6 +64,15 @@ def pool_window_rows(window_rows: torch.Tensor, norm_weight: torch.Tensor, norm_
     return gemma_rms_norm(weighted_pool_torch(keys, logits).to(keys.dtype), norm_weight, norm_eps)
 
 
+def gather_window_rows(step_rows: torch.Tensor, ring_cache: torch.Tensor, window_token: torch.Tensor,
+                       window_ring_block: torch.Tensor) -> torch.Tensor:
+    """`[tokens, r, d + gate_width]` the rows of every token's window in `step_rows`' dtype: this step's rows where
+    `window_token >= 0`, else its request's ring rows (arguments as in `write_pooled_keys_torch`)."""
+    from_step = window_token >= 0
+    return torch.where(from_step[..., None], step_rows[window_token.clamp(min=0)],
+                       ring_cache[window_ring_block, :, 0].to(step_rows.dtype))
+
+
 def check_write_arguments(pooled_key_cache, step_rows, ring_cache, window_token, cos_sin_cache, norm_weight,
                           slot_bias, weighting) -> None:
     """Shapes and settings that must agree (host-side checks of shapes only)."""
@@ -127,10 +136,7 @@ def write_pooled_keys_torch(
     """
     check_write_arguments(pooled_key_cache, step_rows, ring_cache, window_token, cos_sin_cache, norm_weight,
                           slot_bias, weighting)
-    dtype = step_rows.dtype
-    from_step = window_token >= 0
-    rows = torch.where(from_step[..., None], step_rows[window_token.clamp(min=0)],
-                       ring_cache[window_ring_block, :, 0].to(dtype))  # [tokens, r, d + gate_width]
+    rows = gather_window_rows(step_rows, ring_cache, window_token, window_ring_block)
     pooled = pool_window_rows(rows, norm_weight, norm_eps, slot_bias, weighting)
     keys = neox_rotary(pooled, cos_sin_cache[window_start])
     new = keys[write_token]

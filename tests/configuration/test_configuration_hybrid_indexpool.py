@@ -198,3 +198,26 @@ def test_ranges_refuse_nan_infinity_and_missing_variant_fields(settings, message
 def test_a_field_only_another_variant_reads_is_not_checked():
     config = HybridIndexPoolConfig(hc_sinkhorn_iters=0, q_lora_rank=None, linear_gate_lower_bound=None)
     assert config.hc_type == "qwen4_exp" and config.hc_sinkhorn_iters == 0
+
+
+def test_a_key_that_resembles_a_field_gets_one_warning_naming_the_field(tmp_path):
+    with pytest.warns(UserWarning) as caught:
+        config = HybridIndexPoolConfig(index_top_k=8, hiden_size=64)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "`index_top_k` (did you mean `index_topk`?)" in message
+    assert "`hiden_size` (did you mean `hidden_size`?)" in message
+    assert caught[0].filename == __file__  # points at the line that built the config
+    assert config.index_topk == 2048  # ignored, as transformers ignores any unknown key
+    # A typo saved in a config.json is named again when it loads.
+    config.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="did you mean `index_topk`"):
+        HybridIndexPoolConfig.from_pretrained(tmp_path)
+
+
+def test_keys_unlike_any_field_and_saved_configs_load_without_a_warning(tmp_path, recwarn):
+    config = HybridIndexPoolConfig(num_hidden_layers=4, some_other_tools_key=1, rope_theta=1e6)
+    assert config.some_other_tools_key == 1 and config.rope_parameters["rope_theta"] == 1e6
+    config.save_pretrained(tmp_path)
+    HybridIndexPoolConfig.from_pretrained(tmp_path)
+    assert not [warning for warning in recwarn if "did you mean" in str(warning.message)]

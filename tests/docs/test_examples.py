@@ -1,58 +1,18 @@
 """Every code example of the README and of `docs/*.md` runs as written: each fenced `python` block in a fresh
 process, in the default suite; each shell block (`bash`, `sh`, `shell`) under the `slow` marker (they install,
 convert and train: minutes). Each runs in a scratch folder, with `python` the interpreter running the tests. A block
-preceded by the line `<!-- not run: REASON -->` is skipped with its reason; the reason is required."""
+preceded by the line `<!-- not run: REASON -->` is skipped with its reason; the reason is required. A block of CI's
+vLLM phase (`<!-- vllm phase: RUNNER [LABEL] -->`, see `tests/doc_blocks.py`) runs there, not here."""
 
 import os
-import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from doc_blocks import FENCE, NOT_RUN, PAGES, ROOT, VLLM_PHASE, VLLM_PHASE_RUNNERS, Example, examples, labelled_block
 
-ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\w*)\s*$")
-NOT_RUN = re.compile(r"^<!-- not run:(.*)-->\s*$")
-LANGUAGES = {"python": "python", "bash": "shell", "sh": "shell", "shell": "shell"}
 TIMEOUT_S = {"python": 300, "shell": 1200}
-
-
-@dataclass(frozen=True)
-class Example:
-    """One fenced block: where it is, its language (`python` or `shell`), its code and why it is not run (None: it
-    runs)."""
-
-    page: Path
-    line: int
-    language: str
-    code: str
-    not_run: str | None
-
-    @property
-    def name(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
-
-
-def examples(page: Path) -> list[Example]:
-    """The python and shell blocks of `page`, with the `not run` reason of the line right before each fence."""
-    lines = page.read_text(encoding="utf-8").splitlines()
-    found, index = [], 0
-    while index < len(lines):
-        opening = FENCE.match(lines[index])
-        if opening is None:
-            index += 1
-            continue
-        end = next((at for at in range(index + 1, len(lines)) if lines[at].startswith("```")), len(lines))
-        marker = NOT_RUN.match(lines[index - 1]) if index else None
-        language = LANGUAGES.get(opening.group(1))
-        if language is not None:
-            found.append(Example(page, index + 1, language, "\n".join(lines[index + 1:end]) + "\n",
-                                 marker.group(1).strip() if marker else None))
-        index = end + 1
-    return found
 
 
 ALL = [example for page in PAGES for example in examples(page)]
@@ -71,6 +31,8 @@ def run(example: Example, folder: Path) -> subprocess.CompletedProcess:
 def check(example: Example, tmp_path: Path) -> None:
     if example.not_run is not None:
         pytest.skip(f"not run: {example.not_run}")
+    if example.vllm_runner is not None:
+        pytest.skip(f"runs in CI's vLLM phase, by {example.vllm_runner}")
     result = run(example, tmp_path)
     assert result.returncode == 0, f"{example.name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
@@ -97,6 +59,23 @@ def test_every_not_run_marker_gives_a_reason_and_sits_right_before_a_fence():
                 assert marker is not None and marker.group(1).strip(), f"{page.name}:{number + 1}: give a reason"
                 assert number + 1 < len(lines) and FENCE.match(lines[number + 1]), \
                     f"{page.name}:{number + 1}: the marker must be the line right before the fence"
+
+
+def test_every_vllm_phase_block_has_a_runner_that_runs_it():
+    """A block left to CI's vLLM phase names a runner that exists; `.ci/run` extracts each of its labels."""
+    ci_script = (ROOT / ".ci" / "run").read_text()
+    for page in PAGES:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for number, line in enumerate(lines):
+            if line.startswith("<!-- vllm phase"):
+                marker = VLLM_PHASE.match(line)
+                assert marker is not None and marker.group(1) in VLLM_PHASE_RUNNERS, f"{page.name}:{number + 1}"
+                assert number + 1 < len(lines) and FENCE.match(lines[number + 1]), f"{page.name}:{number + 1}"
+        for example in examples(page):
+            if example.vllm_runner == ".ci/run":
+                page_name = str(page.relative_to(ROOT))
+                assert f"doc_blocks.py {page_name} {example.vllm_label}" in ci_script, example.name
+                assert labelled_block(page, example.vllm_label) == example
 
 
 def test_the_readme_examples_are_run():

@@ -14,6 +14,7 @@ from hybrid_indexpool.kernels import cpu_build
 from hybrid_indexpool.kernels.cpu_build import CACHE_VARIABLE, ENABLE_VARIABLE, CpuKernel, cpu_kernels_enabled
 from hybrid_indexpool.kernels.decode_linear import cpu_impl as linear_impl
 from hybrid_indexpool.kernels.pooled_index_topk import cpu_impl as topk_impl
+from hybrid_indexpool.kernels.pooled_index_topk.reference import paged_pooled_index_topk_torch
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 requires_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler on this machine")
@@ -113,6 +114,12 @@ def check_the_ops_fall_back_when_the_build_fails(missing_compiler: str) -> None:
     visible = torch.tensor([[40]])
     expected = topk_impl.select_with_keys(queries.reshape(1, 1, 4, 16), keys, visible, 8, weights, 0, 0)
     assert torch.equal(topk_impl.pooled_topk_windows(queries, keys, weights, visible, 8, 1, 0, 0), expected)
+    queries, pages, table, weights = torch.randn(2, 4, 16), torch.randn(5, 4, 1, 16), torch.tensor([[3, 1, 4]]), \
+        torch.rand(2, 4)
+    tiles, visible = (torch.tensor([[0, 1]]), torch.tensor([0])), torch.tensor([9, 12])
+    expected = paged_pooled_index_topk_torch(queries, pages, table, *tiles, None, visible, 16, 5, weights, 1, 0)
+    assert torch.equal(topk_impl.paged_pooled_topk(queries, pages, table, *tiles, visible, weights, 16, 5, 1, 0),
+                       expected)
 
 
 def test_the_op_falls_back_to_the_reference_when_the_build_fails(tmp_path):

@@ -128,9 +128,17 @@ def test_one_graph_under_torch_compile():
 
 
 @requires_kernel
-def test_refuses_what_its_buffers_cannot_hold():
-    with pytest.raises(ValueError, match="at most 16 query rows x heads"):
-        cpu_impl.run_pooled_topk_windows(torch.randn(1, 20, 8), torch.randn(1, 10, 8), torch.ones(1, 1, 20),
+def test_any_number_of_rows_and_head_dimension_and_bad_keys_refused():
+    """Its buffers are allocated per call: 5 queries x 4 heads and a head dimension of 1,100 select as the reference;
+    keys whose width does not fit the queries are refused with the reason."""
+    generator = torch.Generator().manual_seed(11)
+    index_queries = torch.randn(1, 5, 4, 1100, generator=generator)
+    pooled_keys = torch.randn(1, 300, 1100, generator=generator)
+    num_visible = torch.tensor([[300, 299, 250, 7, 0]])
+    fused, reference = selections(index_queries, pooled_keys, num_visible, 16)
+    assert torch.equal(fused, reference) and (fused[0, 4] == -1).all()
+    with pytest.raises(ValueError, match="last dimension 8 does not fit queries of dimension 16"):
+        cpu_impl.run_pooled_topk_windows(torch.randn(1, 4, 16), torch.randn(1, 10, 8), torch.ones(1, 1, 4),
                                          torch.tensor([[10]]), 4, 1, 0, 0)
 
 

@@ -113,6 +113,19 @@ def test_assisted_decoding_refuses_a_batch_with_a_clear_error():
         greedy(model, input_ids, prompt_lookup_num_tokens=3)
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens is 0: the tokens prompt lookup drafts per verify "
+                                       "forward; give 1 or more"),
+    (dict(prompt_lookup_num_tokens=-2), "prompt_lookup_num_tokens is -2: the tokens prompt lookup drafts"),
+    (dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=-1), "max_matching_ngram_size is -1: the longest "
+                                                                   "n-gram prompt lookup matches"),
+])
+def test_prompt_lookup_settings_below_one_are_refused_naming_the_argument(arguments, message):
+    with pytest.raises(ValueError) as error:
+        greedy(tiny_model(), repetitive_prompt(20), **arguments)
+    assert str(error.value).startswith(message) and "Invalid max_matching_ngram_size" not in str(error.value)
+
+
 def test_a_compile_config_with_drafting_runs_the_verify_forwards_eagerly_with_the_greedy_tokens(monkeypatch, caplog):
     """While the cache records (every verify forward) it is not compileable, so generate() verifies eagerly, says
     why, and gives the greedy tokens."""

@@ -127,6 +127,20 @@ def test_synthetic_fp8_cache_has_the_bytes_of_a_real_prefill():
     assert synthetic["indexer_bytes"] == real["indexer_bytes"] and synthetic["decode_ms"] > 0
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["--contexts", "abc"], "error: --contexts 'abc': give prompt lengths in tokens, positive whole numbers "
+                            "separated by commas (e.g. 8192,131072).\n"),
+    (["--contexts", "2048,0"], "error: --contexts '2048,0': give prompt lengths"),
+    (["--contexts", "1.5k"], "error: --contexts '1.5k': give prompt lengths"),
+    (["--new-tokens", "0"], "error: --new-tokens is 0; give a positive number.\n"),
+])
+def test_a_context_or_count_that_is_not_a_positive_number_is_one_error_line(capsys, arguments, message):
+    with pytest.raises(SystemExit) as stop:
+        bench_decode.main(arguments)
+    printed = capsys.readouterr().err
+    assert stop.value.code == 2 and message in printed and "Traceback" not in printed
+
+
 def test_unknown_index_key_dtype_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench_decode.parse_arguments(["--index-key-dtypes", "auto,int4"])

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -26,24 +27,30 @@ def test_decode_phase_counts_the_tokens_after_every_request_started():
 
 
 def test_decode_step_timing_reports_both_paths_against_the_bytes(monkeypatch):
-    """Two contexts of a tiny layer: each path's step and attention times, the bytes (the budget's keys and values
-    once the context exceeds it, the pooled keys) and the ratios to their time at the copy bandwidth."""
+    """Two contexts of a tiny layer: each path's step, selection and attention times, the bytes (the budget's keys and
+    values once the context exceeds it, the pooled keys) and the ratios to their time at the copy bandwidth."""
     from hybrid_indexpool.scripts import bench_serving
 
-    monkeypatch.setattr("hybrid_indexpool.benchmarking.copy_bandwidth", lambda: 1e10)
+    monkeypatch.setattr("hybrid_indexpool.benchmarking.copy_bandwidth",
+                        lambda clock=None: 2e10 if clock is time.process_time else 1e10)
     sizes = StepSizes(heads=4, kv_heads=2, head_dim=16, index_heads=2, index_head_dim=16, topk=32, block_size=16,
                       weighting="mean")
     timing = decode_step_timing(sizes, requests=3, contexts=[20, 100], repeats=1)
-    assert timing["copy_bandwidth"] == 1e10 and timing["threads"] == torch.get_num_threads()
+    assert timing["copy_bandwidth"] == 1e10 and timing["copy_bandwidth_cpu"] == 2e10
+    assert timing["threads"] == torch.get_num_threads()
     short, long = timing["rows"]
     assert short["attention_bytes"] == 3 * 2 * (20 + 3) * 2 * 16 * 2  # every complete window and the tail, bf16
     assert long["attention_bytes"] == 3 * 2 * (32 + 3) * 2 * 16 * 2  # the budget and the tail
     assert long["index_bytes"] == 3 * 25 * 16 * 2
     for row in timing["rows"]:
         for path in ("kernel", "torch"):
-            assert row[f"step_{path}_ms"] > 0 and row[f"attention_{path}_ms"] > 0
+            assert row[f"step_{path}_ms"] > 0 and row[f"attention_{path}_ms"] > 0 and row[f"selection_{path}_ms"] > 0
             assert row[f"attention_{path}_over_bytes"] == pytest.approx(
                 row[f"attention_{path}_ms"] / (1e3 * row["attention_bytes"] / 1e10))
+            assert row[f"selection_{path}_over_bytes"] == pytest.approx(
+                row[f"selection_{path}_ms"] / (1e3 * row["index_bytes"] / 1e10))
+            assert row[f"step_{path}_cpu_over_bytes"] == pytest.approx(
+                row[f"step_{path}_cpu_ms"] / (1e3 * (row["index_bytes"] + row["attention_bytes"]) / 2e10))
     bench_serving.print_decode_step_timing(timing)
 
 

@@ -109,8 +109,33 @@ def test_derived_speedup_follows_from_acceptance_and_measured_times():
     assert "held-out text 400 (float32)" == derived[0]["acceptance_from"]
 
 
+def test_the_copying_summary_takes_the_median_and_range_over_passages():
+    def row(passage, method, k, speedup, per_verify, **extra):
+        counts = ({"accepted_drafts_per_verify": per_verify - 1} if method == "mtp"
+                  else {"mean_accepted_per_verify": per_verify})
+        return {"task": "copying", "dtype": "float32", "passage": passage, "method": method, "draft_tokens": k,
+                "speedup": speedup, "tokens_per_second": 10 * speedup, "same_tokens_as_greedy": True, **counts,
+                **extra}
+
+    rows = [row(0, "prompt_lookup", 5, 2.8, 5.3), row(1, "prompt_lookup", 5, 1.4, 2.7),
+            row(2, "prompt_lookup", 5, 2.0, 4.0, same_tokens_as_greedy=False), row(0, "mtp", 3, 1.5, 3.9),
+            row(1, "mtp", 3, 1.3, 3.5), {"task": "held-out text 64", "dtype": "float32", "method": "mtp",
+                                         "draft_tokens": 3, "speedup": 9.0, "accepted_drafts_per_verify": 2.0},
+            {"task": "copying", "dtype": "float32", "passage": 2, "method": "mtp", "draft_tokens": 3,
+             "error": "ValueError: refused"}]
+    summary = {(entry["method"], entry["draft_tokens"]): entry for entry in bench_speculative.copying_summary(rows)}
+    lookup, mtp = summary[("prompt_lookup", 5)], summary[("mtp", 3)]
+    assert lookup["passages"] == 3 and lookup["speedup_median"] == 2.0 and lookup["speedup_range"] == [1.4, 2.8]
+    assert lookup["tokens_per_verify_median"] == 4.0 and lookup["tokens_per_verify_range"] == [2.7, 5.3]
+    assert not lookup["same_tokens_as_greedy"]
+    # The held-out row and the refused run stay out; MTP's count is the drafter's own, plus one.
+    assert mtp["passages"] == 2 and mtp["speedup_median"] == pytest.approx(1.4)
+    assert mtp["tokens_per_verify_range"] == pytest.approx([3.5, 3.9]) and mtp["same_tokens_as_greedy"]
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--widths", "2,4"], "include 1"),
+    (["--copy-passages", "0"], "--copy-passages is 0; give at least 1 passage"),
     (["--layers", "6"], "multiple of 4"),
     (["--drafting-dtypes", "float16"], "use float32 and/or bfloat16"),
     (["--model", "a", "--train", "b"], "not both"),
@@ -132,14 +157,18 @@ def test_the_baseline_runs_this_module_under_another_interpreter():
 def test_command_reports_every_method_and_writes_json(tmp_path, capsys):
     path = tmp_path / "report.json"
     report = bench_speculative.main(["--quick", "--skip-verify", "--contexts", "40", "--new-tokens", "3",
-                                     "--copy-length", "24", "--draft-lengths", "1", "--drafting-dtypes", "float32",
-                                     "--json", str(path)])
+                                     "--copy-length", "24", "--copy-passages", "2", "--draft-lengths", "1",
+                                     "--drafting-dtypes", "float32", "--json", str(path)])
     assert json.loads(path.read_text())["drafting"] == json.loads(json.dumps(report["drafting"]))
     tasks = {(row["task"], row["method"]) for row in report["drafting"]}
     assert tasks == {(task, method) for task in ("held-out text 40", "copying")
                      for method in ("greedy", "prompt_lookup", "mtp")}
     assert all(row["same_tokens_as_greedy"] for row in report["drafting"] if row["method"] != "greedy")
-    assert "greedy" in capsys.readouterr().out
+    assert sorted({row["passage"] for row in report["drafting"] if row["task"] == "copying"}) == [0, 1]
+    assert {(row["method"], row["passages"]) for row in report["copying_summary"]} == {
+        ("greedy", 2), ("prompt_lookup", 2), ("mtp", 2)}
+    printed = capsys.readouterr().out
+    assert "greedy" in printed and "Copying task over 2 passages" in printed
 
 
 @pytest.mark.slow

@@ -3,8 +3,10 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 
 from hybrid_indexpool.scripts import finetune
@@ -73,13 +75,39 @@ def test_bad_input_ends_with_an_error_line_and_status_2(tmp_path, capsys, change
     (["--model_name_or_path", "/nonexistent"], "error: --model_name_or_path /nonexistent: no such folder (nor a Hub "
                                                "model id); give the folder of a checkpoint of ours, or --init_config "
                                                "to train a new model.\n"),
+    (["--init_config", '{"hiden_size": 64, "num_hidden_layers": 4, "colour": 1}'],
+     "error: --init_config (a JSON object of config fields, or a file of one): `hiden_size` (did you mean "
+     "`hidden_size`?); `colour` is not a field of HybridIndexPoolConfig; use the field names of its documentation.\n"),
+    (["--init_config", "[64]"], "error: --init_config (a JSON object of config fields, or a file of one): it holds a "
+                                "list, not an object of fields.\n"),
 ])
 def test_an_argument_refused_before_anything_loads_is_one_error_line(tmp_path, capsys, change, message):
     argv = command_line(tmp_path)
-    if change[0] == "--model_name_or_path":
-        del argv[:2]  # instead of --init_config
+    if change[0] in ("--model_name_or_path", "--init_config"):
+        del argv[:2]  # instead of the tiny --init_config
     argv += change
     with pytest.raises(SystemExit) as stop:
         finetune.main(argv)
     assert stop.value.code == 2 and capsys.readouterr().err == message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_name_neither_a_folder_nor_downloadable_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    """A bare name that is no folder: offline, or where the Hub has no such model or cannot be reached, one error line
+    at once (transformers' own retries take over a minute offline and end in 'has no tokenizer')."""
+    argv = command_line(tmp_path)[2:] + ["--model_name_or_path", "hybrid-indexpool-tests/no-such-model-49"]
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stop:
+        finetune.main(argv)
+    assert time.monotonic() - start < 30
+    printed = capsys.readouterr().err
+    assert stop.value.code == 2 and printed.count("\n") == 1 and printed.startswith(
+        "error: --model_name_or_path hybrid-indexpool-tests/no-such-model-49: no such folder, and the Hub ")
+    assert printed.endswith("; give the folder of a checkpoint of ours, or --init_config to train a new model.\n")
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
+    with pytest.raises(SystemExit) as stop:
+        finetune.main(argv[:-1] + ["nomodel"])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        "error: --model_name_or_path nomodel: no such folder, and no download of it in the Hub cache while offline "
+        "(HF_HUB_OFFLINE); give the folder of a checkpoint of ours, or --init_config to train a new model.\n")
     assert not (tmp_path / "out").exists()

@@ -1,6 +1,7 @@
 """`python -m hybrid_indexpool.scripts.serve`: transformers' OpenAI-compatible server on a tiny checkpoint, called with
 the `openai` client; greedy completions equal `generate()`, streaming gives the same text."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from model_factory import tiny_model
@@ -42,14 +44,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    port = free_port()
+@contextlib.contextmanager
+def started_server(command: list[str], cwd=None):
+    """The server `command` starts (its port among the arguments), as an `openai` client once `/health` answers;
+    stopped at the end."""
+    port = command[command.index("--port") + 1]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hybrid_indexpool.scripts.serve", checkpoint, "--port", str(port), "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
-    )
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
+                               cwd=cwd)
     url = f"http://localhost:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -63,13 +65,24 @@ def server(checkpoint):
             process.kill()
             pytest.fail(f"the server did not start:\n{process.communicate()[0][-5000:]}")
         time.sleep(1)
-    yield OpenAI(base_url=f"{url}/v1", api_key="not needed")
-    process.terminate()
     try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        yield OpenAI(base_url=f"{url}/v1", api_key="not needed"), process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    """The server as `python -m hybrid_indexpool.scripts.serve CHECKPOINT` starts it."""
+    command = [sys.executable, "-m", "hybrid_indexpool.scripts.serve", checkpoint, "--port", str(free_port()),
+               "--device", "cpu"]
+    with started_server(command) as (client, _):
+        yield client
 
 
 def greedy_text(checkpoint: str, inputs: dict) -> tuple[str, int]:
@@ -107,6 +120,38 @@ def test_chat_completions_use_the_chat_template_and_stream_the_same_text(server,
     stream = server.chat.completions.create(model=checkpoint, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
                                             stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
+
+
+def test_the_file_form_serves_a_checkpoint_saved_by_save_pretrained(checkpoint, tmp_path):
+    """`python scripts/serve.py CHECKPOINT`, from another folder: this file imports transformers before the package
+    does, and the model's process (which transformers spawns) must still find the model's class."""
+    script = Path(serve.__file__).resolve()  # the checkout's scripts/serve.py (or the installed copy's)
+    prompt = "The quick brown fox"
+    expected, _ = greedy_text(checkpoint, AutoTokenizer.from_pretrained(checkpoint)(prompt, return_tensors="pt"))
+    command = [sys.executable, str(script), checkpoint, "--port", str(free_port()), "--device", "cpu"]
+    with started_server(command, cwd=tmp_path) as (client, process):
+        completion = client.completions.create(model=checkpoint, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+        assert completion.choices[0].text == expected, process
+
+
+@pytest.mark.parametrize("port, message", [
+    ("-1", "error: --port is -1; give a port number from 1 to 65535 (default 8000).\n"),
+    ("65536", "error: --port is 65536; give a port number from 1 to 65535 (default 8000).\n"),
+])
+def test_a_port_that_is_no_port_number_is_one_error_line(checkpoint, port, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        serve.main([checkpoint, "--port", port])
+    assert stop.value.code == 2 and capsys.readouterr().err == message
+
+
+def test_a_port_in_use_is_named_before_the_model_loads(checkpoint, capsys):
+    with socket.create_server(("localhost", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as stop:
+            serve.main([checkpoint, "--port", str(port)])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        f"error: cannot listen on localhost:{port} (Address already in use); choose a free --port (or a --host of "
+        "this machine).\n")
 
 
 @pytest.mark.parametrize("option, message", [

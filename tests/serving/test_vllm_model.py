@@ -4,7 +4,17 @@ environment: see the README's vLLM section). One engine serves every test of the
 from pathlib import Path
 
 import pytest
-from vllm_reference import assert_close_to_reference, random_prompts, score, tiny_checkpoint
+from vllm_reference import (
+    assert_close_to_reference,
+    assert_tokens_part_within_top_k,
+    cache_tensor_count,
+    fill_caches,
+    generate,
+    num_preemptions,
+    random_prompts,
+    score,
+    tiny_checkpoint,
+)
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
@@ -30,21 +40,12 @@ def engine(checkpoint):
     del llm
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
-    return [{"prompt": prompt, "output": list(completion.token_ids),
-             "logprobs": [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]}
-            for prompt, output in zip(prompts, outputs) for completion in output.outputs]
-
-
 def test_batch_beyond_budget_matches_transformers(engine, checkpoint, tmp_path):
     """Eight requests of different lengths in one batch, most far beyond the budget, prefills chunked inside windows
     and at least one request preempted and recomputed (too few KV blocks for all): tokens as our model scores them."""
     requests = generate(engine, random_prompts(PROMPT_LENGTHS, seed=0), max_tokens=24)
     assert [len(request["output"]) for request in requests] == [24] * len(PROMPT_LENGTHS)
-    preemptions = {metric.name: metric for metric in engine.get_metrics()}["vllm:num_preemptions"]
-    assert preemptions.value >= 1
+    assert num_preemptions(engine) >= 1
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
 
 
@@ -54,13 +55,26 @@ def test_within_budget_is_dense_and_exact(engine, checkpoint, tmp_path):
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path), within_budget=True)
 
 
-def test_requests_alone_or_batched_give_the_same_tokens(engine):
-    """Continuous batching: a request's tokens do not depend on what it was batched with (nor on preemption)."""
+def test_requests_alone_or_batched_part_only_within_the_top_5(engine):
+    """Continuous batching in bfloat16: a request batched with others (and preempted) against the same request alone
+    gives the same tokens, or parts from it only where vLLM's own models may (its rule: each run's token among the
+    other's top 5). Exactness, in float32, is `test_vllm_exactness.py`'s."""
     prompts = random_prompts([130, 23, 301], seed=2)
-    batched = generate(engine, prompts, max_tokens=12)
-    alone = [generate(engine, [prompt], max_tokens=12)[0] for prompt in prompts]
-    for together, single in zip(batched, alone):
-        assert together["output"] == single["output"]
+    batched = generate(engine, prompts, max_tokens=12, top_logprobs=5)
+    alone = [generate(engine, [prompt], max_tokens=12, top_logprobs=5)[0] for prompt in prompts]
+    assert_tokens_part_within_top_k(batched, alone, k=5)
+
+
+def test_cache_contents_left_from_other_batches_never_reach_a_token(engine, checkpoint):
+    """vLLM's own Gated DeltaNet kernels (bfloat16) with the IndexPool caches: every cache and state tensor filled
+    with NaN, then random values, between two runs of the same batch; every token and log-probability the same."""
+    prompts = random_prompts([130, 23, 301, 9], seed=7)
+    first = generate(engine, prompts, max_tokens=12)
+    for fill in ("nan", "random"):
+        assert fill_caches(engine, fill) == cache_tensor_count(checkpoint)
+        again = generate(engine, prompts, max_tokens=12)
+        assert [request["output"] for request in again] == [request["output"] for request in first]
+        assert [request["logprobs"] for request in again] == [request["logprobs"] for request in first]
 
 
 def test_tensor_parallel_2_matches_transformers(checkpoint, tmp_path, monkeypatch):
@@ -105,19 +119,29 @@ def test_fp8_pooled_keys_match_transformers(tmp_path_factory, tmp_path):
     assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
 
 
-@pytest.mark.xfail(reason="open: since this stop's merges the compiled engine's tokens part from the eager engine's "
-                          "at the 8th token of the first prompt (bfloat16); the eager engine's own later tokens vary "
-                          "with the batches it served before; not yet bisected", strict=False)
-def test_compiled_model_gives_the_eager_tokens(engine, checkpoint):
+def test_gated_deltanet_heads_vllm_cpu_kernels_do_not_take_are_served_by_the_projects_core(tmp_path_factory, tmp_path):
+    """Gated DeltaNet heads of 32 in bfloat16 (vLLM's CPU kernels take 64 and 128 only, and would fail at the first
+    request): the engine picks the project's core, and a batch beyond the budget matches our model."""
+    checkpoint = tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny-indexpool-narrow", narrow=True)
+    llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
+                   max_num_batched_tokens=CHUNK_TOKENS, seed=0)
+    try:
+        requests = generate(llm, random_prompts([70, 23, 130, 250], seed=8), max_tokens=16)
+    finally:
+        del llm
+    assert_close_to_reference(requests, score(checkpoint, requests, tmp_path))
+
+
+def test_compiled_model_parts_from_the_eager_tokens_only_within_the_top_5(engine, checkpoint):
     """With vLLM's compilation on (`@support_torch_compile`; on CPU vLLM traces the model once with Dynamo and
-    compiles it with Inductor, the IndexPool step and the Gated DeltaNet core staying custom ops), the same tokens as
-    the eager engine, for a batch beyond the budget with chunked prefill."""
+    compiles it with Inductor, the IndexPool step and the Gated DeltaNet core staying custom ops), in bfloat16: the
+    eager engine's tokens up to where the runs part, there each within the other's top 5 (Inductor fuses and rounds
+    bfloat16 differently; vLLM's own Qwen3-Next parts the same way). Exact in float32: `test_vllm_exactness.py`."""
     llm = vllm.LLM(str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=False,
                    max_num_batched_tokens=CHUNK_TOKENS, seed=0)
     prompts = random_prompts([130, 23, 301], seed=2)
     try:
-        compiled = generate(llm, prompts, max_tokens=12)
+        compiled = generate(llm, prompts, max_tokens=12, top_logprobs=5)
     finally:
         del llm
-    assert [request["output"] for request in compiled] == [request["output"] for request in
-                                                           generate(engine, prompts, max_tokens=12)]
+    assert_tokens_part_within_top_k(compiled, generate(engine, prompts, max_tokens=12, top_logprobs=5), k=5)
