@@ -120,3 +120,37 @@ def test_every_cache_layer_answers_its_lengths_and_whether_it_compiles():
         assert isinstance(layer, (LinearAttentionLayerCache, IndexPoolLayerCache))
     cache.activate_past_recording(recurrent_states_to_keep=1)
     assert not any(layer.is_compileable for layer in cache.decoder_layers)
+
+
+def held_objects(obj, path: str = "cache", seen=None):
+    """(path, object) of everything reachable from `obj` through attributes, dicts, lists and tuples (not into
+    tensors)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (torch.Tensor, int, float, str, bool, type(None), torch.dtype)):
+        return
+    seen.add(id(obj))
+    yield path, obj
+    children = (obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple))
+                else vars(obj).items() if hasattr(obj, "__dict__") else ())
+    for key, child in children:
+        yield from held_objects(child, f"{path}.{key}", seen)
+
+
+def test_no_cache_layer_holds_a_callable_while_recording_after_a_crop_or_after_the_replay():
+    """Caches store, layers compute: a crop leaves recorded inputs for the layer to replay, never model code."""
+    model = tiny_model(num_mtp_layers=1)
+    cache = filled_cache(model)
+    held = {}
+    with torch.no_grad():
+        cache.activate_past_recording(recurrent_states_to_keep=3)
+        model(torch.randint(3, 97, (2, 4)), cache=cache)  # recorded
+        held["recording"] = list(held_objects(cache))
+        cache.crop(-2)
+        held["cropped"] = list(held_objects(cache))
+        assert any(layer.pending_replay() is not None for layer in cache.decoder_layers
+                   if isinstance(layer, LinearAttentionLayerCache))  # the crop left a replay to the layers
+        model(torch.randint(3, 97, (2, 1)), cache=cache)  # replays, then runs the new token
+        held["replayed"] = list(held_objects(cache))
+    for moment, objects in held.items():
+        assert len(objects) > len(cache.layers), moment  # the walk reached into the layers
+        assert not [path for path, obj in objects if callable(obj)], moment
