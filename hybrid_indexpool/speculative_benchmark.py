@@ -149,9 +149,8 @@ class _DraftTimer:
             candidates = get_candidates(input_ids, *rest, **options)
             if candidates[0].shape[-1] > input_ids.shape[-1]:  # a round that drafted (not the prefill's empty one)
                 self.round_seconds.append(time.perf_counter() - start)
-                cache = getattr(generator, "cache", None)
-                if len(self.round_seconds) == 2 and hasattr(cache, "memory_footprint"):
-                    self.draft_cache_bytes = cache.memory_footprint()["reserved"]
+                if len(self.round_seconds) == 2 and hasattr(generator, "draft_cache_footprint"):
+                    self.draft_cache_bytes = generator.draft_cache_footprint()["reserved"]
             return candidates
 
         generator.get_candidates = timed

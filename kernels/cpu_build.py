@@ -165,11 +165,11 @@ class CpuKernel:
         return self._library is not None
 
     def usable(self) -> bool:
-        """Whether a call should go to this kernel: CPU kernels on, the PyTorch backend not forced, and the library
-        built. In a traced region the library is not built (that happens when the op first runs): there only a
-        build known to have failed says no."""
-        if not cpu_kernels_enabled() or kernel_backend() != "auto":
-            return False
+        """Whether a call should go to this kernel: CPU kernels on, the PyTorch backend not forced, not exporting,
+        and the library built. In a traced region the library is not built (that happens when the op first runs):
+        there only a build known to have failed says no."""
+        if not cpu_kernels_enabled() or kernel_backend() != "auto" or torch.compiler.is_exporting():
+            return False  # an exported program keeps to PyTorch's operators: it runs wherever PyTorch does
         if torch.compiler.is_compiling():
             return self.error is None
         return self.load() is not None

@@ -2,8 +2,8 @@ from .cache_hybrid_indexpool import (
     HybridIndexPoolCache,
     IndexPoolLayerCache,
     LinearAttentionLayerCache,
-    MultiTokenPredictionCache,
 )
+from .export import HybridIndexPoolDecodeStep
 from .modeling_hybrid_indexpool import (
     HybridIndexPoolForCausalLM,
     HybridIndexPoolForSequenceClassification,
@@ -21,8 +21,8 @@ __all__ = [
     "HybridIndexPoolCache",
     "IndexPoolLayerCache",
     "LinearAttentionLayerCache",
-    "MultiTokenPredictionCache",
     "HybridIndexPoolMTPCandidateGenerator",
+    "HybridIndexPoolDecodeStep",
     "HybridIndexPoolForCausalLM",
     "HybridIndexPoolForSequenceClassification",
     "HybridIndexPoolModel",

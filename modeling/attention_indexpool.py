@@ -11,8 +11,10 @@ from torch import nn
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.pooled_index_topk import pooled_index_scores_torch, pooled_index_topk
 from ..kernels.sparse_attention import masked_softmax
-from .cache_hybrid_indexpool import IndexPoolLayerCache
+from .cache_layers import IndexPoolLayerCache
 from .indexer import HybridIndexPoolIndexer, window_kl_divergence
+from .inputs import tracing
+from .layers import FEW_TOKENS
 
 
 @dataclass
@@ -87,31 +89,42 @@ class HybridIndexPoolAttentionBase(nn.Module):
         projected = self.project(hidden_states, cos, sin)
         self.check_indexer_loss(indexer_loss, layer_cache, projected.query.shape[1])
 
-        index_queries = raw_index_keys = gate_logits = head_weights = None
+        index_queries = head_weights = pooled_index_keys = None
         if self.indexer is not None:
             # The indexer reads detached inputs: only its own loss trains it, and it never trains the model (the
             # selection passes no gradient either way).
             query_latent = None if projected.query_latent is None else projected.query_latent.detach()
             index_queries, raw_index_keys, gate_logits, head_weights = self.indexer(
                 hidden_states.detach(), cos, sin, query_latent)
-        state = layer_cache
-        if state is None:  # without a cache, a per-call state does the same bookkeeping
-            state = IndexPoolLayerCache(self.pool_size)
-            state.plan(token_is_real)
-        # By position: [batch, kv_heads, capacity, head_dim] (MLA: latents, no values)
-        key, value, completed = state.update(
-            projected.key, projected.value, raw_index_keys, gate_logits, token_is_real, rope_positions)
-        pooled_index_keys = state.pooled_index_keys  # [batch, capacity // r, index_head_dim]
-        if completed is not None:
-            pooled = self.indexer.pool_windows(completed.keys, completed.gate_logits, completed.first_positions,
-                                               quantize=state.fp8_index_keys)
-            pooled_index_keys = state.store_pooled_index_keys(completed, pooled)
+        key, value = projected.key, projected.value  # [batch, kv_heads, seq, head_dim] (MLA: latents, no values)
+        if layer_cache is None:
+            # Without a cache each row's real tokens come first, so position p is column p: pool its complete windows.
+            # Padding (and an MTP entry without its next token) holds no key, as in a cache.
+            absent = ~token_is_real[:, None, :, None]
+            key = key.masked_fill(absent, 0)
+            value = None if value is None else value.masked_fill(absent, 0)
+            if self.indexer is not None:
+                num_windows, r = seq_len // self.pool_size, self.pool_size
+                pooled_index_keys = self.indexer.pool_windows(
+                    raw_index_keys[:, : num_windows * r].unflatten(1, (num_windows, r)),
+                    None if gate_logits is None else gate_logits[:, : num_windows * r].unflatten(1, (num_windows, r)),
+                    rope_positions[:, :, : num_windows * r: r])
+        else:
+            windows = pooled = None
+            if self.indexer is not None:
+                windows = layer_cache.place_windows(raw_index_keys, gate_logits, token_is_real, rope_positions)
+                pooled = self.indexer.pool_windows(windows.keys, windows.gate_logits, windows.first_positions,
+                                                   quantize=layer_cache.fp8_index_keys)
+            # By position: [batch, kv_heads, capacity, head_dim]; pooled keys [batch, capacity // r, index_head_dim]
+            key, value, pooled_index_keys = layer_cache.update(key, value, token_is_real, windows, pooled)
         # A padding query sees no window, only its tail: a finite output that is never read.
         num_visible = torch.where(token_is_real, (positions + 1) // self.pool_size, 0)
 
-        decode = seq_len == 1 and layer_cache is not None and indexer_loss is None
+        # A decode step, or a verify forward's few tokens over a cache: fixed shapes, nothing read from the device.
+        decode = seq_len <= FEW_TOKENS and layer_cache is not None and indexer_loss is None
         if not decode:
-            length = int(positions.max()) + 1  # no query of this input sees beyond
+            # No query of this input sees beyond its last position; a trace, which cannot read it, takes a bound.
+            length = int(positions.max()) + 1 if not tracing() else key.shape[2] if layer_cache else seq_len
             key = key[:, :, :length]
             value = None if value is None else value[:, :, :length]
             if pooled_index_keys is not None:
@@ -161,29 +174,31 @@ class HybridIndexPoolAttentionBase(nn.Module):
                        indexer_loss: str | None, shared_selection: torch.Tensor | None) -> torch.Tensor | None:
         """Windows each query attends to, `[batch, queries, topk]` (`-1` for none), or None for dense attention.
 
-        Decode (`decode`: one token per row with a cache): fixed shapes, no host synchronisation, always a selection
+        Decode (`decode`: up to `FEW_TOKENS` tokens per row with a cache, a decode step or a speculative verify
+        forward): fixed shapes, no host synchronisation, always a selection
         (everything visible while that fits the budget, so the dense result too). Otherwise None while every query
-        sees at most the budget's windows (or for the dense indexer warm-up). A shared layer returns
-        `shared_selection`, which its full layer made under the same rule.
+        sees at most the budget's windows (or for the dense indexer warm-up); a trace (torch.compile, torch.export),
+        which cannot read how many windows the queries see, bounds them by the stored windows and selects with fixed
+        shapes. A shared layer returns `shared_selection`, which its full layer made under the same rule.
         """
         if self.indexer is None:
             return shared_selection
-        if decode:
+        max_visible = pooled_index_keys.shape[1]
+        if not decode:
+            max_visible = max_visible if tracing() else int(num_visible.max())
+            if indexer_loss == "dense" or max_visible <= self.topk_windows:
+                return None
+        head_weights = None if head_weights is None else head_weights.detach()
+        if decode or tracing():
             # The budget, or every window the storage can hold when that is less: the shapes follow the capacity.
             topk = min(self.topk_windows, pooled_index_keys.shape[1])
             # Forced windows matter only when the budget is smaller than the storage (otherwise all are selected).
             forced = (self.sink_windows, self.local_windows) if topk == self.topk_windows else (0, 0)
-            return pooled_index_topk(
-                index_queries.detach(), pooled_index_keys.detach(), num_visible, topk,
-                None if head_weights is None else head_weights.detach(), None, *forced,
-            )
-        max_visible = int(num_visible.max())
-        if indexer_loss == "dense" or max_visible <= self.topk_windows:
-            return None
+            return pooled_index_topk(index_queries.detach(), pooled_index_keys.detach(), num_visible, topk,
+                                     head_weights, None, *forced)
         return pooled_index_topk(
-            index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows,
-            None if head_weights is None else head_weights.detach(), window_limit=max_visible,
-            sink_windows=self.sink_windows, local_windows=self.local_windows,
+            index_queries.detach(), pooled_index_keys.detach(), num_visible, self.topk_windows, head_weights,
+            window_limit=max_visible, sink_windows=self.sink_windows, local_windows=self.local_windows,
         )
 
     def _indexer_kl(self, query, key, index_queries, pooled_index_keys, head_weights, num_visible, positions,

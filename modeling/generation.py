@@ -1,66 +1,19 @@
-"""What the HybridIndexPool language-model heads share for `generate()` and their losses."""
+"""What the HybridIndexPool language-model heads share for `generate()`."""
 
 import torch
-import torch.nn.functional as F
 from transformers.generation import GenerationMixin
 from transformers.utils import logging
 
 from .cache_hybrid_indexpool import HybridIndexPoolCache
 from .mtp_drafting import HybridIndexPoolMTPCandidateGenerator
-from .outputs import HybridIndexPoolCausalLMOutput
 
 logger = logging.get_logger(__name__)
 
 
 class HybridIndexPoolGenerationMixin(GenerationMixin):
-    """What the language-model heads share: the output of `lm_head` with its losses, and what `generate()` needs to
-    know about this model family: its cache (reserved once for the call), positions counted by the model itself, and
-    the 2-D padding mask passed through to a (possibly compiled) decode step."""
-
-    def language_model_output(self, outputs, labels=None, logits_to_keep: int | torch.Tensor = 0,
-                              attention_mask: torch.Tensor | None = None, **kwargs) -> "HybridIndexPoolCausalLMOutput":
-        """Logits of the last `logits_to_keep` positions (all when 0) and, given `labels`, the loss; a requested
-        indexer loss is added, weighted by `indexer_loss_weight`. With router logits, `aux_loss` is their
-        load-balancing loss over the real tokens of `attention_mask`, added to a labelled loss weighted by
-        `router_aux_loss_coef` (as transformers' MoE models do)."""
-        text_config = self.config.get_text_config()
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(outputs.last_hidden_state[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
-        mtp_logits = mtp_loss = None
-        if outputs.mtp_hidden_states is not None:
-            mtp_logits = tuple(self.lm_head(states[:, keep, :]) for states in outputs.mtp_hidden_states)
-        if mtp_logits is not None and labels is not None:
-            # Depth k's position i predicts token i + k + 2: the usual one-place shift, of the labels k + 1 ahead.
-            mtp_loss = torch.stack([
-                self.loss_function(logits=depth_logits, labels=F.pad(labels[:, depth + 1:], (0, depth + 1),
-                                                                     value=-100),
-                                   vocab_size=text_config.vocab_size, **kwargs)
-                for depth, depth_logits in enumerate(mtp_logits)
-            ]).mean()
-            if text_config.mtp_loss_weight:
-                loss = loss + text_config.mtp_loss_weight * mtp_loss
-        aux_loss = self.router_aux_loss(outputs.router_logits, attention_mask)
-        if aux_loss is not None and loss is not None:
-            loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
-        if outputs.indexer_loss is not None:
-            weighted = text_config.indexer_loss_weight * outputs.indexer_loss
-            loss = weighted if loss is None else loss + weighted
-        return HybridIndexPoolCausalLMOutput(
-            loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, router_logits=outputs.router_logits, indexer_loss=outputs.indexer_loss,
-            mtp_logits=mtp_logits, mtp_loss=mtp_loss, mtp_inputs=outputs.mtp_inputs,
-        )
-
-    def wants_mtp_logits(self, output_mtp_logits: bool | None, labels) -> bool:
-        """Whether a forward computes the MTP layers: when asked, or by default for a labelled forward whose loss
-        weighs them (`mtp_loss_weight > 0`)."""
-        text_config = self.config.get_text_config()
-        if output_mtp_logits is None:
-            return labels is not None and text_config.num_mtp_layers > 0 and text_config.mtp_loss_weight > 0
-        return bool(output_mtp_logits)
+    """What `generate()` needs to know about this model family: its cache (reserved once for the call), drafting with
+    the MTP layers, positions counted by the model itself, and the 2-D padding mask passed through to a (possibly
+    compiled) decode step."""
 
     def _prepare_generation_config(self, generation_config, **kwargs):
         """transformers' preparation, plus the MTP draft depth: `generate(use_mtp=True)` drafts

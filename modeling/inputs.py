@@ -1,153 +1,137 @@
-"""What the model does with its inputs before the layers run, and with the layers' outputs after: validation with
-messages that name the argument and the fix, the padding mask as per-token flags, rotary and storage positions,
-the token layout (real tokens first, packed sequences apart), and attention weights laid back over mask columns."""
+"""What the model does with its inputs before the layers run: validation with messages that name the argument and
+the fix, and the [`TokenLayout`] of a pass (which tokens exist, their storage and rotary positions, the grid the token
+mixers run on, the mask columns attention weights are laid over)."""
 
-from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
+from transformers.utils.generic import TransformersKwargs
 
 from .cache_hybrid_indexpool import HybridIndexPoolCache
-from .token_layout import TokenLayout
+from .token_layout import TokenGrid, TokenLayout
 
 
-@dataclass
-class LayerStep:
-    """What every decoder layer of one pass over (a chunk of) the input reads besides its hidden states, and the
-    IndexPool layers' records that are not model outputs.
+class HybridIndexPoolKwargs(TransformersKwargs, total=False):
+    """The keyword arguments of the HybridIndexPool models' forwards beyond transformers' own (`output_attentions`,
+    `output_hidden_states`, `output_router_logits`, `num_items_in_batch`, ...).
 
     Attributes:
-        positions: `[batch, seq]` storage positions: each row counts its real tokens (after the cached ones).
-        rope_positions: `[streams, batch, seq]` rotary positions.
-        token_is_real: `[batch, seq]` bool, False for padding.
-        output_attentions: whether IndexPool layers return their attention weights.
-        indexer_loss: None, `"dense"` or `"sparse"` (see `HybridIndexPoolModel.forward`).
-        ple_token_ids: `[batch, seq]` token ids for per-layer n-gram embeddings (padding as end-of-sequence), or None.
-        selections: each full IndexPool layer's selection by layer index, which the shared-indexer layers after it
-            reuse (filled as the pass goes; recomputing a layer under gradient checkpointing rewrites the same entry).
-        indexer_losses: each IndexPool layer's indexer KL loss by layer index, when `indexer_loss` asks for it.
-        final_streams: `[batch, seq, hc_count * hidden]` the residual streams after the last layer, before the final
-            mix, when the pass keeps them (for Qwen4-Exp's multi-token prediction).
+        indexer_loss: `"dense"` or `"sparse"` to also compute the indexer's KL loss (DeepSeek-V3.2 style, per IndexPool
+            layer) against the attention mass of every complete visible window, or of the selected ones; it trains
+            only the indexer and pooling. `"dense"` also makes the attention dense (the warm-up).
+        ple_input_ids: `[batch, seq]` token ids for the per-layer n-gram embeddings when `inputs_embeds` replace
+            `input_ids` (models with `ple_layers` only).
+        output_indexer_selections: also return the windows each full-indexer IndexPool layer selected.
+        output_mtp_hidden_states: also return the multi-token-prediction layers' outputs, one `[batch, seq, hidden]`
+            per depth (models with `num_mtp_layers` only; the whole sequence in one forward, from an empty cache or
+            none; with a cache, the MTP layers' entries go to its MTP layers, for drafting).
+        output_mtp_logits: the head's MTP logits (default: with labels, when `config.mtp_loss_weight > 0`).
+        output_mtp_inputs: also return what the MTP layers read at each new token, `mtp_inputs`: the final normed
+            hidden states `[batch, seq, hidden]`, or for Qwen4-Exp's MTP the residual streams before the final mix
+            `[batch, seq, hc_count * hidden]` (any forward, with or without a cache).
     """
 
-    positions: torch.Tensor
-    rope_positions: torch.Tensor
-    token_is_real: torch.Tensor
-    output_attentions: bool = False
-    indexer_loss: str | None = None
-    ple_token_ids: torch.Tensor | None = None
-    selections: dict = field(default_factory=dict)
-    indexer_losses: dict = field(default_factory=dict)
-    final_streams: torch.Tensor | None = None
-
-    def chunk(self, start: int, end: int) -> "LayerStep":
-        """The same pass over tokens `start:end` of the grid, with fresh records."""
-        return LayerStep(
-            self.positions[:, start:end], self.rope_positions[:, :, start:end], self.token_is_real[:, start:end],
-            self.output_attentions, self.indexer_loss,
-            None if self.ple_token_ids is None else self.ple_token_ids[:, start:end],
-        )
+    indexer_loss: Literal["dense", "sparse"] | None
+    ple_input_ids: torch.LongTensor | None
+    output_indexer_selections: bool
+    output_indexer_losses: bool
+    output_mtp_hidden_states: bool
+    output_mtp_logits: bool | None
+    output_mtp_inputs: bool
 
 
-@dataclass
-class PreparedInputs:
-    """The model's inputs on the layers' grid (see `prepare_inputs`)."""
-
-    inputs_embeds: torch.Tensor
-    step: LayerStep
-    cache: HybridIndexPoolCache | None
-    use_cache: bool
-    layout: TokenLayout | None
-    kv_length: int | None
+def tracing() -> bool:
+    """Whether torch.compile or torch.export is tracing: checks that read tensor values are skipped then (a graph
+    cannot branch on them), and the eager call keeps its clear error."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
-def prepare_inputs(model, inputs_embeds, attention_mask, position_ids, cache, use_cache, use_cache_asked,
-                   output_attentions, indexer_loss, ple_input_ids) -> PreparedInputs:
-    """Everything position-related for one forward of `model` (a `HybridIndexPoolModel`): which tokens are real,
-    the token layout, the cache's planning and storage positions, the rotary positions and the PLE token ids."""
-    config = model.config
+def token_layout(config, streams: int, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None, ple_input_ids: torch.Tensor | None,
+                 cache: HybridIndexPoolCache | None, output_attentions: bool = False) -> TokenLayout:
+    """The layout of one pass over `inputs_embeds [batch, seq, hidden]` (a whole forward or one prefill chunk): which
+    tokens exist, the grid (each sequence's real tokens first, packed sequences apart), the storage positions (counted
+    by `cache`, which this pass then continues), the rotary positions of a RoPE of `streams` position streams and the
+    PLE token ids; with `output_attentions`, the mask columns attention weights are laid over."""
     batch_size, seq_len = inputs_embeds.shape[:2]
     device = inputs_embeds.device
     token_is_real = token_is_real_mask(attention_mask, cache, batch_size, seq_len, device)
-    num_streams = model.rotary_emb.num_streams
-    rope_positions, text_positions = rope_positions_of(position_ids, num_streams, batch_size, seq_len, device)
-    # The layers run on a grid where every sequence's real tokens come first (see TokenLayout): padding and
-    # holes then cost the recurrent layers nothing, and packed sequences never see each other.
-    layout = None
-    if seq_len > 1 and text_positions is not None and is_packed(text_positions, token_is_real):
-        if cache is not None or use_cache_asked:
-            raise ValueError(
-                "`position_ids` restart at 0 inside a row (packed sequences, as DataCollatorWithFlattening "
-                "makes): that is for training without a cache; pass use_cache=False, or one sequence per row."
-            )
-        use_cache = False
-        layout = TokenLayout.unpack(text_positions, token_is_real)
-    elif seq_len > 1:
-        layout = TokenLayout.compact(token_is_real)
+    rope_positions, text_positions = rope_positions_of(position_ids, streams, batch_size, seq_len, device)
+    grid = None
+    if seq_len > 1 and text_positions is not None and not tracing() and is_packed(text_positions, token_is_real):
+        grid = TokenGrid.unpack(text_positions, token_is_real)
+    elif seq_len > 1 and attention_mask is not None:
+        grid = TokenGrid.compact(token_is_real)
     # Attention weights are returned over every mask column, past and new (transformers' convention). Only read
     # when asked: the cache's count lives on the device, and a decode step must not wait for it.
-    kv_length = None
+    attention_columns = kv_length = None
     if output_attentions:
         kv_length = seq_len + (0 if cache is None else cache.get_seq_length())
-    if use_cache and cache is None:
-        cache = HybridIndexPoolCache(config)
+        attention_columns = columns_of_positions(attention_mask, grid, batch_size, device)
     ple_token_ids = None
     if config.ple_layers:
         # Padding never enters an n-gram: it reads as end-of-sequence, after which the n-gram context restarts.
         ple_token_ids = ple_input_ids.to(device).masked_fill(~token_is_real, config.ple_eos_token_id)
-    if layout is not None:
-        inputs_embeds, token_is_real = layout.to_grid(inputs_embeds), layout.token_is_real
+    if grid is not None:
+        token_is_real = grid.token_is_real
         if rope_positions is not None:  # [streams, batch, seq]: the streams ride along
-            rope_positions = layout.to_grid(rope_positions.permute(1, 2, 0)).permute(2, 0, 1)
-        text_positions = None if text_positions is None else layout.to_grid(text_positions)
-        ple_token_ids = None if ple_token_ids is None else layout.to_grid(ple_token_ids)
-    # Storage positions: each row counts its real tokens (the cache's per-row lengths come first).
+            rope_positions = grid.to_grid(rope_positions.permute(1, 2, 0)).permute(2, 0, 1)
+        text_positions = None if text_positions is None else grid.to_grid(text_positions)
+        ple_token_ids = None if ple_token_ids is None else grid.to_grid(ple_token_ids)
+    # Storage positions: each row counts its real tokens (after those the cache holds).
     if cache is not None:
-        positions = cache.begin_update(token_is_real)
+        positions = cache.positions(token_is_real)
     else:
         positions = (token_is_real.long().cumsum(dim=1) - 1).clamp(min=0)
-    if text_positions is not None and seq_len > 1:
+    if text_positions is not None and seq_len > 1 and not tracing():
         check_positions(text_positions, positions, token_is_real)
     if rope_positions is None:
         # The rotary positions count the tokens too, shifted per row after a multimodal prompt.
         rope_positions = positions
         if cache is not None and cache.rope_deltas is not None:
             rope_positions = positions + cache.rope_deltas.to(positions.device)
-        rope_positions = rope_positions[None].expand(num_streams, -1, -1)
-    step = LayerStep(positions, rope_positions, token_is_real, output_attentions, indexer_loss, ple_token_ids)
-    return PreparedInputs(inputs_embeds, step, cache, use_cache, layout, kv_length)
+        rope_positions = rope_positions[None].expand(streams, -1, -1)
+    return TokenLayout(token_is_real, positions, rope_positions, grid, ple_token_ids, attention_columns, kv_length)
 
 
-def columns_of_positions(attention_mask, layout, batch_size, kv_length, device) -> torch.Tensor | None:
+def packed_sequences(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, seq_len: int) -> bool:
+    """Whether `position_ids` restart at 0 inside a row: packed sequences, as `DataCollatorWithFlattening` makes
+    (reads the device; only with `position_ids` of more than one token)."""
+    if position_ids is None or seq_len <= 1 or tracing():
+        return False
+    text_positions = position_ids if position_ids.dim() == 2 else position_ids[0]
+    if text_positions.shape[-1] != seq_len:
+        return False  # refused with its shape when the layout is built
+    token_is_real = torch.ones_like(text_positions, dtype=torch.bool)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        token_is_real = attention_mask[:, -seq_len:].to(device=text_positions.device, dtype=torch.bool)
+    return is_packed(text_positions, token_is_real.expand_as(text_positions))
+
+
+def columns_of_positions(attention_mask, grid, batch_size, device) -> torch.Tensor | None:
     """`[batch, queries or 1, positions]`: the mask column (past and new) of each stored position a query can
     attend to, or None when position `p` is column `p` (no padding anywhere). Positions count a row's real
     tokens, so position `p` is its `p`-th real column; in a row of packed sequences, the `p`-th column of the
     query's own sequence."""
-    if layout is not None and layout.rows.shape[0] != batch_size:  # packed: one grid row per sequence
-        return layout.columns[layout.source_rows]
-    if layout is None and (attention_mask is None or bool(attention_mask.all())):
+    if grid is not None and grid.rows.shape[0] != batch_size:  # packed: one grid row per sequence
+        return grid.columns[grid.source_rows]
+    if grid is None and (attention_mask is None or bool(attention_mask.all())):
         return None
     # A stable sort puts each row's real columns first, in order; its padding columns follow.
     padding = attention_mask.to(device=device) == 0
     return torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices[:, None]
 
-def attention_by_column(weights, columns, kv_length) -> torch.Tensor:
-    """Attention weights `[batch, heads, queries, positions]` laid out over the mask columns instead,
-    `[batch, heads, queries, kv_length]`, zero where nothing was attended (padding, unselected windows)."""
-    if columns is None and weights.shape[-1] == kv_length:
-        return weights  # the very weights the output used (their gradient can be retained)
-    if columns is None:  # a decode step's weights cover the cache's reserved positions
-        return F.pad(weights, (0, kv_length - weights.shape[-1]))[..., :kv_length]
-    batch_size, num_heads, num_queries, _ = weights.shape
-    num_positions = min(weights.shape[-1], columns.shape[-1], kv_length)
-    index = columns[..., :num_positions].expand(batch_size, num_queries, num_positions)
-    index = index[:, None].expand(batch_size, num_heads, num_queries, num_positions)
-    # Added, not written: cells past the end of a packed sequence repeat a column with zero weight.
-    return weights.new_zeros(batch_size, num_heads, num_queries, kv_length).scatter_add_(
-        -1, index, weights[..., :num_positions])
 
-def check_inputs(config, input_ids, inputs_embeds) -> None:
+def check_inputs(config, input_ids, inputs_embeds, indexer_loss: str | None = None,
+                 ple_input_ids: torch.Tensor | None = None) -> None:
     """Refuse malformed inputs with a message that names the argument and the fix."""
+    if indexer_loss not in (None, "dense", "sparse"):
+        raise ValueError(f"indexer_loss is {indexer_loss!r}; use None, 'dense' or 'sparse'.")
+    if config.ple_layers and ple_input_ids is None and input_ids is None:
+        raise ValueError(
+            "This model has per-layer n-gram embeddings (`ple_layers`), which need the token ids: with "
+            "`inputs_embeds`, also pass `ple_input_ids` [batch, seq]."
+        )
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
     given = input_ids if input_ids is not None else inputs_embeds
@@ -161,8 +145,9 @@ def check_inputs(config, input_ids, inputs_embeds) -> None:
     if input_ids is not None:
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
             raise ValueError(f"`input_ids` are {input_ids.dtype}; token ids must be integers (e.g. torch.long).")
-        # Checked outside decode steps only: reading the values waits for the device.
-        if input_ids.shape[1] > 1 and bool((input_ids < 0).any() | (input_ids >= config.vocab_size).any()):
+        # Checked outside decode steps only: reading the values waits for the device (and a trace cannot branch).
+        checked = input_ids.shape[1] > 1 and not tracing()
+        if checked and bool((input_ids < 0).any() | (input_ids >= config.vocab_size).any()):
             raise ValueError(
                 f"`input_ids` hold ids from {int(input_ids.min())} to {int(input_ids.max())}, outside the "
                 f"vocabulary [0, {config.vocab_size}); check the tokenizer matches this model."
@@ -175,6 +160,7 @@ def check_inputs(config, input_ids, inputs_embeds) -> None:
             raise ValueError(f"`inputs_embeds` are {inputs_embeds.dtype}; give floating-point embeddings (e.g. "
                              "model.get_input_embeddings()(input_ids)).")
 
+
 def check_mtp_inputs(config, cache) -> None:
     """Refuse multi-token prediction where it cannot run: a model without MTP layers, or a forward that continues a
     cache (the MTP layers keep no cache of their own, so they read the whole sequence in one forward)."""
@@ -183,9 +169,31 @@ def check_mtp_inputs(config, cache) -> None:
                          "checkpoint that has them, or leave out the MTP outputs.")
     if cache is not None and cache.seen_tokens is not None:
         raise ValueError(
-            "The multi-token-prediction layers read the whole sequence in one forward and keep no cache: ask for "
-            "them in a forward from an empty cache (or use_cache=False), not in one that continues a cache."
+            "The multi-token-prediction layers read the whole sequence in one forward and keep no cache of what a "
+            "continued forward adds: ask for them in a forward from an empty cache (the prompt's, which fills their "
+            "cache layers for drafting) or with use_cache=False, not in one that continues a cache."
         )
+
+
+def cache_for_forward(config, cache: HybridIndexPoolCache | None, use_cache: bool | None, recomputing: bool,
+                      batch_size: int, packed: bool) -> tuple[HybridIndexPoolCache | None, bool]:
+    """The cache a forward continues (checked, or created when `use_cache`, default `config.use_cache`) and whether it
+    returns it. None while gradient checkpointing `recomputing` (a layer recomputed would update it twice); refused for
+    `packed` sequences when asked for, and otherwise left out."""
+    use_cache_asked, use_cache = use_cache, config.use_cache if use_cache is None else use_cache
+    if recomputing:
+        use_cache, cache = False, None
+    check_cache(config, cache, batch_size)
+    if packed:
+        if cache is not None or use_cache_asked:
+            raise ValueError(
+                "`position_ids` restart at 0 inside a row (packed sequences, as DataCollatorWithFlattening "
+                "makes): that is for training without a cache; pass use_cache=False, or one sequence per row."
+            )
+        use_cache = False
+    if use_cache and cache is None:
+        cache = HybridIndexPoolCache(config)
+    return cache, use_cache
 
 
 def check_cache(config, cache, batch_size: int) -> None:
@@ -219,6 +227,7 @@ def token_is_real_mask(attention_mask, cache, batch_size, seq_len, device):
         )
     return attention_mask[:, attention_mask.shape[1] - seq_len:].to(device=device, dtype=torch.bool)
 
+
 def rope_positions_of(position_ids, streams: int, batch_size, seq_len, device):
     """`position_ids` as rotary positions `[streams, batch, seq]` for a RoPE of `streams` position streams and,
     where they include them, the text positions `[batch, seq]` (which count the real tokens); `(None, None)` when
@@ -244,7 +253,7 @@ def rope_positions_of(position_ids, streams: int, batch_size, seq_len, device):
             "positions first."
         )
     if multimodal is not None and streams == 1:
-        if not bool((multimodal == multimodal[:1]).all()):
+        if not tracing() and not bool((multimodal == multimodal[:1]).all()):
             raise ValueError(
                 "`position_ids` has several different position streams (multimodal RoPE for images or video), "
                 "but this model's rope_parameters have no 'mrope_section': give [batch, seq] positions, or use "
@@ -262,9 +271,11 @@ def rope_positions_of(position_ids, streams: int, batch_size, seq_len, device):
     rope = rope.expand(streams, batch_size, seq_len).to(device=device, dtype=torch.long)
     return rope, text_positions
 
+
 def is_packed(position_ids, token_is_real) -> bool:
     """Whether some row holds several sequences: more than one real token at position 0 (reads the device)."""
     return bool((((position_ids == 0) & token_is_real).sum(dim=1) > 1).any())
+
 
 def check_positions(position_ids, positions, token_is_real) -> None:
     """Refuse `position_ids` that disagree with each row's count of real tokens (reads the device; not done in
@@ -278,38 +289,3 @@ def check_positions(position_ids, positions, token_is_real) -> None:
             "from 0 (from the tokens already in the cache), as attention_mask.cumsum(-1) - 1 does. Leave "
             "`position_ids` out and the model counts them; positions restarting at 0 mean packed sequences."
         )
-
-
-def joined(tensors: list) -> torch.Tensor:
-    """Pieces of one tensor over consecutive chunks of the grid `[rows, chunk, ...]`, concatenated along the chunks
-    (the piece itself when there is one)."""
-    return torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0]
-
-
-def gather_pieces(pieces: list, layout: TokenLayout | None, record_layout: TokenLayout | None):
-    """One model output from the outputs of the stack's passes over consecutive chunks of the grid (one pass unless
-    a long prompt was prefilled in chunks), laid back in the input's token order: final states, per-layer states,
-    attention weights `[rows, heads, queries, positions]` (one pass only) and router logits flattened to
-    `[batch * seq, num_experts]`."""
-    first = pieces[0]
-    hidden_states = joined([piece.last_hidden_state for piece in pieces])
-    all_hidden_states = None
-    if first.hidden_states is not None:
-        all_hidden_states = tuple(joined(states) for states in zip(*(piece.hidden_states for piece in pieces)))
-    all_attentions = first.attentions
-    all_router_logits = None
-    if first.router_logits:
-        all_router_logits = tuple(joined(logits) for logits in zip(*(piece.router_logits for piece in pieces)))
-    if layout is not None:
-        hidden_states = layout.from_grid(hidden_states)
-        if all_hidden_states is not None and record_layout is None:
-            all_hidden_states = tuple(layout.from_grid(states) for states in all_hidden_states)
-        if all_attentions is not None:  # [rows, heads, queries, positions]: move the queries
-            all_attentions = tuple(layout.from_grid(weights.transpose(1, 2)).transpose(1, 2)
-                                   for weights in all_attentions)
-        if all_router_logits is not None:  # back in the input's order, so that its padding mask lines up
-            all_router_logits = tuple(layout.from_grid(logits) for logits in all_router_logits)
-    if all_router_logits is not None:
-        all_router_logits = tuple(logits.flatten(0, 1) for logits in all_router_logits)
-    return type(first)(last_hidden_state=hidden_states, hidden_states=all_hidden_states, attentions=all_attentions,
-                       router_logits=all_router_logits, indexer_loss=first.indexer_loss)

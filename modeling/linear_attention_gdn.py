@@ -6,8 +6,9 @@ from torch import nn
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.gated_delta_rule import gated_delta_rule
-from .cache_hybrid_indexpool import LinearAttentionLayerCache
-from .layers import FEW_TOKENS, HybridIndexPoolLinear, HybridIndexPoolRMSNormGated, tensor_parallel_rank
+from .cache_layers import LinearAttentionLayerCache
+from .delta_rule import continue_delta_rule
+from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNormGated, tensor_parallel_rank
 from .short_convolution import HybridIndexPoolShortConvolution
 
 
@@ -72,16 +73,9 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         log_decay = -A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + dt_bias)
         log_decay = log_decay * real
 
-        initial_state = None if layer_cache is None else layer_cache.recurrent_state
-        # Token by token over a cache for a few tokens (decode, a verify forward): no chunk padding to 64 tokens.
-        mode = "recurrent" if initial_state is not None and seq_len <= FEW_TOKENS else "chunk"
-        if layer_cache is not None and layer_cache.record_past:  # keeps what a crop (speculative decoding) replays
-            core, final_state = layer_cache.run_rule(gated_delta_rule, query, key, value, log_decay, beta, conv_input,
-                                                     token_is_real, mode)
-        else:
-            core, final_state = gated_delta_rule(query, key, value, log_decay, beta, initial_state, mode=mode)
-        if layer_cache is not None:
-            layer_cache.update(self.conv1d.next_state(conv_input, token_is_real), final_state)
+        core = continue_delta_rule(gated_delta_rule, (query, key, value, log_decay, beta), token_is_real, layer_cache,
+                                   None if layer_cache is None else self.conv1d.next_state(conv_input, token_is_real),
+                                   conv_input)
 
         gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.value_head_dim)
         core = self.norm(core, gate).reshape(batch_size, seq_len, -1)

@@ -9,8 +9,9 @@ from transformers.activations import ACT2FN
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
 from ..kernels.kimi_delta_rule import kimi_delta_rule
-from .cache_hybrid_indexpool import LinearAttentionLayerCache
-from .layers import FEW_TOKENS, HybridIndexPoolLinear, tensor_parallel_rank
+from .cache_layers import LinearAttentionLayerCache
+from .delta_rule import continue_delta_rule
+from .layers import HybridIndexPoolLinear, tensor_parallel_rank
 from .short_convolution import HybridIndexPoolShortConvolution
 
 
@@ -124,17 +125,10 @@ class HybridIndexPoolKimiDeltaAttention(nn.Module):
         log_decay = self.forget_gate(hidden_states) * real[..., None]  # [batch, seq, heads, head_dim]
         beta = self.b_proj(hidden_states).sigmoid() * real  # [batch, seq, heads]
 
-        initial_state = None if layer_cache is None else layer_cache.recurrent_state
-        # Token by token over a cache for a few tokens (decode, a verify forward): no chunk padding to 64 tokens.
-        mode = "recurrent" if initial_state is not None and seq_len <= FEW_TOKENS else "chunk"
         rule = partial(kimi_delta_rule, gate_lower_bound=self.gate_lower_bound)
-        if layer_cache is not None and layer_cache.record_past:  # keeps what a crop (speculative decoding) replays
-            core, final_state = layer_cache.run_rule(rule, query, key, value, log_decay, beta, conv_input,
-                                                     token_is_real, mode)
-        else:
-            core, final_state = rule(query, key, value, log_decay, beta, initial_state, mode=mode)
-        if layer_cache is not None:
-            layer_cache.update(self.conv1d.next_state(conv_input, token_is_real), final_state)
+        core = continue_delta_rule(rule, (query, key, value, log_decay, beta), token_is_real, layer_cache,
+                                   None if layer_cache is None else self.conv1d.next_state(conv_input, token_is_real),
+                                   conv_input)
 
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).unflatten(-1, (-1, self.head_dim))
         core = self.o_norm(core, gate).reshape(batch_size, seq_len, -1)

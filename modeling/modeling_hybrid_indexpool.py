@@ -6,21 +6,25 @@ then RoPE at the window's first position), scores the complete windows a query m
 the raw keys/values of its best `index_topk // r` windows plus its own open window (the tail).
 
 This module assembles the model and its heads; each concept lives in a module of its own: `decoder_layer`,
-`layers` (linear, norms, rotary), `linear_attention_gdn` / `linear_attention_kda`, `indexer`, `attention_indexpool`
-(the IndexPool forward) with its head shapes `attention_gqa` / `attention_mla`, `moe`, `residual_streams`
-(hyper-connections), `per_layer_embedding`, `multi_token_prediction` (MTP layers), `inputs` (validation, positions,
-token layout), `outputs`, `generation`, and the cache in `cache_hybrid_indexpool`.
+`layers` (linear, norms, rotary), `linear_attention_gdn` / `linear_attention_kda` (with `delta_rule`), `indexer`,
+`attention_indexpool` (the IndexPool forward) with its head shapes `attention_gqa` / `attention_mla`, `moe`,
+`residual_streams` (hyper-connections), `per_layer_embedding`, `multi_token_prediction` (MTP layers), `inputs`
+(validation, the token layout of a pass), `token_layout`, `outputs`, `losses`, `generation`, and the cache in
+`cache_hybrid_indexpool` / `cache_layers`. docs/model.md walks through one forward.
 """
 
 import math
 import os
+from functools import wraps
 
 import torch
 import transformers
 from packaging import version
 from torch import nn
 from transformers import initialization as init
+from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_utils import PreTrainedModel
+from transformers.processing_utils import Unpack
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
@@ -33,15 +37,12 @@ from .generation import HybridIndexPoolGenerationMixin
 from .hub_export import auto_map_for, write_model_card, write_remote_code
 from .indexer import HybridIndexPoolIndexer
 from .inputs import (
-    LayerStep,
-    attention_by_column,
-    check_cache,
+    HybridIndexPoolKwargs,
+    cache_for_forward,
     check_inputs,
     check_mtp_inputs,
-    columns_of_positions,
-    gather_pieces,
-    joined,
-    prepare_inputs,
+    packed_sequences,
+    token_layout,
 )
 from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm, HybridIndexPoolRotaryEmbedding
 from .linear_attention_gdn import HybridIndexPoolGatedDeltaNet
@@ -49,16 +50,17 @@ from .linear_attention_kda import (
     HybridIndexPoolKimiForgetGate,
     HybridIndexPoolKimiRMSNormGated,
 )
+from .losses import causal_lm_output, router_aux_loss, wants_mtp_logits
 from .moe import (
     HybridIndexPoolExperts,
     HybridIndexPoolGroupedTopkRouter,
     HybridIndexPoolSparseMoeBlock,
-    load_balancing_loss,
 )
-from .multi_token_prediction import MTP_CLASSES
+from .multi_token_prediction import MTP_CLASSES, HybridIndexPoolDeepSeekMTPLayer
 from .outputs import HybridIndexPoolCausalLMOutput, HybridIndexPoolModelOutput, HybridIndexPoolSequenceClassifierOutput
 from .per_layer_embedding import HybridIndexPoolNGramEmbedding, HybridIndexPoolPerLayerEmbedding
 from .residual_streams import HybridIndexPoolHyperConnection, HybridIndexPoolSinkhornHyperConnection
+from .token_layout import fill_padding
 from .tokenizer_fit import warn_if_tokenizer_does_not_fit
 
 # The oldest transformers the model runs on. The package installs next to older ones (vLLM pins transformers < 5.20)
@@ -77,6 +79,41 @@ def require_transformers_version() -> None:
         )
 
 
+def prefill_in_chunks(decoder_pass, chunk_length: int | None, hidden_states: torch.Tensor,
+                      attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                      ple_input_ids: torch.Tensor | None) -> torch.Tensor:
+    """`decoder_pass(hidden_states, attention_mask, position_ids, ple_input_ids)` over the input, or over consecutive
+    pieces of `chunk_length` columns when it is longer: each piece continues the cache the previous one filled, so
+    peak memory follows the cache (linear in the context), not a long prompt's activations. The pieces' outputs
+    `[batch, piece, width]` are joined."""
+    seq_len = hidden_states.shape[1]
+    if chunk_length is None or seq_len <= chunk_length:
+        return decoder_pass(hidden_states, attention_mask, position_ids, ple_input_ids)
+    pieces = []
+    for start in range(0, seq_len, chunk_length):
+        end = min(start + chunk_length, seq_len)
+        pieces.append(decoder_pass(
+            hidden_states[:, start:end],
+            None if attention_mask is None else attention_mask[:, : attention_mask.shape[1] - seq_len + end],
+            None if position_ids is None else position_ids[..., start:end],
+            None if ple_input_ids is None else ple_input_ids[:, start:end],
+        ))
+    return torch.cat(pieces, dim=1)
+
+
+def records_indexer_losses(forward):
+    """Ask transformers' output capture for the IndexPool layers' indexer losses whenever `indexer_loss` computes
+    them (placed above `capture_outputs`)."""
+
+    @wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        if kwargs.get("indexer_loss") is not None:
+            kwargs.setdefault("output_indexer_losses", True)
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
 class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     """Weight initialisation and the Hugging Face plumbing shared by the HybridIndexPool models."""
 
@@ -84,18 +121,27 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
     config: HybridIndexPoolConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["HybridIndexPoolDecoderLayer"]
+    _no_split_modules = ["HybridIndexPoolDecoderLayer", "HybridIndexPoolMTPDecoderLayer"]
     # The linear attentions' decay parameters stay float32 when the model is loaded in half precision; the model adds
     # the float32 parameters of GLM-5.3-Flash's variants it has (`HybridIndexPoolModel`).
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias"]
     _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _is_stateful = True
-    # Recorded from the layers by transformers' output capture (only when asked): the IndexPool attentions' weights
-    # and the MoE blocks' router logits, each the second output of its module.
+    # Recorded from the layers by transformers' output capture (each when its `output_<name>` is asked for), all in
+    # the input's layout: each decoder layer's input hidden states (and the final ones), attention weights over the mask
+    # columns and its indexer's selection; the MoE blocks' router logits; the IndexPool attentions' indexer losses; the
+    # MTP layers' outputs (a DeepSeek MTP layer's, or the Qwen4-Exp MTP's final mix at each depth).
     _can_record_outputs = {
-        "attentions": OutputRecorder(HybridIndexPoolAttentionBase, index=1),
+        "hidden_states": OutputRecorder(HybridIndexPoolDecoderLayer, index=0),
+        "attentions": OutputRecorder(HybridIndexPoolDecoderLayer, index=1),
+        "indexer_selections": OutputRecorder(HybridIndexPoolDecoderLayer, index=2),
         "router_logits": OutputRecorder(HybridIndexPoolSparseMoeBlock, index=1),
+        "indexer_losses": OutputRecorder(HybridIndexPoolAttentionBase, index=2),
+        "mtp_hidden_states": [
+            OutputRecorder(HybridIndexPoolDeepSeekMTPLayer, index=0),
+            OutputRecorder(HybridIndexPoolHyperConnection, index=0, layer_name="mtp.hyper_connection_mixer"),
+        ],
     }
 
     def __init__(self, config, *inputs, **kwargs):
@@ -150,17 +196,6 @@ class HybridIndexPoolPreTrainedModel(PreTrainedModel):
         if pretrained_model_name_or_path is not None and os.path.isdir(pretrained_model_name_or_path):
             warn_if_tokenizer_does_not_fit(model.config.get_text_config().vocab_size, pretrained_model_name_or_path)
         return loaded
-
-    def router_aux_loss(self, router_logits: tuple[torch.Tensor, ...] | None,
-                        attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The load-balancing loss of the router logits a forward returned (None when it returned none), over the
-        real tokens of `attention_mask` `[batch, past + new]`."""
-        if router_logits is None:
-            return None
-        if attention_mask is not None:
-            new_tokens = router_logits[0].shape[0] // attention_mask.shape[0]
-            attention_mask = attention_mask[:, attention_mask.shape[1] - new_tokens:]  # the cached tokens ran before
-        return load_balancing_loss(router_logits, self.config.get_text_config().num_experts_per_tok, attention_mask)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -235,8 +270,9 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @records_indexer_losses
+    @capture_outputs
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -245,145 +281,103 @@ class HybridIndexPoolModel(HybridIndexPoolPreTrainedModel):
         cache: HybridIndexPoolCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        indexer_loss: str | None = None,
-        ple_input_ids: torch.LongTensor | None = None,
-        output_router_logits: bool | None = None,
-        output_mtp_hidden_states: bool = False,
-        output_mtp_inputs: bool = False,
-        **kwargs,
-    ) -> "HybridIndexPoolModelOutput":
+        **kwargs: Unpack[HybridIndexPoolKwargs],
+    ) -> HybridIndexPoolModelOutput:
         """Run the decoder.
 
         Args:
-            input_ids: `[batch, seq]` token ids (or give `inputs_embeds` `[batch, seq, hidden]`).
-            attention_mask: `[batch, past + seq]` with 1 for real tokens and 0 for (left) padding.
+            input_ids: `[batch, seq]` token ids (or give `inputs_embeds` `[batch, seq, hidden]`, cast to the model's
+                dtype).
+            attention_mask: `[batch, past + seq]` with 1 for real tokens and 0 for padding (either side, or holes).
             position_ids: `[batch, seq]`; by default each row counts its real tokens from 0. Multimodal-RoPE
-                positions `[streams, batch, seq]` are accepted for text, where every stream is the same.
+                positions `[streams, batch, seq]` are accepted for text, where every stream is the same; positions
+                restarting at 0 inside a row mean packed sequences (training, without a cache).
             cache: a [`HybridIndexPoolCache`] to continue from and update (`past_key_values` is accepted too).
             use_cache: create a cache when none is given (default `config.use_cache`).
-            output_attentions: also return the attention weights of the IndexPool layers, dense `[b, h, t, slots]`.
-            output_hidden_states: also return the hidden states entering each layer and the final ones.
-            indexer_loss: `"dense"` or `"sparse"` to also return the indexer's KL loss (DeepSeek-V3.2 style, mean
-                over IndexPool layers) against the attention mass of every complete visible window, or of the
-                selected ones; it trains only the indexer and pooling. `"dense"` also makes the attention dense.
-            ple_input_ids: the token ids for the per-layer n-gram embeddings when `inputs_embeds` replace
-                `input_ids` (models with `ple_layers` only).
-            output_router_logits: also return each MoE layer's router logits `[batch * seq, num_experts]`, in
-                the input's token order (default `config.output_router_logits`; None for a model without experts).
-            output_mtp_hidden_states: also return the multi-token-prediction layers' outputs, one `[batch, seq,
-                hidden]` per depth (models with `num_mtp_layers` only; the whole sequence in one forward, from an
-                empty cache or none).
-            output_mtp_inputs: also return what the MTP layers read at each new token, `mtp_inputs`: the final
-                normed hidden states `[batch, seq, hidden]`, or for Qwen4-Exp's MTP the residual streams before the
-                final mix `[batch, seq, hc_count * hidden]` (what drafting with the MTP layers feeds them; any forward,
-                with or without a cache).
+            kwargs: transformers' `output_attentions` (IndexPool layers' weights over the mask columns),
+                `output_hidden_states`, `output_router_logits` (`[batch * seq, num_experts]` per MoE layer), and
+                HybridIndexPool's ([`HybridIndexPoolKwargs`]): `indexer_loss`, `ple_input_ids`,
+                `output_indexer_selections`, `output_mtp_hidden_states` and `output_mtp_inputs`.
         """
-        if indexer_loss not in (None, "dense", "sparse"):
-            raise ValueError(f"indexer_loss is {indexer_loss!r}; use None, 'dense' or 'sparse'.")
         config = self.config
-        output_attentions = bool(config.output_attentions if output_attentions is None else output_attentions)
-        output_hidden_states = bool(config.output_hidden_states if output_hidden_states is None
-                                    else output_hidden_states)
-        output_router_logits = bool(config.output_router_logits if output_router_logits is None
-                                    else output_router_logits)
-        check_inputs(config, input_ids, inputs_embeds)
-        if config.ple_layers and (ple_input_ids := input_ids if ple_input_ids is None else ple_input_ids) is None:
-            raise ValueError(
-                "This model has per-layer n-gram embeddings (`ple_layers`), which need the token ids: with "
-                "`inputs_embeds`, also pass `ple_input_ids` [batch, seq]."
-            )
-        inputs_embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        use_cache_asked, use_cache = use_cache, config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            use_cache, cache = False, None  # the recomputation would update a cache twice
-        check_cache(config, cache, inputs_embeds.shape[0])
-        if output_mtp_hidden_states:
-            check_mtp_inputs(config, cache)
-        inputs = prepare_inputs(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, use_cache_asked,
-                                output_attentions, indexer_loss, ple_input_ids)
-        hidden_states = inputs.inputs_embeds
+        ple_input_ids = kwargs.pop("ple_input_ids", None)
+        ple_input_ids = input_ids if ple_input_ids is None else ple_input_ids
+        check_inputs(config, input_ids, inputs_embeds, kwargs.get("indexer_loss"), ple_input_ids)
+        # Embeddings in another precision (float64 from a user's pipeline) are cast to the model's, as its own are (a
+        # later pipeline stage has no embedding: it takes the states the stage before handed it).
+        embedding_weight = getattr(self.embed_tokens, "weight", None)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        elif embedding_weight is not None:
+            inputs_embeds = inputs_embeds.to(embedding_weight.dtype)
+        seq_len = inputs_embeds.shape[1]
+        # Gradient checkpointing recomputes layers, which would update a cache twice.
+        recomputing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        cache, use_cache = cache_for_forward(config, cache, use_cache, recomputing, inputs_embeds.shape[0],
+                                             packed_sequences(position_ids, attention_mask, seq_len))
+        output_mtp_inputs = kwargs.pop("output_mtp_inputs", False)
+        output_mtp_hidden_states = kwargs.get("output_mtp_hidden_states", False)
+        if output_mtp_hidden_states or output_mtp_inputs:
+            check_mtp_inputs(config, cache if output_mtp_hidden_states else None)
+        kwargs["output_attentions"] = bool(kwargs.get("output_attentions", config.output_attentions))
+
+        hidden_states = inputs_embeds
         if config.has_hyper_connections:
             hidden_states = hidden_states.repeat(1, 1, config.hc_count)  # every stream starts as the embedding
-        # A long prompt goes through the whole stack a chunk at a time: every layer keeps its state in the cache,
-        # so peak memory follows the cache (linear in the context), not the prompt's activations.
-        grid_length, chunk = hidden_states.shape[1], config.prefill_chunk_length
-        if inputs.cache is None or chunk is None or grid_length <= chunk or output_attentions or indexer_loss:
-            chunk = grid_length
-        # In one piece, the layers record their input hidden states in the input's layout and continue from those,
-        # so the returned states are tensors the output was computed from (their gradients can be retained).
-        record_layout = inputs.layout if chunk == grid_length else None
-        steps = [inputs.step.chunk(start, start + chunk) for start in range(0, grid_length, chunk)]
-        if output_mtp_inputs and self.mtp is None:
-            check_mtp_inputs(config, None)
-        keep_streams = (output_mtp_hidden_states or output_mtp_inputs) and self.mtp.reads_residual_streams
-        pieces = [self._run_layers(hidden_states[:, start:start + chunk], step, inputs.cache, record_layout,
-                                   output_hidden_states=output_hidden_states, keep_final_streams=keep_streams,
-                                   output_attentions=output_attentions, output_router_logits=output_router_logits)
-                  for start, step in zip(range(0, grid_length, chunk), steps)]
-        if output_mtp_hidden_states:  # on the grid, from the whole pass
-            mtp_inputs = joined([step.final_streams for step in steps] if keep_streams else [
-                piece.last_hidden_state for piece in pieces])
-            mtp_hidden_states = self.mtp(mtp_inputs, inputs.inputs_embeds,
-                                         self._position_embeddings(mtp_inputs, inputs.step), inputs.step)
-        output = gather_pieces(pieces, inputs.layout, record_layout)
-        if output_mtp_inputs:
-            output.mtp_inputs = output.last_hidden_state
-            if keep_streams:
-                streams = joined([step.final_streams for step in steps])
-                output.mtp_inputs = streams if inputs.layout is None else inputs.layout.from_grid(streams)
+        recording = any(kwargs.get(f"output_{name}", getattr(config, f"output_{name}", False))
+                        for name in self._can_record_outputs if name != "mtp_hidden_states")
+        # With a cache and nothing recorded from the layers, a long prompt goes through the stack a chunk at a time.
+        chunk = None if cache is None or recording or kwargs.get("indexer_loss") else config.prefill_chunk_length
+
+        def decoder_pass(hidden_states, attention_mask, position_ids, ple_input_ids):
+            return self.decoder_pass(hidden_states, attention_mask, position_ids, ple_input_ids, cache, **kwargs)
+
+        streams = prefill_in_chunks(decoder_pass, chunk, hidden_states, attention_mask, position_ids, ple_input_ids)
+        hidden_states = self.final_norm(streams)
+        if attention_mask is not None and seq_len > 1:
+            # A padding token's output is the last real token's before it: logits[:, -1] are every row's next token.
+            token_is_real = attention_mask[:, -seq_len:].to(device=hidden_states.device, dtype=torch.bool)
+            hidden_states, streams = fill_padding(hidden_states, token_is_real), fill_padding(streams, token_is_real)
+        mtp_inputs = streams if self.mtp is not None and self.mtp.reads_residual_streams else hidden_states
         if output_mtp_hidden_states:
-            output.mtp_hidden_states = tuple(states if inputs.layout is None else inputs.layout.from_grid(states)
-                                             for states in mtp_hidden_states)
-        if output.attentions is not None:
-            columns = columns_of_positions(attention_mask, inputs.layout, inputs_embeds.shape[0], inputs.kv_length,
-                                           inputs_embeds.device)
-            output.attentions = tuple(attention_by_column(weights, columns, inputs.kv_length)
-                                      for weights in output.attentions)
-        output.cache = inputs.cache if inputs.use_cache else None
-        return output
+            tokens = token_layout(config, self.rotary_emb.num_streams, inputs_embeds, attention_mask, position_ids,
+                                  ple_input_ids, None)
+            self.mtp(mtp_inputs, inputs_embeds, self.position_embeddings(inputs_embeds, tokens), tokens, cache)
+        return HybridIndexPoolModelOutput(last_hidden_state=hidden_states, cache=cache if use_cache else None,
+                                          mtp_inputs=mtp_inputs if output_mtp_inputs else None)
 
-    def _position_embeddings(self, hidden_states, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary `(cos, sin)` of a pass's positions (text positions, or the multimodal streams)."""
-        return self.rotary_emb(hidden_states, step.rope_positions[0] if len(step.rope_positions) == 1
-                               else step.rope_positions)
+    def position_embeddings(self, hidden_states: torch.Tensor, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary `(cos, sin)` `[rows, width, rotary_dim]` of a pass's grid (text positions, or the multimodal
+        streams)."""
+        positions = tokens.rope_positions
+        return self.rotary_emb(hidden_states, positions[0] if len(positions) == 1 else positions)
 
-    @capture_outputs
-    def _run_layers(self, hidden_states, step: LayerStep, cache, record_layout, output_hidden_states=False,
-                    keep_final_streams=False, **kwargs) -> "HybridIndexPoolModelOutput":
-        """One pass of the stack over a piece of the input: final normed states, per-layer states (recorded in the
-        input's layout with `record_layout`; the final ones stay on the grid) and the indexer loss; attention
-        weights and router logits `[rows, seq, num_experts]` are captured from the layers (`_can_record_outputs`).
-        With `keep_final_streams`, `step.final_streams` keeps the residual streams before the final mix (on the
-        grid), which Qwen4-Exp's MTP reads."""
-        position_embeddings = self._position_embeddings(hidden_states, step)
-        all_hidden_states = ()
+    def decoder_pass(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, ple_input_ids: torch.Tensor | None,
+                     cache: HybridIndexPoolCache | None, **kwargs) -> torch.Tensor:
+        """One pass of the decoder layers over `hidden_states [batch, seq, hc_count * hidden]` (a whole input or a
+        prefill chunk): the token layout once, then every layer, a full IndexPool layer handing its selection to the
+        shared-indexer layers after it. Returns the residual streams after the last layer, before the final norm."""
+        tokens = token_layout(self.config, self.rotary_emb.num_streams, hidden_states, attention_mask, position_ids,
+                              ple_input_ids, cache, kwargs.get("output_attentions", False))
+        position_embeddings = self.position_embeddings(hidden_states, tokens)
+        selection = None
         for decoder_layer in self.layers:
             if not isinstance(decoder_layer, HybridIndexPoolDecoderLayer):
                 continue  # another pipeline stage runs this layer (transformers' pipeline parallelism left a stub)
-            if output_hidden_states and record_layout is not None:
-                # Real tokens' cells come back unchanged; padding cells, never read by a real token, may not.
-                recorded = record_layout.from_grid(hidden_states)
-                all_hidden_states += (recorded,)
-                hidden_states = record_layout.to_grid(recorded)
-            elif output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            hidden_states = decoder_layer(hidden_states, position_embeddings, step, cache=cache)
-        if keep_final_streams:
-            step.final_streams = hidden_states
+            hidden_states, _, layer_selection = decoder_layer(hidden_states, position_embeddings, tokens, cache=cache,
+                                                              shared_selection=selection, **kwargs)
+            if decoder_layer.selects_windows:
+                selection = layer_selection
+        return hidden_states
+
+    def final_norm(self, streams: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states `[batch, seq, hidden]` of the residual streams after the last layer."""
         if self.config.hc_type == "sinkhorn":
-            hidden_states = self.norm(HybridIndexPoolSinkhornHyperConnection.collapse(hidden_states,
-                                                                                      self.config.hc_count))
-        elif self.config.hc_count > 1:
-            hidden_states = self.hyper_connection_mixer(hidden_states)[0]
-        else:
-            hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states += (hidden_states if record_layout is None else record_layout.from_grid(hidden_states),)
-        losses = list(step.indexer_losses.values())
-        return HybridIndexPoolModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states or None,
-                                          indexer_loss=torch.stack(losses).mean() if losses else None)
+            return self.norm(HybridIndexPoolSinkhornHyperConnection.collapse(streams, self.config.hc_count))
+        if self.config.hc_count > 1:
+            return self.hyper_connection_mixer(streams)[0]
+        return self.norm(streams)
 
 
 class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPoolGenerationMixin):
@@ -401,8 +395,8 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
         self.lm_head = HybridIndexPoolLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -412,50 +406,43 @@ class HybridIndexPoolForCausalLM(HybridIndexPoolPreTrainedModel, HybridIndexPool
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        indexer_loss: str | None = None,
-        ple_input_ids: torch.LongTensor | None = None,
-        output_router_logits: bool | None = None,
-        output_mtp_logits: bool | None = None,
-        output_mtp_inputs: bool = False,
-        **kwargs,
-    ) -> "HybridIndexPoolCausalLMOutput":
+        **kwargs: Unpack[HybridIndexPoolKwargs],
+    ) -> HybridIndexPoolCausalLMOutput:
         """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss.
 
-        With `indexer_loss` (`"dense"` or `"sparse"`, see [`HybridIndexPoolModel.forward`]) the output also carries
+        With `indexer_loss` (`"dense"` or `"sparse"`, see [`HybridIndexPoolKwargs`]) the output also carries
         `indexer_loss`, and `loss` adds it weighted by `config.indexer_loss_weight`. With `output_router_logits`
         (default `config.output_router_logits`) a MoE model also returns `router_logits` and the load-balancing
         `aux_loss`, which `loss` adds weighted by `config.router_aux_loss_coef`. With `output_mtp_logits` (default:
         with labels, when `config.mtp_loss_weight > 0`) a model with MTP layers also returns `mtp_logits`, one `[batch,
         seq, vocab]` per depth `k` whose position `i` predicts the token at `i + k + 2`, and with labels `mtp_loss`,
         which `loss` adds weighted by `config.mtp_loss_weight`. With `output_mtp_inputs` it also returns `mtp_inputs`,
-        what the MTP layers read (see [`HybridIndexPoolModel.forward`]; `generate(use_mtp=True)` asks for them).
+        what the MTP layers read (`generate(use_mtp=True)` asks for them).
         """
-        outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, indexer_loss=indexer_loss, ple_input_ids=ple_input_ids,
-            output_router_logits=output_router_logits,
-            output_mtp_hidden_states=self.wants_mtp_logits(output_mtp_logits, labels),
-            output_mtp_inputs=output_mtp_inputs,
-        )
-        return self.language_model_output(outputs, labels, logits_to_keep, attention_mask, **kwargs)
+        mtp_logits = wants_mtp_logits(self.config, kwargs.pop("output_mtp_logits", None), labels)
+        kwargs["output_mtp_hidden_states"] = mtp_logits or kwargs.get("output_mtp_hidden_states", False)
+        if kwargs.get("output_router_logits") is None:  # the config's default, as transformers' MoE heads take it
+            kwargs["output_router_logits"] = self.config.output_router_logits
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        return causal_lm_output(self, outputs, labels, logits_to_keep, attention_mask, mtp_logits, **kwargs)
 
 
-class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
-    """HybridIndexPool with a classification head on the last non-padding token (the transformers convention)."""
+class HybridIndexPoolForSequenceClassification(GenericForSequenceClassification, HybridIndexPoolPreTrainedModel):
+    """HybridIndexPool with transformers' classification head on the last non-padding token, plus the MoE
+    load-balancing loss (weighted by `config.router_aux_loss_coef`) when router logits are asked for."""
 
     def __init__(self, config: HybridIndexPoolConfig):
-        super().__init__(config)
+        # The text model is built here rather than through AutoModel, which a checkpoint loaded as remote code lacks.
+        HybridIndexPoolPreTrainedModel.__init__(self, config)
         self.num_labels = config.num_labels
         self.model = HybridIndexPoolModel(config)
         self.score = HybridIndexPoolLinear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -465,41 +452,28 @@ class HybridIndexPoolForSequenceClassification(HybridIndexPoolPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        ple_input_ids: torch.LongTensor | None = None,
-        output_router_logits: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[HybridIndexPoolKwargs],
     ) -> HybridIndexPoolSequenceClassifierOutput:
-        """Class logits `[batch, num_labels]` of the last real token of each row and, given `labels`, the loss (plus
-        the load-balancing loss weighted by `config.router_aux_loss_coef`, with `output_router_logits`)."""
-        outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, ple_input_ids=ple_input_ids,
-            output_router_logits=output_router_logits,
-        )
-        logits = self.score(outputs.last_hidden_state)
-        batch_size = logits.shape[0]
-        if self.config.pad_token_id is None and batch_size != 1:
-            raise ValueError("Cannot classify batches of more than one row without `config.pad_token_id`.")
-        if self.config.pad_token_id is None or input_ids is None:
-            last_real = torch.full((batch_size,), -1, device=logits.device)
-        else:
-            # The rightmost non-pad token, for left and right padding alike.
-            not_pad = (input_ids != self.config.pad_token_id).to(logits.device, torch.int32)
-            columns = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
-            last_real = (columns * not_pad).argmax(-1)
-        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last_real]
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
-        aux_loss = self.router_aux_loss(outputs.router_logits, attention_mask)
+        """`GenericForSequenceClassification.forward`: class logits `[batch, num_labels]` of the last real token of
+        each row and, given `labels`, the loss; plus `router_logits` and their load-balancing `aux_loss` (added to the
+        loss) with `output_router_logits` (default `config.output_router_logits`)."""
+        if kwargs.get("output_router_logits") is None:  # the config's default, as transformers' MoE heads take it
+            kwargs["output_router_logits"] = self.config.output_router_logits
+        base_outputs = []  # the text model's output, which the generic head keeps only in part
+        hook = self.model.register_forward_hook(lambda module, args, output: base_outputs.append(output))
+        try:
+            output = super().forward(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                                     inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs)
+        finally:
+            hook.remove()
+        router_logits = base_outputs[-1].router_logits or None
+        aux_loss = router_aux_loss(self.config, router_logits, attention_mask)
+        loss = output.loss
         if aux_loss is not None and loss is not None:
             loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return HybridIndexPoolSequenceClassifierOutput(
-            loss=loss, logits=pooled_logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, aux_loss=aux_loss, router_logits=outputs.router_logits,
+            loss=loss, logits=output.logits, cache=output.cache, hidden_states=output.hidden_states,
+            attentions=output.attentions, aux_loss=aux_loss, router_logits=router_logits,
         )
 
 

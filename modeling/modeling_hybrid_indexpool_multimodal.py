@@ -15,16 +15,18 @@ import itertools
 import torch
 from torch import nn
 from transformers import AutoModel
+from transformers.processing_utils import Unpack
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolMultimodalConfig
 from .cache_hybrid_indexpool import HybridIndexPoolCache
 from .generation import HybridIndexPoolGenerationMixin
-from .inputs import check_inputs
+from .inputs import HybridIndexPoolKwargs, check_inputs
 from .layers import HybridIndexPoolLinear
+from .losses import causal_lm_output, wants_mtp_logits
 from .modeling_hybrid_indexpool import HybridIndexPoolModel, HybridIndexPoolPreTrainedModel
-from .outputs import HybridIndexPoolCausalLMOutput
+from .outputs import HybridIndexPoolCausalLMOutput, HybridIndexPoolModelOutput
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
@@ -169,9 +171,10 @@ class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
         video_grid_thw: torch.LongTensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
-    ):
-        """Run the text model on the prompt with the vision features in place of the placeholder tokens.
+        **kwargs: Unpack[HybridIndexPoolKwargs],
+    ) -> HybridIndexPoolModelOutput:
+        """Run the text model on the prompt with the vision features in place of the placeholder tokens (the text
+        model's outputs, recorded by its own output capture, as transformers' Qwen3-VL does).
 
         Args beyond [`HybridIndexPoolModel.forward`]'s:
             pixel_values, pixel_values_videos: the processor's patches of the images / videos.
@@ -215,9 +218,10 @@ class HybridIndexPoolMultimodalModel(HybridIndexPoolMultimodalPreTrainedModel):
                 "Images and videos go in a cache's first input (the prompt): their positions are laid out from it. "
                 "Start a new cache for a new prompt with images."
             )
+        kwargs.setdefault("ple_input_ids", input_ids)
         return self.language_model(
             inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            use_cache=use_cache, ple_input_ids=input_ids, **kwargs,
+            use_cache=use_cache, **kwargs,
         )
 
 
@@ -257,26 +261,24 @@ class HybridIndexPoolForConditionalGeneration(HybridIndexPoolMultimodalPreTraine
         video_grid_thw: torch.LongTensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        indexer_loss: str | None = None,
-        output_router_logits: bool | None = None,
-        output_mtp_logits: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[HybridIndexPoolKwargs],
     ) -> HybridIndexPoolCausalLMOutput:
         """Next-token logits (of the last `logits_to_keep` positions when non-zero) and, given `labels`, the loss
         (with the text model's load-balancing loss under `output_router_logits` and the MTP logits and loss under
         `output_mtp_logits`, as in the text-only model)."""
+        text_config = self.config.text_config
+        mtp_logits = wants_mtp_logits(text_config, kwargs.pop("output_mtp_logits", None), labels)
+        kwargs["output_mtp_hidden_states"] = mtp_logits or kwargs.get("output_mtp_hidden_states", False)
+        if kwargs.get("output_router_logits") is None:  # the config's default, as transformers' MoE heads take it
+            kwargs["output_router_logits"] = text_config.output_router_logits
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, pixel_values=pixel_values, pixel_values_videos=pixel_values_videos,
             image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, mm_token_type_ids=mm_token_type_ids,
-            use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-            indexer_loss=indexer_loss, output_router_logits=output_router_logits,
-            output_mtp_hidden_states=self.wants_mtp_logits(output_mtp_logits, labels),
+            use_cache=use_cache, **kwargs,
         )
-        return self.language_model_output(outputs, labels, logits_to_keep, attention_mask, **kwargs)
+        return causal_lm_output(self, outputs, labels, logits_to_keep, attention_mask, mtp_logits, **kwargs)
 
 
 __all__ = [

@@ -179,10 +179,12 @@ class HybridIndexPoolSparseMoeBlock(nn.Module):
     """Mixture of experts: a router (`moe_router_type`: Qwen's softmax top-k, renormalised when `norm_topk_prob`, or
     the [`HybridIndexPoolGroupedTopkRouter`] of GLM), routed experts, and an optional shared expert, scaled by a
     sigmoid gate when `shared_expert_gate` (Qwen) or added as it is (GLM). Returns the output and the router logits
-    `[..., num_experts]` (for the load-balancing loss)."""
+    `[tokens, num_experts]` (for the load-balancing loss; None with `returns_router_logits=False`, as in an MTP layer,
+    whose routing that loss leaves out)."""
 
-    def __init__(self, config: HybridIndexPoolConfig):
+    def __init__(self, config: HybridIndexPoolConfig, returns_router_logits: bool = True):
         super().__init__()
+        self.returns_router_logits = returns_router_logits
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         if config.moe_router_type == "sigmoid_grouped":
@@ -217,4 +219,4 @@ class HybridIndexPoolSparseMoeBlock(nn.Module):
             output = output + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         elif self.shared_expert is not None:
             output = output + self.shared_expert(flat)
-        return output.reshape(shape), router_logits.reshape(*shape[:-1], -1)
+        return output.reshape(shape), router_logits if self.returns_router_logits else None

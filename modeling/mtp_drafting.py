@@ -15,18 +15,18 @@ model's hidden states are known for positions `0 .. N - 1`; `x_N`, the model's o
 - deeper drafts reuse the last MTP layer recursively, as vLLM does: one more entry at the next position, whose hidden
   input is the previous draft step's MTP output and whose token is the previous draft.
 
-Each MTP layer keeps its entries in a [`MultiTokenPredictionCache`] (keys/values and pooled index keys, stored by
-position like the model's IndexPool layers), so a draft round costs `O(k)` entries per layer, not the context. The
-entries that read drafted tokens (`d` of them for layer `d`, `k - 1` for the last layer in use) are cropped at the start
-of the next round and recomputed from the verified tokens.
+Each MTP layer keeps its entries in its layer of the model's [`HybridIndexPoolCache`] (keys/values and pooled index
+keys, stored by position like the model's IndexPool layers), so a draft round costs `O(k)` entries per layer, not the
+context. The prompt's forward fills them (it runs the MTP layers over the prompt, `output_mtp_hidden_states`), so the
+first round, too, costs a few entries. The entries that read drafted tokens (`d` of them for layer `d`, `k - 1` for the
+last layer in use) are cropped at the start of the next round and recomputed from the verified tokens.
 """
 
 import torch
 import torch.nn.functional as F
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .cache_hybrid_indexpool import MultiTokenPredictionCache
-from .inputs import LayerStep
+from .token_layout import TokenLayout
 
 
 class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
@@ -46,8 +46,6 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
     """
 
     requires_model_outputs = True
-    # Every forward of the model in the generate loop also returns what the MTP layers read.
-    model_kwargs_overrides = {"output_mtp_inputs": True}
 
     def __init__(self, model, generation_config, logits_processor=None):
         self.text_model = model.model
@@ -59,9 +57,8 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.first_layer_idx = config.num_hidden_layers
         self.num_layers = min(self.num_draft_tokens, config.num_mtp_layers)  # the MTP layers that draft
-        # Entries never pass the generated length plus a round of drafts; a crop removes at most k - 1 of them.
-        self.cache = MultiTokenPredictionCache(config, self.num_layers, self.max_length + self.num_draft_tokens,
-                                               max_crop=self.num_draft_tokens)
+        self.cache = None  # the model's cache, whose MTP layers hold the MTP entries
+        self.prompt_fills = False  # whether the prompt's forward fills the MTP layers (a cache that starts empty)
         self.padding = None  # left-padding columns of the row (found at the first round)
         self.start = None  # position of the first entry: the tokens the model's cache held before this generate
         self.verified = [0] * self.num_layers  # per layer: entries below this position read only verified tokens
@@ -77,6 +74,14 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         return self.num_draft_tokens
 
     @property
+    def model_kwargs_overrides(self) -> dict:
+        """What every forward of the model in the generate loop also returns: what the MTP layers read; and the
+        prompt's forward runs the MTP layers too, filling their cache layers."""
+        if self.prompt_fills and self.start is None:
+            return {"output_mtp_inputs": True, "output_mtp_hidden_states": True}
+        return {"output_mtp_inputs": True}
+
+    @property
     def mean_accepted_per_verify(self) -> float:
         """Drafts the model kept per verify forward (each verify forward also yields one token of its own)."""
         return self.num_accepted_tokens / max(self.num_verify_forwards, 1)
@@ -87,6 +92,8 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         [1, k', vocab])`, `k' <= k` within `max_length`; no drafts (and None) before the prefill forward, whose
         outputs the MTP layers need, and at the end of the budget."""
         if is_first_iteration:
+            self._use_cache(model_kwargs["cache"])
+            self.prompt_fills = self.cache.get_seq_length() == 0
             return input_ids, None
         if model_outputs is None or getattr(model_outputs, "mtp_inputs", None) is None:
             raise ValueError("MTP drafting needs the model's `mtp_inputs` from each verify forward (the forward is "
@@ -104,9 +111,15 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
             new = min(accepted, last)
             self.start = last - new
             self.verified = [self.start] * self.num_layers
+            if self.prompt_fills:
+                # The prompt's forward filled depth d's entries up to N - 2 - d. The first round recomputes the last
+                # L - 1 - d of them (L layers), so that every layer starts at N - L and none needs a carry.
+                self.verified = [max(self.start, last - self.num_layers)] * self.num_layers
+                self.stored = [max(0, last - 1 - layer) for layer in range(self.num_layers)]
         states = model_outputs.mtp_inputs[:, accepted - (last - self.verified[0]):accepted]
-        for layer in range(self.num_layers):  # forget the entries that read drafts
-            self.cache.crop(self.first_layer_idx + layer, self.stored[layer] - (self.verified[layer] - self.start))
+        for layer in range(self.num_layers):  # forget the entries that read drafts (and keep the others for good)
+            self.cache.layers[self.first_layer_idx + layer].crop(
+                self.stored[layer] - (self.verified[layer] - self.start))
             self.stored[layer] = self.verified[layer] - self.start
         drafts, logits = self._draft(tokens, states, num_drafts, input_ids)
         self.drafted_last = num_drafts
@@ -123,8 +136,32 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         """Drop the MTP cache and round state; the counters stay, and so does the cache's last `memory_footprint()`
         (`mtp_cache_footprint`)."""
         if self.cache is not None:
-            self.mtp_cache_footprint = self.cache.memory_footprint()
+            self.mtp_cache_footprint = self.draft_cache_footprint()
+            for layer in self.cache.mtp_layers:  # the returned cache keeps only the model's tokens
+                layer.reset()
+                layer.record_past = False
         self.cache = self.carry = None
+
+    def _use_cache(self, cache) -> None:
+        """Draft into the MTP layers of the model's `cache`: entries never pass the generated length plus a round of
+        drafts (their reservation), and every layer records, so that a crop of up to k entries (the drafted ones)
+        reopens a window they completed."""
+        self.cache = cache
+        for layer in cache.mtp_layers[: self.num_layers]:
+            layer.max_cache_len = self.max_length + self.num_draft_tokens
+            layer.activate_past_recording(recurrent_states_to_keep=self.num_draft_tokens)
+
+    def draft_cache_footprint(self) -> dict[str, int]:
+        """The bytes of the MTP layers' cache (the drafter's own): in use under each component's name, reserved under
+        `<name>_reserved`; `total` and `reserved` sum them."""
+        used, reserved = {}, {}
+        for layer in self.cache.mtp_layers:
+            for name, (in_use, held) in layer.memory_footprint().items():
+                used[name] = used.get(name, 0) + in_use
+                reserved[name] = reserved.get(name, 0) + held
+        footprint = {**used, **{f"{name}_reserved": size for name, size in reserved.items()}}
+        footprint.update(total=sum(used.values()), reserved=sum(reserved.values()))
+        return footprint
 
     def _check_padding(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> None:
         """Find the row's left padding (once) and refuse padding anywhere else."""
@@ -180,14 +217,17 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         tokens `next_ids [1, n]`, continuing its cache: `(next depth's input, head input)`."""
         num_new = next_ids.shape[1]
         token_is_real = torch.ones_like(next_ids, dtype=torch.bool)
-        layer_idx = self.first_layer_idx + layer
-        positions = self.cache.begin_update(layer_idx, token_is_real)
+        layer_cache = self.cache.layers[self.first_layer_idx + layer]
+        positions = token_is_real.long().cumsum(dim=1) - 1
+        if layer_cache.lengths is not None:
+            positions = positions + layer_cache.lengths[:, None]
         rope_positions = first_position + torch.arange(num_new, device=next_ids.device)
         rope_positions = rope_positions[None, None].expand(self.text_model.rotary_emb.num_streams, 1, num_new)
-        step = LayerStep(positions, rope_positions, token_is_real)
-        position_embeddings = self.text_model._position_embeddings(hidden, step)
+        tokens = TokenLayout(token_is_real, positions, rope_positions)
+        position_embeddings = self.text_model.position_embeddings(hidden, tokens)
         next_embeds = self.text_model.embed_tokens(next_ids)
-        return self.text_model.mtp.layer_step(layer, hidden, next_embeds, position_embeddings, step, cache=self.cache)
+        return self.text_model.mtp.layer_step(layer, hidden, next_embeds, position_embeddings, tokens,
+                                              cache=self.cache)
 
     def _pick(self, head_input, input_ids, drafts) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft `[1, 1]` from the head's input `[1, hidden]` and its logits `[1, vocab]` (after the logits

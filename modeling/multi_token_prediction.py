@@ -1,7 +1,8 @@
 """Multi-token prediction (MTP): the layers after the decoder that predict the tokens beyond the next one.
 
 The released models keep them for speculative decoding (vLLM and SGLang draft with them); here they are computed
-over a whole input, so that they can be evaluated and trained, and exported back with the rest of the model.
+over a whole input, so that they can be evaluated and trained, and exported back with the rest of the model, and a
+prompt's forward with a cache fills their cache layers, from which `generate(use_mtp=True)` drafts.
 
 At depth `k` (from 0) the MTP entry at position `i` reads the depth-`k - 1` output at `i` (the main model's for
 `k = 0`) and the input embedding of the token at `i + k + 1`, and its logits predict the token at `i + k + 2`. An
@@ -14,24 +15,34 @@ import torch
 from torch import nn
 
 from ..configuration.configuration_hybrid_indexpool import HybridIndexPoolConfig
-from .decoder_layer import HybridIndexPoolDecoderLayer
-from .inputs import LayerStep
+from .decoder_layer import HybridIndexPoolMTPDecoderLayer
 from .layers import HybridIndexPoolLinear, HybridIndexPoolRMSNorm
 from .residual_streams import HybridIndexPoolHyperConnection
+from .token_layout import TokenLayout
 
 
-def multi_token_step(step: LayerStep, depth: int) -> LayerStep:
-    """The layer step of MTP depth `depth`: the main pass's positions, with the last `depth + 1` real tokens of each
-    grid row no longer real (their token `i + depth + 1` does not exist)."""
-    shifted = step.token_is_real[:, depth + 1:]
-    token_is_real = torch.cat([shifted, shifted.new_zeros(shifted.shape[0], depth + 1)], dim=1)
-    return LayerStep(step.positions, step.rope_positions, token_is_real)
+def next_token_embeddings(inputs_embeds: torch.Tensor, depth: int, tokens: TokenLayout) -> torch.Tensor:
+    """`[batch, seq, hidden]` embeddings -> those of each token's real token `depth + 1` places later in its sequence
+    (zeros past the end)."""
+    shifted = tokens.to_grid(inputs_embeds)[:, depth + 1:]
+    return tokens.from_grid(torch.cat([shifted, shifted.new_zeros(shifted.shape[0], depth + 1, shifted.shape[2])], 1))
 
 
-def next_token_embeddings(inputs_embeds: torch.Tensor, depth: int) -> torch.Tensor:
-    """`[batch, seq, hidden]` grid embeddings -> those of the token `depth + 1` columns later (zeros past the end)."""
-    shifted = inputs_embeds[:, depth + 1:]
-    return torch.cat([shifted, shifted.new_zeros(shifted.shape[0], depth + 1, shifted.shape[2])], dim=1)
+class HybridIndexPoolMTP(nn.Module):
+    """What both MTP variants share: the depths run in a chain over a whole input."""
+
+    def forward(self, hidden_states, inputs_embeds, position_embeddings, tokens: TokenLayout,
+                cache=None) -> tuple[torch.Tensor, ...]:
+        """`hidden_states` (what depth 0 reads: the final normed hidden states, or Qwen4-Exp's residual streams) and
+        `inputs_embeds [batch, seq, hidden]` -> each depth's output `[batch, seq, hidden]` (what the head reads; the
+        model records them). With `cache`, each depth's entries go to its layer of the cache."""
+        outputs = ()
+        for depth in range(len(self.layers)):
+            hidden_states, output = self.layer_step(depth, hidden_states,
+                                                    next_token_embeddings(inputs_embeds, depth, tokens),
+                                                    position_embeddings, tokens.shifted(depth), cache)
+            outputs += (output,)
+        return outputs
 
 
 class HybridIndexPoolDeepSeekMTPLayer(nn.Module):
@@ -46,21 +57,21 @@ class HybridIndexPoolDeepSeekMTPLayer(nn.Module):
         self.embedding_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
         self.hidden_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
         self.input_proj = HybridIndexPoolLinear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.block = HybridIndexPoolDecoderLayer(config, config.num_hidden_layers + depth, multi_token_prediction=True)
+        self.block = HybridIndexPoolMTPDecoderLayer(config, config.num_hidden_layers + depth)
         self.output_norm = HybridIndexPoolRMSNorm.from_config(config, config.hidden_size)
 
-    def forward(self, hidden_states, next_embeds, position_embeddings, step: LayerStep, cache=None) -> torch.Tensor:
+    def forward(self, hidden_states, next_embeds, position_embeddings, tokens: TokenLayout, cache=None) -> torch.Tensor:
         """`hidden_states`, `next_embeds` `[batch, seq, hidden]` -> the normed output `[batch, seq, hidden]`, which is
         both what the head reads and the next depth's hidden state. With `cache` (whose `layers[layer_idx]` is this
         block's [`IndexPoolLayerCache`]), the new entries continue the ones it holds."""
         if self.zero_first_embedding:
-            next_embeds = next_embeds.masked_fill((step.positions == 0).unsqueeze(-1), 0)
+            next_embeds = next_embeds.masked_fill(tokens.from_grid(tokens.positions == 0).unsqueeze(-1), 0)
         hidden_states = self.input_proj(torch.cat([self.embedding_norm(next_embeds), self.hidden_norm(hidden_states)],
                                                   dim=-1))
-        return self.output_norm(self.block(hidden_states, position_embeddings, step, cache=cache))
+        return self.output_norm(self.block(hidden_states, position_embeddings, tokens, cache=cache)[0])
 
 
-class HybridIndexPoolDeepSeekMTP(nn.Module):
+class HybridIndexPoolDeepSeekMTP(HybridIndexPoolMTP):
     """DeepSeek-V3's (and Qwen3-Next's) MTP: one [`HybridIndexPoolDeepSeekMTPLayer`] per depth, chained, reading the
     final normed hidden states."""
 
@@ -71,26 +82,16 @@ class HybridIndexPoolDeepSeekMTP(nn.Module):
         self.layers = nn.ModuleList(HybridIndexPoolDeepSeekMTPLayer(config, depth)
                                     for depth in range(config.num_mtp_layers))
 
-    def forward(self, hidden_states, inputs_embeds, position_embeddings, step: LayerStep) -> tuple[torch.Tensor, ...]:
-        """Grid `hidden_states` (final, normed) and `inputs_embeds` `[batch, seq, hidden]` -> each depth's output
-        `[batch, seq, hidden]` on the grid."""
-        outputs = ()
-        for depth in range(len(self.layers)):
-            hidden_states, output = self.layer_step(depth, hidden_states, next_token_embeddings(inputs_embeds, depth),
-                                                    position_embeddings, multi_token_step(step, depth))
-            outputs += (output,)
-        return outputs
-
-    def layer_step(self, layer_index: int, hidden_states, next_embeds, position_embeddings, step: LayerStep,
+    def layer_step(self, layer_index: int, hidden_states, next_embeds, position_embeddings, tokens: TokenLayout,
                    cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer `layer_index` over entries whose hidden input is `hidden_states` `[batch, seq, hidden]` and whose
         next token embeds as `next_embeds` `[batch, seq, hidden]`: `(the next depth's hidden input, what the head
         reads)`, here the same normed output. `cache` as for [`HybridIndexPoolDeepSeekMTPLayer`]."""
-        output = self.layers[layer_index](hidden_states, next_embeds, position_embeddings, step, cache)
+        output = self.layers[layer_index](hidden_states, next_embeds, position_embeddings, tokens, cache)
         return output, output
 
 
-class HybridIndexPoolQwen4ExpMTP(nn.Module):
+class HybridIndexPoolQwen4ExpMTP(HybridIndexPoolMTP):
     """Qwen4-Exp's MTP, on the residual streams.
 
     The main model's streams before its final mix `[batch, seq, hc_count * hidden]` are normed together
@@ -110,22 +111,12 @@ class HybridIndexPoolQwen4ExpMTP(nn.Module):
         self.embedding_proj = HybridIndexPoolLinear(config.hidden_size, config.hidden_size, bias=False)
         self.stream_proj = HybridIndexPoolLinear(config.hidden_size, config.hidden_size, bias=False)
         self.layers = nn.ModuleList(
-            HybridIndexPoolDecoderLayer(config, config.num_hidden_layers + depth, multi_token_prediction=True)
+            HybridIndexPoolMTPDecoderLayer(config, config.num_hidden_layers + depth)
             for depth in range(config.num_mtp_layers)
         )
         self.hyper_connection_mixer = HybridIndexPoolHyperConnection(config, inject=False)
 
-    def forward(self, streams, inputs_embeds, position_embeddings, step: LayerStep) -> tuple[torch.Tensor, ...]:
-        """Grid `streams [batch, seq, hc_count * hidden]` and `inputs_embeds [batch, seq, hidden]` -> each depth's
-        mixed output `[batch, seq, hidden]` on the grid."""
-        outputs = ()
-        for depth in range(len(self.layers)):
-            streams, output = self.layer_step(depth, streams, next_token_embeddings(inputs_embeds, depth),
-                                              position_embeddings, multi_token_step(step, depth))
-            outputs += (output,)
-        return outputs
-
-    def layer_step(self, layer_index: int, streams, next_embeds, position_embeddings, step: LayerStep,
+    def layer_step(self, layer_index: int, streams, next_embeds, position_embeddings, tokens: TokenLayout,
                    cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer `layer_index` over entries whose input streams are `streams [batch, seq, hc_count * hidden]` and
         whose next token embeds as `next_embeds [batch, seq, hidden]`: `(the layer's streams, the next depth's input;
@@ -134,7 +125,7 @@ class HybridIndexPoolQwen4ExpMTP(nn.Module):
         embedded = self.embedding_proj(self.embedding_norm(next_embeds))
         streams = self.stream_proj(self.streams_norm(streams).unflatten(-1, (self.hc_count, self.hidden_size)))
         streams = (streams + embedded.unsqueeze(-2)).flatten(-2)
-        streams = self.layers[layer_index](streams, position_embeddings, step, cache=cache)
+        streams = self.layers[layer_index](streams, position_embeddings, tokens, cache=cache)[0]
         return streams, self.hyper_connection_mixer(streams)[0]
 
 

@@ -56,7 +56,8 @@ def default_marker_expression(config) -> str | None:
 def pytest_collection_finish(session):
     config = session.config
     if (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
-            and config.option.markexpr == default_marker_expression(config) and not config.option.deselect):
+            and config.option.markexpr == default_marker_expression(config) and not config.option.deselect
+            and not config.option.ignore and not config.option.ignore_glob):  # --ignore: only a part collected
         config.stash[DEFAULT_SELECTION] = [item.nodeid for item in session.items]
 
 

@@ -89,11 +89,12 @@ def our_layers(config, glm):
 
 
 def run_ours(layers, rotary, hidden, mask, chunks=None, share=True):
-    """Our layers stacked as `h + attention(h)`, over the whole input or in `chunks` (lengths) with a cache; without
-    `share`, shared layers get no selection (and attend densely)."""
+    """Our layers stacked as `h + attention(h)`, over the whole input or in `chunks` (lengths), with a cache (which
+    stores by position: left padding as it is; without a cache the layers expect each row's real tokens first, as the
+    model lays them out); without `share`, shared layers get no selection (and attend densely)."""
     positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
     chunks = chunks or [hidden.shape[1]]
-    caches = [IndexPoolLayerCache(layers[0].pool_size) for _ in layers] if len(chunks) > 1 else [None] * len(layers)
+    caches = [IndexPoolLayerCache(layers[0].pool_size) for _ in layers]
     outputs, start = [], 0
     for length in chunks:
         piece = slice(start, start + length)
@@ -101,8 +102,6 @@ def run_ours(layers, rotary, hidden, mask, chunks=None, share=True):
         embeddings = rotary(states, chunk_positions)
         selection = None
         for layer, cache in zip(layers, caches):
-            if cache is not None:
-                cache.plan(real)
             attended, _, _, layer_selection = layer(states, embeddings, chunk_positions, chunk_positions[None], real,
                                                     cache, shared_selection=selection if share else None)
             if layer.indexer is not None:
@@ -206,7 +205,6 @@ def test_cache_keeps_one_latent_per_token_and_no_indexer_state_in_shared_layers(
     selection = None
     with torch.no_grad():
         for layer, cache in zip(ours, caches):
-            cache.plan(mask)
             _, _, _, out = layer(hidden, embeddings, positions, positions[None], mask, cache,
                                  shared_selection=selection)
             selection = out if layer.indexer is not None else selection

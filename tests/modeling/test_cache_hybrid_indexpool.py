@@ -287,42 +287,37 @@ def test_a_reserved_cache_grows_past_its_reservation_outside_compiled_code():
 
 
 def test_the_cache_only_stores_what_the_indexer_pooled_for_the_windows_it_reported():
-    """`update` hands back the raw keys of exactly the windows a step completes; the pooled keys stored are the
-    ones given to `store_pooled_index_keys`, at those windows, and nothing is pooled inside the cache."""
+    """`place_windows` hands back the raw keys of the windows the new tokens touch and which of them they complete;
+    the pooled keys stored are the ones given to `update`, at those windows, and nothing is pooled inside the cache."""
     layer = IndexPoolLayerCache(pool_size=4)
     token_is_real = torch.tensor([[True] * 10, [False] * 3 + [True] * 7])
-    layer.plan(token_is_real)
     keys = torch.randn(2, 1, 10, 8)
     raw_index_keys = torch.randn(2, 10, 6)
     positions = (token_is_real.long().cumsum(1) - 1).clamp(min=0)[None]
-    _, _, completed = layer.update(keys, keys, raw_index_keys, None, token_is_real, positions)
-    rows, windows = completed.source
-    assert rows.tolist() == [0, 0, 1] and windows.tolist() == [0, 1, 0]  # 10 real tokens: 2 windows, 7: one
-    torch.testing.assert_close(completed.keys[0, 1], raw_index_keys[0, 4:8])
-    torch.testing.assert_close(completed.keys[1, 0], raw_index_keys[1, 3:7])
-    assert completed.first_positions[0, 0].tolist()[:2] == [0, 4]
-    marked = torch.arange(completed.keys.shape[1], dtype=torch.float)[None, :, None].expand(2, -1, 6) + 1
-    pooled = layer.store_pooled_index_keys(completed, marked)
+    windows = layer.place_windows(raw_index_keys, None, token_is_real, positions)
+    # Room for the open window and every new token: 4 windows; 10 real tokens complete 2, 7 complete 1.
+    assert windows.complete.tolist() == [[True, True, False, False], [True, False, False, False]]
+    torch.testing.assert_close(windows.keys[0, 1], raw_index_keys[0, 4:8])
+    torch.testing.assert_close(windows.keys[1, 0], raw_index_keys[1, 3:7])
+    assert windows.first_positions[0, 0].tolist()[:2] == [0, 4]
+    marked = torch.arange(windows.keys.shape[1], dtype=torch.float)[None, :, None].expand(2, -1, 6) + 1
+    _, _, pooled = layer.update(keys, keys, token_is_real, windows, marked)
     assert pooled[0, :2, 0].tolist() == [1.0, 2.0] and pooled[1, :1, 0].tolist() == [1.0]
     assert layer.num_pooled.tolist() == [2, 1] and layer.num_open.tolist() == [2, 3]
-    # A decode step reports one masked window per row: only the row it completes is written.
+    # A decode step gives one window per row: only the row whose window it completes is written.
     step_real = torch.ones(2, 1, dtype=torch.bool)
-    layer.plan(step_real)
-    _, _, step = layer.update(keys[:, :, :1], keys[:, :, :1], raw_index_keys[:, :1], None, step_real,
-                              torch.tensor([[[10], [7]]]))
-    assert step.source is None and step.complete.tolist() == [False, True]
-    layer.store_pooled_index_keys(step, torch.full((2, 1, 6), 9.0))
+    step = layer.place_windows(raw_index_keys[:, :1], None, step_real, torch.tensor([[[10], [7]]]))
+    assert step.complete.tolist() == [[False], [True]]
+    layer.update(keys[:, :, :1], keys[:, :, :1], step_real, step, torch.full((2, 1, 6), 9.0))
     assert layer.pooled_storage[1, 1, 0] == 9.0 and layer.pooled_storage[0, 2, 0] != 9.0
 
 
 def test_an_fp8_cache_refuses_pooled_keys_that_are_not_packed():
     layer = IndexPoolLayerCache(pool_size=2, fp8_index_keys=True)
     token_is_real = torch.ones(1, 4, dtype=torch.bool)
-    layer.plan(token_is_real)
-    _, _, completed = layer.update(torch.randn(1, 1, 4, 8), None, torch.randn(1, 4, 16), None, token_is_real,
-                                   torch.arange(4)[None, None])
+    windows = layer.place_windows(torch.randn(1, 4, 16), None, token_is_real, torch.arange(4)[None, None])
     with pytest.raises(ValueError, match="packed fp8"):
-        layer.store_pooled_index_keys(completed, torch.randn(1, 2, 16))
+        layer.update(torch.randn(1, 1, 4, 8), None, token_is_real, windows, torch.randn(1, 2, 16))
 
 
 def test_extend_to_counts_synthetic_content_and_refuses_beyond_the_reservation():
@@ -445,14 +440,19 @@ def test_a_long_recorded_forward_holds_only_what_it_reports():
     with torch.no_grad():
         model(torch.randint(3, 97, (1, 500)), cache=cache, use_cache=True)
     held = {}
+
+    def collect(value):  # every tensor reachable from a layer's recordings (not its states and storage)
+        if isinstance(value, torch.Tensor):
+            held[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+        elif hasattr(value, "__dict__"):
+            collect(list(vars(value).values()))
+
     for layer in cache.layers:
-        recordings = [getattr(layer, name, None) for name in ("_recurrent", "_conv", "_open_windows")]
-        for recording in filter(None, recordings):
-            for value in vars(recording).values():
-                for tensor in value if isinstance(value, list) else [value]:
-                    for part in tensor if isinstance(tensor, tuple) else [tensor]:
-                        if isinstance(part, torch.Tensor):
-                            held[part.untyped_storage().data_ptr()] = part.untyped_storage().nbytes()
+        collect([value for name, value in vars(layer).items()
+                 if name not in layer._batch_tensors and name != "seen_tokens"])
     assert sum(held.values()) == cache.memory_footprint()["rollback"]
 
 
@@ -476,9 +476,10 @@ def test_a_long_recorded_forward_of_left_padded_rows_rolls_back_each_row():
 
 @pytest.mark.parametrize("variant", [dict(), KIMI_DELTA], ids=["gated-deltanet", "kimi-delta"])
 def test_a_crop_replays_a_verify_rounds_few_tokens_token_by_token(variant):
-    """A crop after a verify forward of up to FEW_TOKENS tokens replays the delta rule in its recurrent form (the
-    chunked form pads to 64 tokens: a crop then cost about a whole decode step at 2048 hidden); a long recording
-    still replays in chunks. Either way the cache continues exactly."""
+    """After a crop of a verify forward of up to FEW_TOKENS tokens, the next forward replays the kept tokens' delta rule
+    in its recurrent form (the chunked form pads to 64 tokens: a replay would then cost about a whole decode step at
+    2048 hidden); a long recording still replays in chunks. Either way the cache continues exactly."""
+    from hybrid_indexpool.modeling import linear_attention_gdn, linear_attention_kda
     from hybrid_indexpool.modeling.layers import FEW_TOKENS
 
     model = tiny_model(**variant)
@@ -491,14 +492,16 @@ def test_a_crop_replays_a_verify_rounds_few_tokens_token_by_token(variant):
             cache.activate_past_recording(recurrent_states_to_keep=width)
             model(input_ids[:, 29:29 + width], cache=cache, use_cache=True)
             modes = []
-            for layer in cache.layers:
-                recording = getattr(layer, "_recurrent", None)
-                if recording is not None:
-                    rule = recording.rule
-                    recording.rule = lambda *args, rule=rule, **kwargs: modes.append(kwargs["mode"]) or rule(
-                        *args, **kwargs)
+            module = linear_attention_kda if variant else linear_attention_gdn
+            name = "kimi_delta_rule" if variant else "gated_delta_rule"
+            original = getattr(module, name)
             cache.crop(-2)
+            # The replay runs at the next forward, before the new tokens: the first call of each layer's rule.
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(module, name, lambda *args, **kwargs: modes.append(kwargs["mode"]) or original(
+                    *args, **kwargs))
+                kept = 29 + width - 2
+                continued = model(input_ids[:, kept:], cache=cache, use_cache=True).logits
+            modes = modes[::2]  # each linear layer: the replay, then the new tokens
             assert modes and set(modes) == {expected_mode}
-            kept = 29 + width - 2
-            continued = model(input_ids[:, kept:], cache=cache, use_cache=True).logits
             torch.testing.assert_close(continued, reference[:, kept:], atol=1e-4, rtol=0)

@@ -103,12 +103,12 @@ def test_remote_code_is_generated_from_the_package_sources():
             "multi_token_prediction.py"} <= set(files)
     package_source = Path(hub_export.__file__).with_name("token_layout.py").read_text()
     assert files["token_layout.py"].endswith(package_source)  # no relative import: the source as it is
-    assert "from .kernels_fp8_index_keys import packed_width" in \
-        files["cache_hybrid_indexpool.py"]
+    assert "from .cache_layers import LinearAttentionLayerCache" in files["delta_rule.py"]
+    assert "from .cache_layers import IndexPoolLayerCache" in files["cache_hybrid_indexpool.py"]
     assert "from .kernels_pooled_index_topk import pooled_index_scores_torch, pooled_index_topk" in \
         files["attention_indexpool.py"]
     assert "from .attention_gqa import HybridIndexPoolAttention" in files["decoder_layer.py"]
-    assert "from .decoder_layer import HybridIndexPoolDecoderLayer" in files["multi_token_prediction.py"]
+    assert "from .decoder_layer import HybridIndexPoolMTPDecoderLayer" in files["multi_token_prediction.py"]
     assert "from .kernels_kimi_delta_rule import kimi_delta_rule" in files["linear_attention_kda.py"]
     assert "from .attention_mla import HybridIndexPoolMLAAttention" in files["decoder_layer.py"]
 

@@ -181,6 +181,18 @@ def test_malformed_inputs_get_a_message_naming_the_argument(kwargs, message):
         tiny_model()(**kwargs)
 
 
+def test_embeddings_in_another_precision_are_cast_to_the_models():
+    """float64 `inputs_embeds` into a float32 model (a user's pipeline) give the float32 embeddings' logits, as
+    transformers' models cast them, instead of failing deep inside on mismatched dtypes."""
+    model = tiny_model()
+    embeds = model.get_input_embeddings()(torch.randint(1, 97, (2, 9)))
+    with torch.no_grad():
+        expected = model(inputs_embeds=embeds).logits
+        doubled = model(inputs_embeds=embeds.double()).logits
+    assert doubled.dtype == torch.float32
+    torch.testing.assert_close(doubled, expected, atol=0, rtol=0)
+
+
 def test_invalid_rope_settings_are_config_errors_and_scaled_rope_types_follow_transformers():
     from model_factory import tiny_config
     from transformers import Qwen3NextConfig

@@ -8,8 +8,8 @@ import torch
 from model_factory import DRAFTING_VARIANTS, randomize_parameters, repetitive_prompt, tiny_model
 from transformers import CompileConfig
 
-from hybrid_indexpool.modeling.inputs import LayerStep
 from hybrid_indexpool.modeling.mtp_drafting import HybridIndexPoolMTPCandidateGenerator
+from hybrid_indexpool.modeling.token_layout import TokenLayout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -66,11 +66,10 @@ def greedy(model, input_ids, **kwargs):
 def run_mtp_layer(model, layer, hidden, next_ids):
     """MTP layer `layer` over one unpadded row of entries at positions 0.. without a cache: `(next input, head
     input)`."""
-    positions = torch.arange(next_ids.shape[1])[None]
-    step = LayerStep(positions, positions[None], torch.ones_like(positions, dtype=torch.bool))
+    tokens = TokenLayout.of_sequences(torch.arange(next_ids.shape[1])[None])
     text = model.model
-    return text.mtp.layer_step(layer, hidden, text.embed_tokens(next_ids), text._position_embeddings(hidden, step),
-                               step)
+    return text.mtp.layer_step(layer, hidden, text.embed_tokens(next_ids), text.position_embeddings(hidden, tokens),
+                               tokens)
 
 
 def drafts_by_definition(model, input_ids, drafts) -> torch.Tensor:
@@ -116,6 +115,21 @@ def test_mtp_drafting_gives_the_greedy_tokens_and_drafts_by_definition(variant, 
     with torch.no_grad():
         for verified, drafts, logits in log.rounds[:2] + log.rounds[-1:]:
             torch.testing.assert_close(logits[0], drafts_by_definition(model, verified, drafts), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_mtp_layers, k", [(1, 2), (2, 3)])
+def test_the_prompts_forward_fills_the_mtp_layers_so_the_first_round_is_a_step(num_mtp_layers, k, monkeypatch):
+    """The prompt's forward runs the MTP layers over the prompt into the cache's MTP layers: the first drafting round
+    runs each layer over as few entries as every later round (`num_mtp_layers` each, not the 40-token prompt), and
+    the tokens are greedy's."""
+    model = mtp_model("gdn-r4", num_mtp_layers=num_mtp_layers)
+    input_ids = repetitive_prompt(40, seed=7)
+    expected = greedy(model, input_ids)
+    log = DraftLog(monkeypatch)
+    torch.testing.assert_close(greedy(model, input_ids, use_mtp=True, num_assistant_tokens=k), expected, rtol=0,
+                               atol=0)
+    first_round = log.entries[:k]  # one layer pass per draft
+    assert first_round[:num_mtp_layers] == [num_mtp_layers] * num_mtp_layers and max(first_round) <= num_mtp_layers
 
 
 def agreeing_model(leak: float, **overrides):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from model_factory import KIMI_DELTA, MLA, randomize_parameters, tiny_model
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
-from hybrid_indexpool.modeling.inputs import LayerStep
+from hybrid_indexpool.modeling.token_layout import TokenLayout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -25,9 +25,8 @@ def mtp_model(seed=0, **overrides) -> HybridIndexPoolForCausalLM:
 
 def run_block(model, layer, hidden_states):
     """One decoder layer of `model` over an unpadded row `[1, seq, width]` on its own (no cache, positions from 0)."""
-    positions = torch.arange(hidden_states.shape[1])[None]
-    step = LayerStep(positions, positions[None], torch.ones_like(positions, dtype=torch.bool))
-    return layer(hidden_states, model.model._position_embeddings(hidden_states, step), step)
+    tokens = TokenLayout.of_sequences(torch.arange(hidden_states.shape[1])[None])
+    return layer(hidden_states, model.model.position_embeddings(hidden_states, tokens), tokens)[0]
 
 
 @pytest.mark.parametrize("settings", [dict(num_mtp_layers=2), GLM_MTP], ids=["gqa", "glm"])

@@ -9,10 +9,10 @@ from transformers.models.glm5_next import modeling_glm5_next as glm
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
 from hybrid_indexpool import HybridIndexPoolForCausalLM
-from hybrid_indexpool.modeling.inputs import LayerStep
 from hybrid_indexpool.modeling.modeling_hybrid_indexpool import HybridIndexPoolDecoderLayer
 from hybrid_indexpool.modeling.moe import HybridIndexPoolSparseMoeBlock
 from hybrid_indexpool.modeling.residual_streams import HybridIndexPoolSinkhornHyperConnection
+from hybrid_indexpool.modeling.token_layout import TokenLayout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -86,8 +86,8 @@ def test_decoder_layer_streams_equal_glm(mlp_type, hc_count):
         state[name] = tensor - 1 if name.endswith("layernorm.weight") else tensor
     ours.load_state_dict(state)
     residual = streams(hc_count, seed=3)
-    token_is_real = torch.ones(2, 11, dtype=torch.bool)
-    output = ours(residual.flatten(-2), None, LayerStep(None, None, token_is_real))
+    tokens = TokenLayout.of_sequences(torch.arange(11).expand(2, -1))
+    output, _, _ = ours(residual.flatten(-2), None, tokens)
     expected = theirs(residual)[0]
     torch.testing.assert_close(output, expected.flatten(-2), atol=ATOL, rtol=ATOL)
     assert isinstance(ours.mlp, HybridIndexPoolSparseMoeBlock) == (mlp_type == "sparse")
@@ -116,7 +116,7 @@ def test_final_read_is_the_norm_of_the_streams_mean():
     input_ids = torch.randint(1, 97, (2, 9))
     with torch.no_grad():
         last_hidden_state = model.model(input_ids).last_hidden_state
-    final_streams = captured[0].unflatten(-1, (3, 64))
+    final_streams = captured[0][0].unflatten(-1, (3, 64))  # a decoder layer returns its hidden states first
     torch.testing.assert_close(last_hidden_state, model.model.norm(final_streams.mean(dim=-2)))
     assert not hasattr(model.model, "hyper_connection_mixer")
 

@@ -7,8 +7,10 @@ token budget is small enough that the test sequences are attended sparsely; a se
 routed and shared experts.
 """
 
+import inspect
 import sys
 import unittest
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,7 @@ from hybrid_indexpool import (  # noqa: E402
     HybridIndexPoolForSequenceClassification,
     HybridIndexPoolModel,
 )
+from hybrid_indexpool.modeling import moe  # noqa: E402
 
 
 class HybridIndexPoolModelTester:
@@ -121,15 +124,18 @@ class HybridIndexPoolModelTest(ModelTesterMixin, GenerationTesterMixin, unittest
     def setUp(self):
         self.model_tester = HybridIndexPoolModelTester(self, **self.model_tester_overrides)
         experts_test = self._testMethodName.startswith(("test_eager_matches_batched_and_grouped_inference",
-                                                         "test_output_router_logits_from_config"))
+                                                         "test_output_router_logits_from_config",
+                                                         "test_moe_models_record_router_logits"))
         if experts_test and not self.model_tester.config_kwargs.get("num_experts"):
             self.skipTest("no experts in this config (HybridIndexPoolMoeModelTest runs it)")
 
-    @unittest.skip("router logits are collected by the model (mapped back from its padding-free token layout), not by "
-                   "transformers' output recorder, which would see them in that layout; returned and tested in "
-                   "test_output_router_logits_from_config and tests/modeling/test_mixture_of_experts.py")
     def test_moe_models_record_router_logits(self):
-        pass
+        """transformers' test looks for `@use_experts_implementation` in the model class's own module (single-file
+        models); ours decorates the experts in `modeling/moe.py`: the same test, reading that module's source."""
+        experts_source = inspect.getsource(moe)
+        assert "@use_experts_implementation" in experts_source
+        with unittest.mock.patch.object(inspect, "getsource", lambda module: experts_source):
+            super().test_moe_models_record_router_logits()
 
     def test_attention_outputs(self):
         """Only the IndexPool layers return attention weights (Qwen3-Next's convention for its linear layers),
