@@ -12,16 +12,16 @@ either core (`linear_attention_drafts.py`).
 
 import torch
 from vllm.config import VllmConfig
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.platforms import current_platform
-from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_layer_name, direct_register_custom_op
+from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, direct_register_custom_op
 
 from ..kernels.causal_conv1d import causal_conv1d
 from ..kernels.gated_delta_rule import gated_delta_rule
 from . import linear_attention_drafts  # noqa: F401 (registers the drafting step's custom op)
 from .gated_deltanet_kernel import gdn_kernel
+from .step_layers import step_layer_and_metadata
 from .vllm_config import GDN_CORE_OP
 
 
@@ -133,14 +133,9 @@ class HybridIndexPoolGatedDeltaNet(QwenGatedDeltaNetAttention):
 def hybrid_indexpool_gdn_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core_attn_out: torch.Tensor,
                               layer_name: LayerNameType) -> None:
     """The project's Gated DeltaNet core of layer `layer_name` into `core_attn_out [tokens, heads, value_dim]`."""
-    forward_context = get_forward_context()
-    layer = forward_context.no_compile_layers[_resolve_layer_name(layer_name)]
-    metadata = forward_context.attn_metadata
-    if isinstance(metadata, list):
-        metadata = metadata[0]
-    if not isinstance(metadata, dict):  # vLLM's memory-profiling run: no caches yet
+    layer, metadata = step_layer_and_metadata(layer_name)
+    if metadata is None:  # vLLM's memory-profiling run: no caches yet
         return
-    metadata = metadata[layer.prefix]
     tokens = metadata.num_actual_tokens
     if tokens == 0:
         return

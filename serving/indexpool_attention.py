@@ -56,6 +56,7 @@ from .paged_step import (
     step_working_memory_bytes,
 )
 from .rope import text_rope_parameters
+from .step_layers import register_step_layer
 from .vllm_config import ATTENTION_OP
 from .vllm_versions import qsa_cache_classes
 
@@ -171,10 +172,7 @@ class IndexPoolKVCache(nn.Module, AttentionLayerBase):
         super().__init__()
         self.num_kv_heads, self.head_dim, self.dtype, self.prefix = num_kv_heads, head_dim, dtype, prefix
         self.kv_cache = torch.tensor([])
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
+        register_step_layer(vllm_config, prefix, self)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return IndexPoolAttentionBackend
@@ -268,10 +266,7 @@ class IndexPoolAttention(nn.Module):
                                          vllm_config, f"{prefix}.attn")
         # The custom op finds the layer by name in the forward context, as vLLM's own attention ops do.
         self.prefix = prefix
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
+        register_step_layer(vllm_config, prefix, self)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """`positions [tokens]`, `hidden_states [tokens, hidden]` -> `[tokens, hidden]`."""

@@ -23,10 +23,11 @@ computes each token as plain decoding does. On GPUs vLLM's own kernels handle dr
 
 import torch
 from vllm import _custom_ops as ops
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu, causal_conv1d_update_cpu
-from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
+from vllm.utils.torch_utils import LayerNameType, direct_register_custom_op
+
+from .step_layers import step_layer_and_metadata
 
 DRAFTING_OP = "hybrid_indexpool_gated_deltanet_with_drafts"
 
@@ -192,15 +193,8 @@ def gated_deltanet_step_with_drafts(mixed_qkv: torch.Tensor, b: torch.Tensor, a:
                                     core_attn_out: torch.Tensor, layer_name: LayerNameType) -> None:
     """The Gated DeltaNet step of layer `layer_name` for a batch of prompt chunks and verify steps, into
     `core_attn_out [tokens, value_heads, value_dim]` (module docstring)."""
-    forward_context = get_forward_context()
-    layer = forward_context.no_compile_layers[_resolve_layer_name(layer_name)]
-    metadata = forward_context.attn_metadata
-    if isinstance(metadata, list):
-        metadata = metadata[0]
-    if not isinstance(metadata, dict):  # vLLM's memory-profiling run: no caches yet
-        return
-    metadata = metadata[layer.prefix]
-    if metadata.num_actual_tokens == 0:
+    layer, metadata = step_layer_and_metadata(layer_name)
+    if metadata is None or metadata.num_actual_tokens == 0:  # None: vLLM's memory-profiling run, no caches yet
         return
     if metadata.spec_sequence_masks is None:  # prompt chunks only
         rows = metadata.num_prefills + metadata.num_decodes

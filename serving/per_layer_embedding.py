@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.models.qwen4_exp.common.hyperconnection import GroupedGemmaRMSNorm
-from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_layer_name, direct_register_custom_op
+from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..modeling.ngram_hash import hash_multipliers, head_table_sizes, shifted_in_segment
+from .step_layers import register_step_layer, step_layer_and_metadata
 from .vllm_config import PLE_OP
 
 
@@ -107,10 +107,7 @@ class PerLayerEmbedding(nn.Module, MambaBase):
         self.conv1d = nn.Conv1d(streams_width, streams_width, config.ple_conv_kernel_size, groups=streams_width,
                                 dilation=self.conv_dilation, bias=False)  # the weight's holder; applied by `run`
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
+        register_step_layer(vllm_config, prefix, self)
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
@@ -185,15 +182,10 @@ class PerLayerEmbedding(nn.Module, MambaBase):
 def hybrid_indexpool_ple(streams: torch.Tensor, token_ids: torch.Tensor, output: torch.Tensor,
                          layer_name: LayerNameType) -> None:
     """PLE layer `layer_name`'s addition to the streams, into `output [tokens, hc * hidden]`."""
-    forward_context = get_forward_context()
-    layer = forward_context.no_compile_layers[_resolve_layer_name(layer_name)]
-    metadata = forward_context.attn_metadata
-    if isinstance(metadata, list):
-        metadata = metadata[0]
+    layer, metadata = step_layer_and_metadata(layer_name)
     output.zero_()
-    if not isinstance(metadata, dict):  # vLLM's memory-profiling run: no caches yet
+    if metadata is None:  # vLLM's memory-profiling run: no caches yet
         return
-    metadata = metadata[layer.prefix]
     tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
     if tokens:
         output[:tokens] = layer.run(streams[:tokens], token_ids[:tokens], metadata)

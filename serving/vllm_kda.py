@@ -32,6 +32,7 @@ from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_l
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from .paged_kda import KdaStepMetadata, gated_rms_norm, kimi_delta_step, short_convolution_step
+from .step_layers import register_step_layer
 from .vllm_config import GLM_OPS
 
 KDA_OP = GLM_OPS[0]
@@ -137,10 +138,7 @@ class KimiDeltaAttention(nn.Module, MambaBase):
         self.o_norm = KimiOutputNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = RowParallelLinear(projection_size, hidden, bias=False, prefix=f"{prefix}.o_proj")
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
+        register_step_layer(vllm_config, prefix, self)
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:

@@ -41,6 +41,7 @@ from .indexpool_attention import (
 )
 from .latent_step import LatentCaches, LatentStepSettings, latent_indexpool_step
 from .paged_step import pooled_key_width, step_working_memory_bytes
+from .step_layers import register_step_layer
 from .vllm_config import GLM_OPS
 
 LATENT_ATTENTION_OP = GLM_OPS[1]
@@ -74,10 +75,7 @@ class LatentKVCache(nn.Module, AttentionLayerBase):
         super().__init__()
         self.kv_lora_rank, self.dtype, self.prefix = kv_lora_rank, dtype, prefix
         self.kv_cache = torch.tensor([])
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
+        register_step_layer(vllm_config, prefix, self)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return LatentAttentionBackend
@@ -186,10 +184,7 @@ class IndexPoolMLAAttention(nn.Module):
         self.latent_cache = LatentKVCache(self.kv_lora_rank, vllm_config.model_config.dtype, vllm_config,
                                           f"{prefix}.attn")
         self.prefix = prefix
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
+        register_step_layer(vllm_config, prefix, self)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
         """`hidden_states [tokens, hidden]` -> `[tokens, hidden]`. `selection [tokens, topk_windows]` int64: this
