@@ -34,10 +34,13 @@ try:
 except ImportError as error:  # Triton is optional; the package falls back to the PyTorch reference.
     raise ImportError("Triton is not installed") from error
 
-# Tokens per program: the rows of the Hadamard products (tl.dot needs 16).
-BLOCK_TOKENS = 16
-# Columns of the rotated key computed at once when packing fp8 (see `_store_packed`).
-ROTATION_CHUNK = tl.constexpr(32)
+# Tokens per program and columns of the rotated key computed at once when packing fp8 (see `_store_packed`).
+BLOCK_TOKENS, ROTATION_CHUNK = 16, 32
+# The same for fp8 packing of float32 keys. Their products run on CUDA cores (`ieee`), each thread holding the whole
+# reduction of its outputs' rows and columns: 16 tokens by 32 columns at 8 warps take 255 registers and spill (sm_90:
+# 2 words at d = 64, 124 at d = 128; sm_80: 50 at d = 128), and at d = 128 so do 4 or 16 warps, or 8 tokens alone.
+# 8 tokens by 16 columns need 128-182 registers and spill nothing (docs/kernels.md).
+FP32_PACKED_BLOCK_TOKENS, FP32_PACKED_ROTATION_CHUNK = 8, 16
 
 
 @triton.jit
@@ -208,12 +211,12 @@ def _rotated_columns(first, second, rest, first_channels, first_mask, rest_chann
 @triton.jit
 def _store_packed(destination, keep, first, second, rest, first_channels, first_mask, rest_channels, rest_mask,
                   HALF: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, FP32: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, ROTATION_CHUNK: tl.constexpr):
     """Pack the keys (three channel tiles, float32 holding dtype values) as `quantize_pooled_keys` does and store the
     `HEAD_DIM` fp8 bytes and the float32 scale at `destination` `[BLOCK_T]` where `keep`.
 
     The rotated key goes `ROTATION_CHUNK` columns at a time, twice (the maximum, then the bytes): the rows of `H` of
-    a whole key at once would hold d^2 / threads values per thread (spills at d = 128)."""
+    a whole key at once would hold d^2 / threads values per thread (spills at d = 128); `tiles_of` chooses it."""
     CHUNK: tl.constexpr = ROTATION_CHUNK if HEAD_DIM > ROTATION_CHUNK else HEAD_DIM
     chunk_columns = tl.arange(0, CHUNK)
     largest = tl.zeros(keep.shape, tl.float32)
@@ -244,7 +247,7 @@ def _pooled_key_write_kernel(
     stride_cos, stride_bias,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr, REST_PAD: tl.constexpr,
     POOL: tl.constexpr, GATES: tl.constexpr, PRENORM: tl.constexpr, PACKED_FP8: tl.constexpr,
-    BLOCK_T: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, ROTATION_CHUNK: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Pooled keys of `BLOCK_T` tokens' windows (those of `write_token`) into the cache rows `(write_block,
     write_row)` where `write_keep`. Channel tiles: `first` = `[0, HALF)`, `second` = `[HALF, 2 HALF)` (the rotary
@@ -323,7 +326,7 @@ def _pooled_key_write_kernel(
     destination = cache_ptr + block * stride_cache_block + row * stride_cache_row  # [BLOCK_T]
     if PACKED_FP8:
         _store_packed(destination, keep, first, second, rest, first_channels, first_mask, rest_channels, rest_mask,
-                      HALF, HEAD_DIM, DTYPE, FP32, PRECISION)
+                      HALF, HEAD_DIM, DTYPE, FP32, PRECISION, ROTATION_CHUNK)
     else:
         CACHE: tl.constexpr = cache_ptr.dtype.element_ty
         tl.store(destination[:, None] + first_channels[None, :], first.to(CACHE),
@@ -337,18 +340,28 @@ def _contiguous(tensor):
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
+def tiles_of(step_dtype: torch.dtype, packed: bool) -> tuple[int, int]:
+    """(tokens per program, rotation columns at once) of a write of `step_dtype` rows: fewer of both when float32
+    keys are packed as fp8, whose Hadamard products on CUDA cores would spill (`FP32_PACKED_BLOCK_TOKENS`)."""
+    if packed and step_dtype == torch.float32:
+        return FP32_PACKED_BLOCK_TOKENS, FP32_PACKED_ROTATION_CHUNK
+    return BLOCK_TOKENS, ROTATION_CHUNK
+
+
 def plan_write(pooled_key_cache, step_rows, ring_cache, window_token, window_ring_block, window_start, cos_sin_cache,
                norm_weight, norm_eps, slot_bias, weighting, write_token, write_block, write_row, write_keep) -> Launch:
     """The write kernel's launch (arguments as `write_pooled_keys_torch`; rows and index vectors with a unit last
-    stride): a program per `BLOCK_TOKENS` tokens."""
+    stride): a program per `tiles_of`'s tokens."""
     num_tokens = write_token.shape[0]
+    packed = is_packed(pooled_key_cache)
+    block_tokens, rotation_chunk = tiles_of(step_rows.dtype, packed)
     head_dim, pool_size = norm_weight.shape[0], window_token.shape[1]
     half = cos_sin_cache.shape[-1] // 2
     gate_width = step_rows.shape[-1] - head_dim
     fp32, precision = dot_precision(step_rows.dtype)
     bias = slot_bias if slot_bias is not None else norm_weight  # unread placeholder without gates
     return Launch(
-        _pooled_key_write_kernel, (triton.cdiv(num_tokens, BLOCK_TOKENS),),
+        _pooled_key_write_kernel, (triton.cdiv(num_tokens, block_tokens),),
         (pooled_key_cache, step_rows, ring_cache, window_token, window_ring_block, window_start, cos_sin_cache,
          norm_weight, bias, write_token, write_block, write_row, write_keep,
          num_tokens, float(norm_eps),
@@ -356,8 +369,8 @@ def plan_write(pooled_key_cache, step_rows, ring_cache, window_token, window_rin
          cos_sin_cache.stride(0), bias.stride(0) if slot_bias is not None else 0),
         dict(HEAD_DIM=head_dim, HALF=half, HALF_PAD=max(16, triton.next_power_of_2(half)), REST=head_dim - 2 * half,
              REST_PAD=max(16, triton.next_power_of_2(head_dim - 2 * half)), POOL=pool_size,
-             GATES=gate_width, PRENORM=weighting == "prenorm_mean", PACKED_FP8=is_packed(pooled_key_cache),
-             BLOCK_T=BLOCK_TOKENS, FP32=fp32, PRECISION=precision, num_warps=8, num_stages=1),
+             GATES=gate_width, PRENORM=weighting == "prenorm_mean", PACKED_FP8=packed, BLOCK_T=block_tokens,
+             ROTATION_CHUNK=rotation_chunk, FP32=fp32, PRECISION=precision, num_warps=8, num_stages=1),
     )
 
 

@@ -51,7 +51,7 @@ if write_pooled_keys_triton is not None:
                          other=0.0)
         rest = tl.load(base + rest_channels[None, :], mask=row_mask[:, None] & rest_mask[None, :], other=0.0)
         _store_packed(packed + rows * (HEAD_DIM + 4), row_mask, first, second, rest, first_channels, first_mask,
-                      rest_channels, rest_mask, HALF, HEAD_DIM, tl.float32, True, "ieee")
+                      rest_channels, rest_mask, HALF, HEAD_DIM, tl.float32, True, "ieee", 32)
 
 
 class WriteStep:
@@ -223,7 +223,7 @@ def test_triton_writes_what_the_reference_writes(weighting, fp8):
 
 @requires_triton
 @pytest.mark.parametrize("head_dim, rotary_dim, fp8", [
-    (64, 32, True),    # the rotation in two chunks of columns
+    (64, 32, True),    # the rotation in chunks of columns
     (48, 24, False),   # rotary halves and the rest not powers of two (masked lanes)
     (32, 32, False),   # every channel rotated: no rest
 ])
@@ -231,6 +231,23 @@ def test_triton_writes_what_the_reference_writes_at_other_widths(head_dim, rotar
     step = WriteStep(CONTEXTS, NEW_TOKENS, "learned_scalar", fp8=fp8, seed=head_dim, head_dim=head_dim,
                      rotary_dim=rotary_dim)
     cache = triton_cache_matching_the_reference(step, fp8)
+    assert not torch.equal(cache, step.cache)
+
+
+@requires_triton
+@pytest.mark.parametrize("tiles", [(16, 32), (8, 16)], ids=["16_bit_tiles", "float32_packed_tiles"])
+def test_triton_packs_what_the_reference_packs_with_either_launch_tiles(monkeypatch, tiles):
+    """Both (tokens per program, rotation columns) that `tiles_of` plans for an fp8 write: the interpreter's rows are
+    float32, which get the second, so the first, 16-bit keys' on a GPU, is forced here. 22 tokens: a partial last
+    program either way; d = 64: several chunks of columns."""
+    from hybrid_indexpool.kernels.pooled_key_write import triton_impl
+
+    assert triton_impl.tiles_of(torch.bfloat16, True) == (16, 32)
+    assert triton_impl.tiles_of(torch.float32, True) == (8, 16)
+    monkeypatch.setattr(triton_impl, "tiles_of", lambda step_dtype, packed: tiles)
+    step = WriteStep(CONTEXTS, NEW_TOKENS, "learned", fp8=True, seed=10, head_dim=64, rotary_dim=32)
+    assert len(step.write_token) % tiles[0] != 0
+    cache = triton_cache_matching_the_reference(step, fp8=True)
     assert not torch.equal(cache, step.cache)
 
 
