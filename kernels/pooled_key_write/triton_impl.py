@@ -39,8 +39,9 @@ BLOCK_TOKENS, ROTATION_CHUNK = 16, 32
 # The same for fp8 packing of float32 keys. Their products run on CUDA cores (`ieee`), each thread holding the whole
 # reduction of its outputs' rows and columns: 16 tokens by 32 columns at 8 warps take 255 registers and spill (sm_90:
 # 2 words at d = 64, 124 at d = 128; sm_80: 50 at d = 128), and at d = 128 so do 4 or 16 warps, or 8 tokens alone.
-# 8 tokens by 16 columns need 128-182 registers and spill nothing (docs/kernels.md).
-FP32_PACKED_BLOCK_TOKENS, FP32_PACKED_ROTATION_CHUNK = 8, 16
+# 8 tokens by 16 columns spill nothing at d = 128 (178-182 registers, r = 1/4/16, every weighting) but 2 words at
+# d = 64 (r = 16, one gate per token, sm_90, where ptxas holds 128); 8 columns there spill nothing (docs/kernels.md).
+FP32_PACKED_BLOCK_TOKENS = 8
 
 
 @triton.jit
@@ -340,11 +341,12 @@ def _contiguous(tensor):
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def tiles_of(step_dtype: torch.dtype, packed: bool) -> tuple[int, int]:
-    """(tokens per program, rotation columns at once) of a write of `step_dtype` rows: fewer of both when float32
-    keys are packed as fp8, whose Hadamard products on CUDA cores would spill (`FP32_PACKED_BLOCK_TOKENS`)."""
+def tiles_of(step_dtype: torch.dtype, packed: bool, head_dim: int) -> tuple[int, int]:
+    """(tokens per program, rotation columns at once) of a write of `step_dtype` rows of `head_dim` channels: fewer
+    of both when float32 keys are packed as fp8, whose Hadamard products on CUDA cores would spill
+    (`FP32_PACKED_BLOCK_TOKENS`)."""
     if packed and step_dtype == torch.float32:
-        return FP32_PACKED_BLOCK_TOKENS, FP32_PACKED_ROTATION_CHUNK
+        return FP32_PACKED_BLOCK_TOKENS, 8 if head_dim <= 64 else 16
     return BLOCK_TOKENS, ROTATION_CHUNK
 
 
@@ -353,9 +355,9 @@ def plan_write(pooled_key_cache, step_rows, ring_cache, window_token, window_rin
     """The write kernel's launch (arguments as `write_pooled_keys_torch`; rows and index vectors with a unit last
     stride): a program per `tiles_of`'s tokens."""
     num_tokens = write_token.shape[0]
-    packed = is_packed(pooled_key_cache)
-    block_tokens, rotation_chunk = tiles_of(step_rows.dtype, packed)
     head_dim, pool_size = norm_weight.shape[0], window_token.shape[1]
+    packed = is_packed(pooled_key_cache)
+    block_tokens, rotation_chunk = tiles_of(step_rows.dtype, packed, head_dim)
     half = cos_sin_cache.shape[-1] // 2
     gate_width = step_rows.shape[-1] - head_dim
     fp32, precision = dot_precision(step_rows.dtype)

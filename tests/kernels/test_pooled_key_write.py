@@ -235,16 +235,17 @@ def test_triton_writes_what_the_reference_writes_at_other_widths(head_dim, rotar
 
 
 @requires_triton
-@pytest.mark.parametrize("tiles", [(16, 32), (8, 16)], ids=["16_bit_tiles", "float32_packed_tiles"])
-def test_triton_packs_what_the_reference_packs_with_either_launch_tiles(monkeypatch, tiles):
-    """Both (tokens per program, rotation columns) that `tiles_of` plans for an fp8 write: the interpreter's rows are
-    float32, which get the second, so the first, 16-bit keys' on a GPU, is forced here. 22 tokens: a partial last
-    program either way; d = 64: several chunks of columns."""
+@pytest.mark.parametrize("tiles", [(16, 32), (8, 16), (8, 8)], ids=["16_bit", "float32_d128", "float32_d64"])
+def test_triton_packs_what_the_reference_packs_with_every_launch_tile(monkeypatch, tiles):
+    """Every (tokens per program, rotation columns) that `tiles_of` plans for an fp8 write, each forced here at
+    d = 64 (the interpreter's rows are float32 and would get one). 22 tokens: a partial last program every time;
+    several chunks of columns."""
     from hybrid_indexpool.kernels.pooled_key_write import triton_impl
 
-    assert triton_impl.tiles_of(torch.bfloat16, True) == (16, 32)
-    assert triton_impl.tiles_of(torch.float32, True) == (8, 16)
-    monkeypatch.setattr(triton_impl, "tiles_of", lambda step_dtype, packed: tiles)
+    planned = {triton_impl.tiles_of(dtype, True, head_dim) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+               for head_dim in (64, 128)}
+    assert planned == {(16, 32), (8, 16), (8, 8)}
+    monkeypatch.setattr(triton_impl, "tiles_of", lambda step_dtype, packed, head_dim: tiles)
     step = WriteStep(CONTEXTS, NEW_TOKENS, "learned", fp8=True, seed=10, head_dim=64, rotary_dim=32)
     assert len(step.write_token) % tiles[0] != 0
     cache = triton_cache_matching_the_reference(step, fp8=True)
