@@ -138,7 +138,7 @@ def _pooled_index_scores_kernel(
 
 
 def _tiles_and_splits(num_queries, num_heads, head_dim, dtype, num_rows, num_windows, num_splits, multiprocessors,
-                      device, packed_block_w=None):
+                      device, narrow_block_w=None):
     """(block_q, block_w, heads_pad, num_warps, query programs, splits, windows per split) of a score launch over
     `num_rows` rows of `num_queries` queries: from shapes only (and the GPU's size), never from data."""
     heads_pad = triton.next_power_of_2(num_heads)
@@ -147,8 +147,8 @@ def _tiles_and_splits(num_queries, num_heads, head_dim, dtype, num_rows, num_win
     wide = dtype == torch.float32
     block_q = max(1, min(triton.next_power_of_2(num_queries), (TILE_ROWS_FP32 if wide else TILE_ROWS) // heads_pad))
     block_w = 32 if wide or head_dim > 128 else 64
-    if packed_block_w is not None:
-        block_w = min(block_w, packed_block_w)
+    if narrow_block_w is not None:
+        block_w = min(block_w, narrow_block_w)
     query_tiles = num_rows * triton.cdiv(num_queries, block_q)
     if num_splits is None:
         multiprocessors = multiprocessors or multiprocessor_count(device)
@@ -170,8 +170,11 @@ def _constexprs(num_heads, heads_pad, head_dim, block_q, block_w, head_weights, 
 
 # Windows per block of a paged launch over packed fp8 keys with tiles of several queries: each key row's address is its
 # own 64-bit pointer (its page is data), and widening 64 rows at once beside a tile of 128 (query, head) rows spilled
-# on sm_80 (16 index heads x 128, prefill: 128 registers, 2 words). Decode tiles keep 64 (no spill).
+# on sm_80 (16 index heads x 128, prefill: 128 registers, 2 words). Decode tiles keep 64 (no spill). Float32 tiles
+# of several queries (products on CUDA cores, 32 windows) walk 16: at 32, 16 index heads x 64 spilled 2 words on
+# sm_90 (64 registers); at 16 every float32 prefill of the AOT matrix takes 42-66 registers, no spills.
 PAGED_FP8_BLOCK_W = 32
+PAGED_FP32_BLOCK_W = 16
 
 # The paged addressing's arguments of an unpaged launch: None, so that they are constexprs, not parameters.
 _UNPAGED = (None,) * 7
@@ -210,9 +213,16 @@ def plan_paged_scores(index_queries, pooled_key_cache, block_table, tile_tokens,
     _, num_heads, head_dim = index_queries.shape
     num_windows = scores.shape[-1]
     keys = pooled_key_cache[:, :, 0]  # [blocks, windows per block, width]
+    several_queries = width > 1
+    if several_queries and index_queries.dtype == torch.float32:
+        narrow_block_w = PAGED_FP32_BLOCK_W
+    elif several_queries and is_packed(pooled_key_cache):
+        narrow_block_w = PAGED_FP8_BLOCK_W
+    else:
+        narrow_block_w = None
     block_q, block_w, heads_pad, num_warps, query_tiles, num_splits, windows_per_split = _tiles_and_splits(
         width, num_heads, head_dim, index_queries.dtype, num_tiles, num_windows, num_splits, multiprocessors,
-        index_queries.device, packed_block_w=PAGED_FP8_BLOCK_W if is_packed(pooled_key_cache) and width > 1 else None)
+        index_queries.device, narrow_block_w)
     weights = head_weights if head_weights is not None else scores  # unread placeholder
     weight_strides = (0, *head_weights.stride()) if head_weights is not None else (0, 0, 0)
     return Launch(
