@@ -145,11 +145,13 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
     def _use_cache(self, cache) -> None:
         """Draft into the MTP layers of the model's `cache`: entries never pass the generated length plus a round of
         drafts (their reservation), and every layer records, so that a crop of up to k entries (the drafted ones)
-        reopens a window they completed."""
+        reopens a window they completed. With k = 1 the one layer in use never reads a draft, so nothing of it is
+        ever cropped and it records nothing (a drafting round then stores its entries as plainly as a decode step)."""
         self.cache = cache
         for layer in cache.mtp_layers[: self.num_layers]:
             layer.max_cache_len = self.max_length + self.num_draft_tokens
-            layer.activate_past_recording(recurrent_states_to_keep=self.num_draft_tokens)
+            if self.num_draft_tokens > 1:
+                layer.activate_past_recording(recurrent_states_to_keep=self.num_draft_tokens)
 
     def draft_cache_footprint(self) -> dict[str, int]:
         """The bytes of the MTP layers' cache (the drafter's own): in use under each component's name, reserved under

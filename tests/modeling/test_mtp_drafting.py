@@ -189,6 +189,28 @@ def test_drafts_accepted_in_part_leave_the_greedy_tokens(monkeypatch):
             torch.testing.assert_close(logits[0], drafts_by_definition(model, verified, drafts), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_mtp_layer_records_for_a_crop_only_when_it_reads_drafts(k, monkeypatch):
+    """With k = 1 the one MTP layer in use reads only verified tokens and is never cropped: it records nothing for a
+    rollback. With k = 2 its second entry reads the first draft and is cropped the next round: it records."""
+    model = mtp_model("gdn-r4", num_mtp_layers=1)
+    input_ids = repetitive_prompt(34, seed=2)
+    seen = []
+    draft = HybridIndexPoolMTPCandidateGenerator._draft
+
+    def logged_draft(generator, *args):
+        result = draft(generator, *args)
+        layer = generator.cache.mtp_layers[0]
+        seen.append((layer.record_past, layer.memory_footprint()["rollback"][0]))
+        return result
+
+    monkeypatch.setattr(HybridIndexPoolMTPCandidateGenerator, "_draft", logged_draft)
+    drafted = greedy(model, input_ids, use_mtp=True, num_assistant_tokens=k)
+    torch.testing.assert_close(drafted, greedy(model, input_ids), rtol=0, atol=0)
+    assert len(seen) >= NEW_TOKENS // 3
+    assert all(records == (k > 1) and (rollback_bytes > 0) == (k > 1) for records, rollback_bytes in seen)
+
+
 def test_drafts_go_through_the_logits_processors_as_the_processor_list_applies_them(monkeypatch):
     """With logits processors (a repetition penalty, n-grams not to repeat) the tokens are greedy's under the same
     processors, and each draft's logits are its logits by definition after `LogitsProcessorList`, which sees the
