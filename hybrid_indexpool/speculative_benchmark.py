@@ -106,7 +106,8 @@ class _ForwardCounter:
     the rollback bytes (`memory_footprint()["rollback"]`) the cache holds after the second one (a verify forward while
     drafting: what rolling back costs; once, so that the reading adds no time per token)."""
 
-    def __init__(self, model):
+    def __init__(self, model, clock=time.perf_counter):
+        self.clock = clock
         self.widths: list[int] = []
         self.prefill_end: float | None = None
         self.rollback_bytes: int | None = None
@@ -119,7 +120,7 @@ class _ForwardCounter:
 
     def _after(self, module, args, output):
         if self.prefill_end is None:
-            self.prefill_end = time.perf_counter()
+            self.prefill_end = self.clock()
         elif len(self.widths) == 2:
             cache = getattr(output, "past_key_values", None)
             if hasattr(cache, "memory_footprint"):
@@ -134,8 +135,8 @@ class _DraftTimer:
     """Times the drafting rounds of `generate()`: wraps the candidate generator that `model._get_candidate_generator`
     builds so that each `get_candidates` call that drafts adds its seconds. Keeps the generator (its counters)."""
 
-    def __init__(self, model):
-        self.model, self.generator, self.round_seconds = model, None, []
+    def __init__(self, model, clock=time.perf_counter):
+        self.model, self.generator, self.round_seconds, self.clock = model, None, [], clock
         self.draft_cache_bytes: int | None = None  # the drafter's own cache (MTP layers' entries), read once
         self.build = model._get_candidate_generator
         model._get_candidate_generator = self._build
@@ -145,10 +146,10 @@ class _DraftTimer:
         get_candidates = generator.get_candidates
 
         def timed(input_ids, *rest, **options):
-            start = time.perf_counter()
+            start = self.clock()
             candidates = get_candidates(input_ids, *rest, **options)
             if candidates[0].shape[-1] > input_ids.shape[-1]:  # a round that drafted (not the prefill's empty one)
-                self.round_seconds.append(time.perf_counter() - start)
+                self.round_seconds.append(self.clock() - start)
                 if len(self.round_seconds) == 2 and hasattr(generator, "draft_cache_footprint"):
                     self.draft_cache_bytes = generator.draft_cache_footprint()["reserved"]
             return candidates
@@ -172,10 +173,11 @@ def generate_kwargs(method: str, draft_tokens: int) -> dict:
 
 
 def generation_row(model, prompt: torch.Tensor, new_tokens: int, method: str, draft_tokens: int = 0,
-                   greedy_tokens: torch.Tensor | None = None, prefilled_cache=None) -> dict:
+                   greedy_tokens: torch.Tensor | None = None, prefilled_cache=None, clock=time.perf_counter) -> dict:
     """`generate()` of exactly `new_tokens` tokens after `prompt [1, length]` with one draft method, greedy; with
     `prefilled_cache` (a cache holding all but the prompt's last token) it continues a copy of that cache instead of
-    running the prefill again (for models whose prefill takes long).
+    running the prefill again (for models whose prefill takes long). `clock` gives the seconds (wall clock by default;
+    `time.thread_time`, the thread's CPU time, leaves out the time other work on a shared machine takes from it).
 
     Returns tokens per second after the prefill, the model's forwards after it (`verify_forwards`) and the tokens
     each of them yields on average (`mean_accepted_per_verify`: the tokens after the prefill's own one, over those
@@ -183,14 +185,14 @@ def generation_row(model, prompt: torch.Tensor, new_tokens: int, method: str, dr
     and whether the tokens equal `greedy_tokens`; or `error`, the first line of what `generate()` raised (a method
     this model does not support)."""
     row = {"method": method, "draft_tokens": draft_tokens, "context": prompt.shape[1]}
-    counter, timer = _ForwardCounter(model), _DraftTimer(model)
+    counter, timer = _ForwardCounter(model, clock), _DraftTimer(model, clock)
     try:
         options = {} if prefilled_cache is None else {"cache": copy.deepcopy(prefilled_cache)}
-        start = time.perf_counter()
+        start = clock()
         with torch.no_grad():
             output = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                     return_dict_in_generate=True, **generate_kwargs(method, draft_tokens), **options)
-        end = time.perf_counter()
+        end = clock()
     except (ValueError, NotImplementedError, TypeError, RuntimeError) as error:
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
         return row
@@ -220,12 +222,13 @@ def generation_row(model, prompt: torch.Tensor, new_tokens: int, method: str, dr
 
 def compare_methods(model, prompt: torch.Tensor, new_tokens: int, draft_lengths=(1, 2, 3),
                     prompt_lookup_tokens: int = 5, methods=METHODS, repeats: int = 1,
-                    prefilled_cache=None) -> list[dict]:
+                    prefilled_cache=None, clock=time.perf_counter) -> list[dict]:
     """`generation_row` for plain greedy, prompt lookup (`prompt_lookup_tokens` drafts) and MTP at each draft length
     on the same prompt, the methods taking turns within each of `repeats` rounds (so that load on the machine reaches
     all alike); a row keeps its median tokens per second over the rounds (`tokens_per_second_runs`: all of them) and
     adds its speedup over greedy's and its extra cache bytes: reserved beyond greedy's cache, plus the rollback
-    recording during a verify round, plus the drafter's own cache. `prefilled_cache`: see `generation_row`."""
+    recording during a verify round, plus the drafter's own cache. `prefilled_cache`, `clock`: see
+    `generation_row`."""
     variants = [("greedy", 0)]
     if "prompt_lookup" in methods:
         variants.append(("prompt_lookup", prompt_lookup_tokens))
@@ -235,7 +238,7 @@ def compare_methods(model, prompt: torch.Tensor, new_tokens: int, draft_lengths=
     reference = None
     for _ in range(repeats):
         for method, k in variants:
-            row = generation_row(model, prompt, new_tokens, method, k, reference, prefilled_cache)
+            row = generation_row(model, prompt, new_tokens, method, k, reference, prefilled_cache, clock)
             if method == "greedy":
                 if "error" in row:
                     raise RuntimeError(f"plain greedy decoding failed: {row['error']}")

@@ -145,11 +145,13 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
     def _use_cache(self, cache) -> None:
         """Draft into the MTP layers of the model's `cache`: entries never pass the generated length plus a round of
         drafts (their reservation), and every layer records, so that a crop of up to k entries (the drafted ones)
-        reopens a window they completed."""
+        reopens a window they completed. With k = 1 the one layer in use never reads a draft, so nothing of it is
+        ever cropped and it records nothing (a drafting round then stores its entries as plainly as a decode step)."""
         self.cache = cache
         for layer in cache.mtp_layers[: self.num_layers]:
             layer.max_cache_len = self.max_length + self.num_draft_tokens
-            layer.activate_past_recording(recurrent_states_to_keep=self.num_draft_tokens)
+            if self.num_draft_tokens > 1:
+                layer.activate_past_recording(recurrent_states_to_keep=self.num_draft_tokens)
 
     def draft_cache_footprint(self) -> dict[str, int]:
         """The bytes of the MTP layers' cache (the drafter's own): in use under each component's name, reserved under
@@ -218,11 +220,10 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         num_new = next_ids.shape[1]
         token_is_real = torch.ones_like(next_ids, dtype=torch.bool)
         layer_cache = self.cache.layers[self.first_layer_idx + layer]
-        positions = token_is_real.long().cumsum(dim=1) - 1
-        if layer_cache.lengths is not None:
-            positions = positions + layer_cache.lengths[:, None]
-        rope_positions = first_position + torch.arange(num_new, device=next_ids.device)
-        rope_positions = rope_positions[None, None].expand(self.text_model.rotary_emb.num_streams, 1, num_new)
+        steps = torch.arange(num_new, device=next_ids.device)
+        # Every entry is real: each one's position is the next after its layer's entries.
+        positions = steps[None] if layer_cache.lengths is None else layer_cache.lengths[:, None] + steps
+        rope_positions = (steps + first_position)[None, None].expand(self.text_model.rotary_emb.num_streams, 1, num_new)
         tokens = TokenLayout(token_is_real, positions, rope_positions)
         position_embeddings = self.text_model.position_embeddings(hidden, tokens)
         next_embeds = self.text_model.embed_tokens(next_ids)
@@ -235,7 +236,11 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
         when sampling."""
         logits = self.lm_head(head_input).float()
         if self.logits_processor:  # none in plain greedy decoding: the sequence is not rebuilt for nothing
-            logits = self.logits_processor(torch.cat([input_ids, *drafts], dim=1), logits)
+            sequence = torch.cat([input_ids, *drafts], dim=1)
+            # What `LogitsProcessorList` does when called without keyword arguments (as the generate loop calls it),
+            # without its per-call signature inspection of every processor (a tenth of a drafted token's time).
+            for processor in self.logits_processor:
+                logits = processor(sequence, logits)
         if self.do_sample:
             token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
         else:

@@ -7,6 +7,11 @@ import pytest
 import torch
 from model_factory import DRAFTING_VARIANTS, randomize_parameters, repetitive_prompt, tiny_model
 from transformers import CompileConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 from hybrid_indexpool.modeling.mtp_drafting import HybridIndexPoolMTPCandidateGenerator
 from hybrid_indexpool.modeling.token_layout import TokenLayout
@@ -182,6 +187,52 @@ def test_drafts_accepted_in_part_leave_the_greedy_tokens(monkeypatch):
     with torch.no_grad():
         for verified, drafts, logits in log.rounds:
             torch.testing.assert_close(logits[0], drafts_by_definition(model, verified, drafts), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_mtp_layer_records_for_a_crop_only_when_it_reads_drafts(k, monkeypatch):
+    """With k = 1 the one MTP layer in use reads only verified tokens and is never cropped: it records nothing for a
+    rollback. With k = 2 its second entry reads the first draft and is cropped the next round: it records."""
+    model = mtp_model("gdn-r4", num_mtp_layers=1)
+    input_ids = repetitive_prompt(34, seed=2)
+    seen = []
+    draft = HybridIndexPoolMTPCandidateGenerator._draft
+
+    def logged_draft(generator, *args):
+        result = draft(generator, *args)
+        layer = generator.cache.mtp_layers[0]
+        seen.append((layer.record_past, layer.memory_footprint()["rollback"][0]))
+        return result
+
+    monkeypatch.setattr(HybridIndexPoolMTPCandidateGenerator, "_draft", logged_draft)
+    drafted = greedy(model, input_ids, use_mtp=True, num_assistant_tokens=k)
+    torch.testing.assert_close(drafted, greedy(model, input_ids), rtol=0, atol=0)
+    assert len(seen) >= NEW_TOKENS // 3
+    assert all(records == (k > 1) and (rollback_bytes > 0) == (k > 1) for records, rollback_bytes in seen)
+
+
+def test_drafts_go_through_the_logits_processors_as_the_processor_list_applies_them(monkeypatch):
+    """With logits processors (a repetition penalty, n-grams not to repeat) the tokens are greedy's under the same
+    processors, and each draft's logits are its logits by definition after `LogitsProcessorList`, which sees the
+    verified tokens and the drafts before it (the drafter calls the processors one by one)."""
+    model = mtp_model("gdn-r4", num_mtp_layers=1)
+    input_ids = repetitive_prompt(34, seed=2)
+    settings = dict(repetition_penalty=1.5, no_repeat_ngram_size=3)
+    expected = greedy(model, input_ids, **settings)
+    log = DraftLog(monkeypatch)
+    drafted = greedy(model, input_ids, use_mtp=True, num_assistant_tokens=2, **settings)
+    torch.testing.assert_close(drafted, expected, rtol=0, atol=0)
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5), NoRepeatNGramLogitsProcessor(3)])
+    changed = 0
+    with torch.no_grad():
+        for verified, drafts, logits in log.rounds:
+            raw = drafts_by_definition(model, verified, drafts)
+            for index in range(drafts.shape[1]):
+                seen = torch.cat([verified, drafts[:, :index]], dim=1)
+                processed = processors(seen, raw[index][None].float())
+                torch.testing.assert_close(logits[0, index], processed[0], rtol=1e-4, atol=1e-4)
+                changed += int(not torch.equal(processed, raw[index][None].float()))
+    assert changed > 0  # the processors did change the drafts' logits
 
 
 @pytest.mark.parametrize("variant", ["gdn-r4", pytest.param("qwen4-exp-style", marks=pytest.mark.slow)])

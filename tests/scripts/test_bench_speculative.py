@@ -3,6 +3,7 @@ measure what drafting holds (rollback recording, the drafter's cache, drafting r
 and the command's argument checks. The command end to end, the baseline interpreter and the training of the drafting
 model are marked slow (each starts processes or reads the standard library's text)."""
 
+import itertools
 import json
 import sys
 
@@ -60,6 +61,17 @@ def test_generation_rows_match_greedy_and_count_what_drafting_holds():
     assert mtp["same_tokens_as_greedy"], mtp
     assert mtp["draft_round_seconds"] > 0 and mtp["draft_cache_bytes"] > 0 and mtp["rollback_bytes"] > 0
     assert 0 <= mtp["accepted_drafts_per_verify"] <= 2
+
+
+def test_generation_rows_read_the_clock_they_are_given():
+    """`clock` (e.g. `time.thread_time` for CPU seconds) times the rows: a clock that ticks once per reading gives a
+    drafting round of exactly one tick (read before and after it) and whole ticks after the prefill."""
+    model = tiny_model(seed=1, num_mtp_layers=1)
+    ticks = itertools.count()
+    row = generation_row(model, torch.arange(5, 25)[None], 4, "mtp", 1, clock=lambda: float(next(ticks)))
+    assert row["draft_round_seconds"] == 1.0
+    assert row["decode_seconds"] >= 2 and row["decode_seconds"] == int(row["decode_seconds"])
+    assert row["tokens_per_second"] == 4 / row["decode_seconds"]
 
 
 def test_a_method_generate_refuses_is_reported_not_raised():
