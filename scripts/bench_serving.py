@@ -441,7 +441,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="only measure speculative decoding: tokens/s of one request (batch 1) on a copying prompt "
                              "served from CHECKPOINT (a byte-level model with MTP layers, e.g. bench_speculative's "
                              "trained one) without drafting and with each of --drafting-methods")
-    parser.add_argument("--drafting-methods", default="ngram,mtp:1,mtp:2,mtp:3",
+    parser.add_argument("--drafting-methods", default="ngram,ngram:8:1:5,mtp:1,mtp:2,mtp:3",
                         help="comma-separated: 'ngram' (prompt lookup of 2 to 5 tokens, 5 drafts), 'ngram:K:MIN:MAX' "
                              "(K drafts, lookup of MIN to MAX tokens) and 'mtp:K' (the checkpoint's MTP layers, K "
                              "drafts)")
