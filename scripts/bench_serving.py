@@ -441,9 +441,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="only measure speculative decoding: tokens/s of one request (batch 1) on a copying prompt "
                              "served from CHECKPOINT (a byte-level model with MTP layers, e.g. bench_speculative's "
                              "trained one) without drafting and with each of --drafting-methods")
-    parser.add_argument("--drafting-methods", default="ngram,mtp:1,mtp:2,mtp:3",
-                        help="comma-separated: 'ngram' (prompt lookup of 2 to 5 tokens, 5 drafts) and 'mtp:K' (the "
-                             "checkpoint's MTP layers, K drafts)")
+    parser.add_argument("--drafting-methods", default="ngram,ngram:8:1:5,mtp:1,mtp:2,mtp:3",
+                        help="comma-separated: 'ngram' (prompt lookup of 2 to 5 tokens, 5 drafts), 'ngram:K:MIN:MAX' "
+                             "(K drafts, lookup of MIN to MAX tokens) and 'mtp:K' (the checkpoint's MTP layers, K "
+                             "drafts)")
     parser.add_argument("--copy-length", type=int, default=200,
                         help="characters of the held-out passage the copying prompt repeats (the tokens generated: "
                              "one fewer than the passage's tokens)")
@@ -471,6 +472,24 @@ def prefix_cache_rows(args, scratch: Path) -> list[dict]:
                                       args.threads, args.kv_cache_gib) for caching in (True, False)]
 
 
+def drafting_methods(text: str) -> dict:
+    """`--drafting-methods` -> {name: vLLM's speculative_config}: 'ngram' (5 drafts, prompt lookup of 2 to 5 tokens),
+    'ngram:K:MIN:MAX' (K drafts, lookup of MIN to MAX tokens), 'mtp:K' (the checkpoint's MTP layers, K drafts)."""
+    methods = {}
+    for method in text.split(","):
+        fields = method.split(":")
+        if fields[0] == "ngram" and len(fields) in (1, 4) and all(field.isdigit() for field in fields[1:]):
+            drafts, shortest, longest = map(int, fields[1:]) if len(fields) == 4 else (5, 2, 5)
+            methods[method] = {"method": "ngram", "num_speculative_tokens": drafts, "prompt_lookup_min": shortest,
+                               "prompt_lookup_max": longest}
+        elif fields[0] == "mtp" and len(fields) == 2 and fields[1].isdigit():
+            methods[method] = {"method": "mtp", "num_speculative_tokens": int(fields[1])}
+        else:
+            raise ValueError(f"--drafting-methods: unknown method {method!r} (use 'ngram', 'ngram:K:MIN:MAX' or "
+                             "'mtp:K')")
+    return methods
+
+
 def drafting_rows(args, scratch: Path) -> list[dict]:
     """`serving_reuse_benchmark.drafting_throughput` on bench_speculative's copying prompt (token ids: a held-out
     passage of `--copy-length` characters tokenized, twice, each after a marker, then the marker and the passage's
@@ -487,15 +506,7 @@ def drafting_rows(args, scratch: Path) -> list[dict]:
     passage = torch.tensor(tokenizer(text_window(held_out, args.copy_length, random.Random(0)))["input_ids"])
     marker = torch.tensor(tokenizer("\n# again:\n")["input_ids"])
     prompt = copying_prompt(passage, marker)[0].tolist()
-    methods = {"greedy": None}
-    for method in args.drafting_methods.split(","):
-        if method == "ngram":
-            methods[method] = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
-                               "prompt_lookup_max": 5}
-        elif method.startswith("mtp:"):
-            methods[method] = {"method": "mtp", "num_speculative_tokens": int(method.removeprefix("mtp:"))}
-        else:
-            raise ValueError(f"--drafting-methods: unknown method {method!r} (use 'ngram' or 'mtp:K')")
+    methods = {"greedy": None, **drafting_methods(args.drafting_methods)}
     rows = [drafting_throughput(args.vllm_python, Path(args.drafting), prompt, len(passage) - 1, config, scratch,
                                 name, args.threads, args.kv_cache_gib) for name, config in methods.items()]
     for row in rows:

@@ -10,15 +10,22 @@ CPU kernels of plain decoding and prefill:
 
 - a request that is not verifying drafts (a prompt chunk) runs as in plain prefill: the causal convolution from the
   first `width - 1` columns of its buffer, the chunked gated delta rule from its state slot 0;
-- a request verifying `q = 1 + drafts` tokens feeds them one at a time through the decode kernels, from the
+- a request verifying `q = 1 + drafts` tokens computes each of them as a plain decode step would, from the
   convolution inputs and the recurrent state of its last accepted token, and keeps the state after token `t` in slot
   `t` and the convolution inputs ending at token `t` at columns `t .. t + width - 2` of its buffer. The next step,
   with `a` tokens accepted, starts from slot `a - 1` and columns `a - 1 ..`: a rejected draft leaves nothing behind.
+  On vLLM's kernels the step is batched: the convolution of all its tokens (every request's) in one call of the decode
+  kernel, each token with the `width - 1` inputs before it as a state row of its own, then the delta rule in one call
+  of the decode kernel per position `t` over the requests that have a token `t` (its state advanced in place in slot
+  `t`). vLLM's kernel for several tokens per request (`fused_sigmoid_gating_delta_rule_update_spec_cpu`) keeps the
+  per-token states too, but rounds differently from its decode kernel (measured: 2e-3 in the states, 5e-4 in the
+  outputs, bfloat16), so a verify step on it would not give plain decoding's tokens bit for bit.
 
 A prompt chunk leaves its last `width - 1` inputs at columns `0 .. width - 2` and its state in slot 0, which is what
 the first verify step after it reads (`a = 1`). The kernels are those of the layer's plain steps: vLLM's CPU ones, or
 the project's core (`gated_deltanet.py`: float32, any head size) where the layer runs it, so that a verify step
-computes each token as plain decoding does. On GPUs vLLM's own kernels handle drafts (`_forward_core`).
+computes each token as plain decoding does (the project's core one token at a time). On GPUs vLLM's own kernels
+handle drafts (`_forward_core`).
 """
 
 import torch
@@ -65,8 +72,10 @@ def convolve_token(layer, tokens, states, rows) -> torch.Tensor:
             x=tokens, conv_states=states, weight=layer.conv1d.weight, bias=layer.conv1d.bias,
             silu_activation=layer.activation == "silu", conv_state_indices=rows, is_weight_packed=True)
     weight = layer.conv1d.weight
+    # No row is padding: vLLM's kernel would skip row 0, its null block, by default.
     return causal_conv1d_update_cpu(tokens, states, weight.view(weight.shape[0], weight.shape[-1]),
-                                    layer.conv1d.bias, activation=layer.activation, conv_state_indices=rows)
+                                    layer.conv1d.bias, activation=layer.activation, conv_state_indices=rows,
+                                    pad_slot_id=-1)
 
 
 def conv_buffer(layer) -> torch.Tensor:
@@ -149,43 +158,124 @@ def run_draft_rows(layer, mixed_qkv, b, a, query_start_loc, state_slots, num_acc
     last accepted token (`num_accepted [rows]` tokens of its previous step: state slot `state_slots[i, a - 1]`,
     convolution inputs at columns `a - 1 .. a + width - 3` of the buffer in slot `state_slots[i, 0]`). Keeps the state
     after token `t` in slot `state_slots[i, t]` and the inputs ending at token `t` at columns `t .. t + width - 2`.
-    Returns `[tokens, value_heads, value_dim]`."""
+    Returns `[tokens, value_heads, value_dim]`. On vLLM's kernels the step's convolution is one call and the delta rule
+    one call per draft position (`run_draft_rows_batched`); on the project's core, one token at a time
+    (`run_draft_rows_one_at_a_time`)."""
+    if getattr(layer, "project_core", False):
+        return run_draft_rows_one_at_a_time(layer, mixed_qkv, b, a, query_start_loc, state_slots, num_accepted)
+    return run_draft_rows_batched(layer, mixed_qkv, b, a, query_start_loc, state_slots, num_accepted)
+
+
+def draft_histories(layer, mixed_qkv, starts, lengths, accepted, buffer_slots) -> torch.Tensor:
+    """Each verify row's convolution inputs: the `width - 1` before its first token (columns `a - 1 ..` of its buffer)
+    then its tokens, the last one repeated past its end -> `[rows, channels, width - 1 + longest]`."""
+    width = layer.conv1d.weight.shape[-1]
+    buffers = conv_buffer(layer)
+    columns = (accepted - 1)[:, None] + torch.arange(width - 1)
+    before = buffers[buffer_slots[:, None], :, columns].transpose(1, 2)  # [rows, channels, width - 1]
+    longest = int(lengths.max())
+    token_index = starts[:, None] + torch.minimum(torch.arange(longest), lengths[:, None] - 1)
+    tokens = mixed_qkv[token_index]  # [rows, longest, channels]
+    return torch.cat([before, tokens.transpose(1, 2).to(before.dtype)], dim=-1)
+
+
+def keep_draft_histories(layer, history, buffer_slots) -> None:
+    """Inputs ending at token t at columns t .. t + width - 2 of each row's buffer (a row's columns past its tokens
+    are never read)."""
+    kept = history[..., 1:]
+    conv_buffer(layer)[buffer_slots, :, : kept.shape[-1]] = kept
+
+
+def run_draft_rows_batched(layer, mixed_qkv, b, a, query_start_loc, state_slots, num_accepted) -> torch.Tensor:
+    """`run_draft_rows` on vLLM's CPU kernels of plain decoding, with the per-token work batched: the convolution of
+    every token of the step in one call of the decode kernel (each token with the `width - 1` inputs before it as its
+    own state row), then the delta rule in one call per position `t` over the rows that have a token `t`, each from
+    the state after token `t - 1` copied into slot `t` (the kernel advances a state in place). Each token meets the
+    kernels and inputs of a plain decode step, so its output and state are plain decoding's bit for bit. A step has a
+    handful of rows and tokens, so their bookkeeping runs on the host's lists, not as tensor indexing."""
+    width = layer.conv1d.weight.shape[-1]
+    mixed_qkv, a, b = mixed_qkv.contiguous(), a.contiguous(), b.contiguous()
+    bounds = query_start_loc.tolist()
+    rows = len(bounds) - 1
+    slots = state_slots[:rows].tolist()
+    accepted = num_accepted[:rows].tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    buffers, states = conv_buffer(layer), recurrent_states(layer)
+
+    # Each row's inputs: the `width - 1` before its first token (columns a - 1 ..), then its tokens; token t's
+    # convolution window is inputs t .. t + width - 2, laid out as a decode state row (channels innermost).
+    histories, windows = [], []
+    for row in range(rows):
+        before = buffers[slots[row][0], :, accepted[row] - 1: accepted[row] + width - 2]  # [channels, width - 1]
+        history = torch.cat([before, mixed_qkv[bounds[row]: bounds[row + 1]].T.to(before.dtype)], dim=-1)
+        histories.append(history)
+        windows.append(history.T.unfold(0, width - 1, 1)[: lengths[row]])  # [q, channels, width - 1]
+    windows = torch.cat(windows) if rows > 1 else windows[0]
+    convolved = convolve_token(layer, mixed_qkv, conv_state_scratch(windows),
+                               torch.arange(bounds[-1], dtype=torch.int32))
+
+    # The delta rule position by position: tokens in position-major order (every row's token 0, then every row's
+    # token 1, ...), so that the rows with a token t are one slice.
+    order = [bounds[row] + t for t in range(max(lengths)) for row in range(rows) if t < lengths[row]]
+    identity = order == list(range(bounds[-1]))
+    if not identity:
+        index = torch.tensor(order)
+        convolved, a, b = convolved[index], a[index], b[index]
+    query, key, value = layer.rearrange_mixed_qkv(convolved)  # [1, tokens, heads, dim]
+    output = torch.empty(bounds[-1], layer.num_v_heads // layer.tp_size, layer.head_v_dim, dtype=mixed_qkv.dtype,
+                         device=mixed_qkv.device)
+    begin = 0
+    for t in range(max(lengths)):
+        active = [row for row in range(rows) if t < lengths[row]]
+        targets = [slots[row][t] for row in active]
+        for row, target in zip(active, targets):  # the state token t continues from, into slot t
+            source = slots[row][accepted[row] - 1] if t == 0 else slots[row][t - 1]
+            if source != target:
+                states[target].copy_(states[source])
+        at = slice(begin, begin + len(active))
+        output[at] = ops.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log=layer.A_log, dt_bias=layer.dt_bias, q=query[:, at], k=key[:, at], v=value[:, at], a=a[at], b=b[at],
+            initial_state_source=states, initial_state_indices=torch.tensor(targets, dtype=torch.int32),
+            cu_seqlens=torch.arange(len(active) + 1, dtype=torch.int32),
+            use_qk_l2norm_in_kernel=True).reshape(len(active), -1, layer.head_v_dim)
+        begin += len(active)
+
+    # Inputs ending at token t at columns t .. t + width - 2 (a row's columns past its tokens are never read).
+    for row in range(rows):
+        buffers[slots[row][0], :, : width - 2 + lengths[row]] = histories[row][:, 1:]
+    if identity:
+        return output
+    result = torch.empty_like(output)
+    result[index] = output
+    return result
+
+
+def run_draft_rows_one_at_a_time(layer, mixed_qkv, b, a, query_start_loc, state_slots, num_accepted) -> torch.Tensor:
+    """`run_draft_rows` one position at a time through `token_step` (the layer's plain decode step, on either
+    core)."""
     width = layer.conv1d.weight.shape[-1]
     mixed_qkv, a, b = mixed_qkv.contiguous(), a.contiguous(), b.contiguous()
     rows = state_slots.shape[0]
     starts = query_start_loc[:-1].long()
     lengths = (query_start_loc[1:] - query_start_loc[:-1]).long()
     accepted = num_accepted[:rows].long()
-    longest = int(lengths.max())
-    buffers, states = conv_buffer(layer), recurrent_states(layer)
     buffer_slots = state_slots[:, 0].long()
-
-    # The convolution inputs before each row's first token, then its tokens (the last one repeated past its end).
-    columns = (accepted - 1)[:, None] + torch.arange(width - 1)
-    before = buffers[buffer_slots[:, None], :, columns].transpose(1, 2)  # [rows, channels, width - 1]
-    token_index = starts[:, None] + torch.minimum(torch.arange(longest), lengths[:, None] - 1)
-    tokens = mixed_qkv[token_index]  # [rows, longest, channels]
-    history = torch.cat([before, tokens.transpose(1, 2).to(before.dtype)], dim=-1)
+    history = draft_histories(layer, mixed_qkv, starts, lengths, accepted, buffer_slots)
     window = conv_state_scratch(history[..., : width - 1])  # shifted by one input per token
+    states = recurrent_states(layer)
 
     # The recurrent state of the last accepted token into slot 0, where the first token continues from it.
-    first_slot = state_slots[:, 0].long()
-    source_slot = state_slots[torch.arange(rows), accepted - 1].long()
-    states[first_slot] = states[source_slot]
-
+    states[buffer_slots] = states[state_slots[torch.arange(rows), accepted - 1].long()]
     output = torch.empty(mixed_qkv.shape[0], layer.num_v_heads // layer.tp_size, layer.head_v_dim,
                          dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-    for t in range(longest):
+    for t in range(history.shape[-1] - (width - 1)):
         active = torch.nonzero(lengths > t).flatten()
         if t > 0:  # the state after token t - 1 continues in slot t
             states[state_slots[active, t].long()] = states[state_slots[active, t - 1].long()]
         token = starts[active] + t
         output[token] = token_step(layer, mixed_qkv[token], b[token], a[token], window, active,
                                    states, state_slots[active, t]).to(output.dtype)
-
-    # Inputs ending at token t at columns t .. t + width - 2 (a row's columns past its tokens are never read).
-    kept = history[..., 1:]
-    buffers[buffer_slots, :, : kept.shape[-1]] = kept
+    keep_draft_histories(layer, history, buffer_slots)
     return output
 
 

@@ -4,6 +4,8 @@ Anything the vLLM model does not implement is refused here, with the option name
 unsupported setting must never produce wrong tokens.
 """
 
+import os
+
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.platforms import current_platform
@@ -60,7 +62,7 @@ def unsupported_options(config) -> list[str]:
 class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
     """vLLM's per-architecture hook (`MODELS_CONFIG_MAP`): refuse what the model cannot serve, split piecewise
     graphs at the IndexPool step, and on vLLM's CPU build turn prefix caching off when drafting (which vLLM cannot
-    combine there)."""
+    combine there) and keep n-gram drafting's numba pool to the one thread it uses."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
@@ -112,3 +114,13 @@ class HybridIndexPoolVllmConfig(VerifyAndUpdateConfig):
                            "decoding (its 'align' state copies for drafts are Triton kernels); prefix caching is "
                            "disabled for this engine.")
             cache.enable_prefix_caching = False
+        speculative = vllm_config.speculative_config
+        if (speculative is not None and speculative.method == "ngram" and current_platform.is_cpu()
+                and "NUMBA_NUM_THREADS" not in os.environ):
+            # vLLM's n-gram proposer runs its numba kernel on one thread whatever the pool holds, while numba launches
+            # one worker per core whose OpenMP spin-wait between steps takes a core from the model (measured: as much
+            # CPU as the engine itself, and the engine's own steps 40% slower, docs/serving.md). Read when numba's
+            # pool starts, after this hook, in this process and the engine's.
+            os.environ["NUMBA_NUM_THREADS"] = "1"
+            logger.info("HybridIndexPool: NUMBA_NUM_THREADS=1 for vLLM's n-gram proposer on CPU (set it to keep "
+                        "another value).")

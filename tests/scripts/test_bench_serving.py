@@ -12,7 +12,7 @@ import pytest
 import torch
 from vllm_reference import REFERENCE_PYTHON, REPO
 
-from hybrid_indexpool.scripts.bench_serving import decode_phase, decode_step_timing
+from hybrid_indexpool.scripts.bench_serving import decode_phase, decode_step_timing, drafting_methods
 from hybrid_indexpool.serving.synthetic_step import StepSizes
 
 requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -24,6 +24,19 @@ def test_decode_phase_counts_the_tokens_after_every_request_started():
     phase = decode_phase([[1.0, 2.0, 3.0, 4.5, 5.0], [4.0, 5.5, 6.0]])
     assert phase["decode_seconds"] == 2.0 and phase["decode_tokens"] == 4
     assert phase["decode_tokens_per_second"] == 2.0 and phase["first_token_seconds"] == [1.0, 4.0]
+
+
+def test_drafting_methods_name_their_speculative_configs():
+    """'ngram' is 5 drafts looked up from 2 to 5 tokens; 'ngram:K:MIN:MAX' and 'mtp:K' set theirs; anything else is
+    refused with the forms it takes."""
+    assert drafting_methods("ngram,ngram:8:1:4,mtp:2") == {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+        "ngram:8:1:4": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
+                        "prompt_lookup_max": 4},
+        "mtp:2": {"method": "mtp", "num_speculative_tokens": 2}}
+    for wrong in ("ngram:8", "mtp", "eagle:1"):
+        with pytest.raises(ValueError, match="ngram:K:MIN:MAX"):
+            drafting_methods(wrong)
 
 
 def test_decode_step_timing_reports_both_paths_against_the_bytes(monkeypatch):

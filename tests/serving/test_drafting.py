@@ -106,3 +106,25 @@ def test_drafting_turns_prefix_caching_off_on_cpu_and_mtp_needs_mtp_layers(tmp_p
     with pytest.raises(ValueError, match="num_mtp_layers = 0"):
         EngineArgs(str(plain), dtype="bfloat16", max_model_len=256, enforce_eager=True,
                    speculative_config={"method": "mtp", "num_speculative_tokens": 1}).create_engine_config()
+
+
+def test_ngram_drafting_on_cpu_keeps_numbas_pool_to_one_thread(tmp_path, monkeypatch):
+    """vLLM's n-gram proposer uses one numba thread; a pool of one per core spins between steps on the model's cores.
+    An n-gram engine on CPU sets NUMBA_NUM_THREADS=1 where the user has not set it, and keeps the user's value."""
+    import os
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    plain = tiny_checkpoint(tmp_path / "tiny-indexpool")
+
+    def engine_config():
+        return EngineArgs(str(plain), dtype="bfloat16", max_model_len=256, enforce_eager=True,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                              "prompt_lookup_max": 2}).create_engine_config()
+
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    engine_config()
+    assert os.environ["NUMBA_NUM_THREADS"] == "1"
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "2")
+    engine_config()
+    assert os.environ["NUMBA_NUM_THREADS"] == "2"
