@@ -222,14 +222,10 @@ class HybridIndexPoolCache(Cache):
             layer._drop_recording()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`).
-
-        Every layer is checked before any changes. After `activate_past_recording(recurrent_states_to_keep=k)` every
-        layer type rolls back the tokens recorded since the last crop (a long forward records its last `k + 1`), as
-        if they had never been fed; a crop then forgets the recording (the linear-attention layers replay the kept
-        tokens' recorded inputs at their next forward). Without a recording a linear-attention layer cannot roll back,
-        and an IndexPool layer can cut only inside its open window or on a window boundary.
-        """
+        """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`), after checking
+        every layer. After `activate_past_recording` every layer rolls back the tokens recorded since the last crop, as
+        if never fed, and forgets the recording; without one a linear-attention layer cannot roll back and an IndexPool
+        layer cuts only inside its open window or on a window boundary."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number, crop(-n), to remove the last n tokens (the "

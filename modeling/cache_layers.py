@@ -91,6 +91,7 @@ class _LayerCache:
     record_past = False
     recurrent_states_to_keep: int | None = None
     seen_tokens: torch.Tensor | None = None
+    max_cache_len: int | None = None  # the tokens an IndexPool layer's storage is reserved for (None: it grows)
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
         self.record_past = True
@@ -145,7 +146,7 @@ class _LayerCache:
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.max_cache_len is None else self.max_cache_len
 
     def _check_crop(self, tokens_to_remove: int) -> None:
         """Raise if `crop(tokens_to_remove)` (a count to remove) is impossible; change nothing."""
@@ -318,7 +319,7 @@ class IndexPoolLayerCache(_LayerCache):
         open_index_keys: `[batch, r - 1, index_head_dim]` raw indexer keys of the open window, the first
             `lengths[b] % r` valid; `open_gate_logits` the same for the pooling-gate logits (float32), or None.
         open_window_position: `[batch, streams]` rotary position of the open window's first token.
-        lengths: `[batch]` int64, real tokens per row; `capacity`: positions reserved per row (a multiple of r).
+        lengths: `[batch]` int64, real tokens per row.
 
     The indexer tensors stay None in a layer whose indexer is shared (it is updated without a placement). `update`
     decides the storage it needs as it writes: reserved once for `max_cache_len` (what `generate()` passes), or grown
@@ -333,7 +334,6 @@ class IndexPoolLayerCache(_LayerCache):
         self.pool_size, self.max_cache_len, self.fp8_index_keys = pool_size, max_cache_len, fp8_index_keys
         self.key_storage = self.value_storage = self.pooled_storage = None
         self.open_index_keys = self.open_gate_logits = self.open_window_position = self.lengths = None
-        self.capacity = 0
         # Host-side upper bound of `lengths.max()`: decides growth without reading the device. Exact after every
         # multi-token write; a decode step adds one (not maintained inside a compiled step, whose capacity is fixed).
         self._length_bound = 0
@@ -361,12 +361,10 @@ class IndexPoolLayerCache(_LayerCache):
             return super().get_seq_length()
         return int(self.lengths.max())  # a layer of its own (an MTP layer): the entries of its longest row
 
-    def get_max_length(self) -> int:
-        return -1 if self.max_cache_len is None else self.max_cache_len
-
-    def reset(self) -> None:
-        super().reset()
-        self.capacity = self._length_bound = 0
+    @property
+    def capacity(self) -> int:
+        """Positions reserved per row (a multiple of r)."""
+        return 0 if self.key_storage is None else self.key_storage.shape[1]
 
     def _reserve(self, tokens_to_come: int) -> None:
         """Grow the storage, now and once, to hold `tokens_to_come` more tokens per row (reads the device)."""
@@ -521,7 +519,6 @@ class IndexPoolLayerCache(_LayerCache):
                 grown = old.new_zeros(old.shape[0], size, *old.shape[2:])
                 grown[:, : old.shape[1]] = old
                 setattr(self, name, grown)
-        self.capacity = capacity
         _mark_static(self.key_storage, self.value_storage, self.pooled_storage)
 
     def _write_keys(self, key_states, value_states, token_is_real, rows) -> None:
@@ -672,22 +669,17 @@ class IndexPoolLayerCache(_LayerCache):
         by formula)."""
         if self.lengths is None:
             return dict.fromkeys(("key_value", "pooled_index_keys", "open_window", "bookkeeping", "rollback"), (0, 0))
-        rollback = _bytes(*[x for part in self._open_windows or () for x in part])
-        total_tokens = int(self.lengths.sum())
-        total_windows = int((self.lengths // self.pool_size).sum())
-        key_value_per_token = sum(storage[0, 0].numel() * storage.element_size()
-                                  for storage in (self.key_storage, self.value_storage) if storage is not None)
-        pooled_bytes = open_per_token = 0
-        if self.pooled_storage is not None:
-            pooled_bytes = self.pooled_storage.shape[-1] * self.pooled_storage.element_size()  # per window
-            open_per_token = self.open_index_keys.shape[-1] * (self.open_index_keys.element_size() + (
-                0 if self.open_gate_logits is None else self.open_gate_logits.element_size()))
-        bookkeeping = _bytes(self.lengths, self.open_window_position)
+        tokens, windows = int(self.lengths.sum()), int((self.lengths // self.pool_size).sum())
+        open_per_token = 0 if self.open_index_keys is None else self.open_index_keys.shape[-1] * sum(
+            tensor.element_size() for tensor in (self.open_index_keys, self.open_gate_logits) if tensor is not None)
+        fixed = {"bookkeeping": _bytes(self.lengths, self.open_window_position),
+                 "rollback": _bytes(*[x for part in self._open_windows or () for x in part])}
         return {
-            "key_value": (total_tokens * key_value_per_token, _bytes(self.key_storage, self.value_storage)),
-            "pooled_index_keys": (total_windows * pooled_bytes, _bytes(self.pooled_storage)),
-            "open_window": ((total_tokens - total_windows * self.pool_size) * open_per_token,
+            "key_value": (tokens * _bytes(*[s[0, 0] for s in (self.key_storage, self.value_storage) if s is not None]),
+                          _bytes(self.key_storage, self.value_storage)),
+            "pooled_index_keys": (windows * _bytes(None if self.pooled_storage is None else self.pooled_storage[0, 0]),
+                                  _bytes(self.pooled_storage)),
+            "open_window": ((tokens - windows * self.pool_size) * open_per_token,
                             _bytes(self.open_index_keys, self.open_gate_logits)),
-            "bookkeeping": (bookkeeping, bookkeeping),
-            "rollback": (rollback, rollback),
+            **{name: (size, size) for name, size in fixed.items()},
         }
