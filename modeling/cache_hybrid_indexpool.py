@@ -25,12 +25,8 @@ def recording_bytes(config, recorded_tokens: int, dtype: torch.dtype = torch.bfl
     `recorded_tokens` tokens over a cache that holds earlier ones: a verify forward of `k` drafts and the token before
     them, after `activate_past_recording(recurrent_states_to_keep=k)` or the crop of the previous one. By formula, for a
     model in `dtype` (rotary positions in `rope_streams` streams: 3 for a multimodal model's); one entry per layer.
-
-    A linear-attention layer keeps a checkpoint (its float32 recurrent state and convolution window) and, per token,
-    the rule's inputs (query, key, value, log decay, beta) and the convolution input (plus the PLE token and
-    convolution histories on a PLE layer). An IndexPool layer with its own indexer and r > 1 keeps, per token, the
-    raw indexer key, gate logits and positions, and the open window at the checkpoint; its keys and values are stored
-    by position anyway, so a crop only lowers the lengths."""
+    What each layer type records is described by `LinearAttentionLayerCache` and `IndexPoolLayerCache._record` (an
+    IndexPool layer's keys and values are stored by position anyway: a crop only lowers its lengths)."""
     element = torch.empty((), dtype=dtype).element_size()
     tokens, float32, int64, mask = recorded_tokens, 4, 8, 1
     kimi = config.linear_attention_type == "kimi_delta"
@@ -245,8 +241,7 @@ class HybridIndexPoolCache(Cache):
         """Bytes per component, summed over layers: in use under each component's name, reserved under
         `<name>_reserved`; `total` and `reserved` sum them; `unpooled_index_keys` is what an r = 1 indexer would
         hold for the same tokens. `reserved` counts every tensor the cache holds (the MTP layers' under `mtp_*`)."""
-        used: dict[str, int] = {}
-        reserved: dict[str, int] = {}
+        used, reserved = {}, {}
         for index, layer in enumerate(self.layers):
             for name, (in_use, held) in layer.memory_footprint().items():
                 name = name if index < self.num_decoder_layers else f"mtp_{name}"

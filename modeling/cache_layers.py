@@ -482,19 +482,15 @@ class IndexPoolLayerCache(_LayerCache):
         if self.lengths is None:  # empty storage of the right widths, grown below to what the rows can reach
             r, device = self.pool_size, key_states.device
             self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-            self.key_storage = key_states.new_zeros(batch_size, 0, key_states.shape[1], key_states.shape[-1])
-            if value_states is not None:
-                self.value_storage = value_states.new_zeros(batch_size, 0, *value_states.shape[1:2],
-                                                            value_states.shape[-1])
+            self.key_storage, self.value_storage = (None if states is None else states.new_zeros(
+                batch_size, 0, states.shape[1], states.shape[-1]) for states in (key_states, value_states))
             if windows is not None:
                 pooled_like = pooled_keys if self.fp8_index_keys else windows.keys
                 self.pooled_storage = pooled_like.new_zeros(batch_size, 0, pooled_like.shape[-1])
-                self.open_index_keys = windows.keys.new_zeros(batch_size, r - 1, windows.keys.shape[-1])
+                self.open_index_keys, self.open_gate_logits = (None if entries is None else entries.new_zeros(
+                    batch_size, r - 1, entries.shape[-1]) for entries in (windows.keys, windows.gate_logits))
                 self.open_window_position = torch.zeros(batch_size, windows.first_positions.shape[0],
                                                         dtype=torch.long, device=device)
-                if windows.gate_logits is not None:
-                    self.open_gate_logits = windows.gate_logits.new_zeros(batch_size, r - 1,
-                                                                          windows.gate_logits.shape[-1])
             _mark_static(self.open_index_keys, self.open_gate_logits, self.open_window_position, self.lengths)
             if self.max_cache_len is not None:  # their real tokens plus those still to come
                 needed = self._length_bound + max(0, self.max_cache_len - num_new)
