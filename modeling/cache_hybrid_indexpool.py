@@ -1,32 +1,11 @@
-"""`HybridIndexPoolCache`: the generation cache of the hybrid model, in transformers' cache protocol.
-
-One layer per decoder layer, then one per multi-token-prediction (MTP) layer (`cache_layers`): a
-[`LinearAttentionLayerCache`] per linear-attention layer (convolution and recurrent states, fixed in size) and an
-[`IndexPoolLayerCache`] per IndexPool layer, whose rows are stored **by position**: a row's entries are its real tokens
-(attention mask 1) in order, so padding is never written and costs nothing. The cache only stores; the layers
-compute (pooling, norms, RoPE, quantisation, the delta rule, a replay after a crop).
-
-Memory is reserved, not grown by doubling. With `max_cache_len` (which `generate()` sets to prompt + new tokens) an
-IndexPool layer's storage is allocated once, when it is first written, for exactly what its rows can reach. Without it
-the storage grows by at most 1/16 of what it holds, rounded up to `GROWTH_CHUNK` positions. `memory_footprint()`
-reports bytes in use and reserved.
-
-A decode step (one new token per row) uses fixed shapes and makes no host synchronisation; with `max_cache_len` nothing
-in it depends on host-side counters, so a compiled step is reused at every length (`is_compileable`).
-
-Every public method of transformers' `Cache` works here, or raises a `ValueError` that names what to use instead.
-"""
+"""`HybridIndexPoolCache`: the generation cache of the hybrid model, in transformers' cache protocol. Its layers
+(`cache_layers`) only store; the model's layers compute. Every public method of transformers' `Cache` works here, or
+raises an error that names what to use instead."""
 
 import torch
 from transformers.cache_utils import Cache
 
-from .cache_layers import (
-    IndexPoolLayerCache,
-    LinearAttentionLayerCache,
-    WindowPlacement,
-    _bytes,
-    _mark_static,
-)
+from .cache_layers import IndexPoolLayerCache, LinearAttentionLayerCache, WindowPlacement, _bytes, _mark_static
 
 
 def cache_layout(config) -> dict:
@@ -42,16 +21,12 @@ def cache_layout(config) -> dict:
 
 def recording_bytes(config, recorded_tokens: int, dtype: torch.dtype = torch.bfloat16, batch_size: int = 1,
                     rope_streams: int = 1) -> list[int]:
-    """Bytes each layer's recording holds (its `rollback_bytes()`) after one recorded forward of `recorded_tokens`
-    tokens over a cache that holds earlier ones: a verify forward of `k` drafts and the token before them, after
-    `activate_past_recording(recurrent_states_to_keep=k)` or the crop of the previous one. By formula, for a model in
-    `dtype` (rotary positions in `rope_streams` streams: 3 for a multimodal model's); one entry per layer.
-
-    A linear-attention layer keeps a checkpoint (its float32 recurrent state and convolution window) and, per token,
-    the rule's inputs (query, key, value, log decay, beta) and the convolution input (plus the PLE token and
-    convolution histories on a PLE layer). An IndexPool layer with its own indexer and r > 1 keeps, per token, the
-    raw indexer key, gate logits and positions, and the open window at the checkpoint; its keys and values are stored
-    by position anyway, so a crop only lowers the lengths."""
+    """Bytes each layer's recording holds (its `memory_footprint()["rollback"]`) after one recorded forward of
+    `recorded_tokens` tokens over a cache that holds earlier ones: a verify forward of `k` drafts and the token before
+    them, after `activate_past_recording(recurrent_states_to_keep=k)` or the crop of the previous one. By formula, for a
+    model in `dtype` (rotary positions in `rope_streams` streams: 3 for a multimodal model's); one entry per layer.
+    What each layer type records is described by `LinearAttentionLayerCache` and `IndexPoolLayerCache._record` (an
+    IndexPool layer's keys and values are stored by position anyway: a crop only lowers its lengths)."""
     element = torch.empty((), dtype=dtype).element_size()
     tokens, float32, int64, mask = recorded_tokens, 4, 8, 1
     kimi = config.linear_attention_type == "kimi_delta"
@@ -86,20 +61,19 @@ def recording_bytes(config, recorded_tokens: int, dtype: torch.dtype = torch.bfl
     return sizes
 
 
-
 class HybridIndexPoolCache(Cache):
     """Cache of a [`HybridIndexPoolModel`]: one `LinearAttentionLayerCache` or `IndexPoolLayerCache` per decoder layer,
     then one `IndexPoolLayerCache` per MTP layer (`mtp_layers`, filled when a prompt's forward runs the MTP layers and
     by MTP drafting, which crops them itself: the cache's own `crop` and past recording concern the decoder layers).
+    An IndexPool layer stores each row **by position**: its real tokens (attention mask 1) in order, so padding costs
+    nothing. A decode step uses fixed shapes and no host synchronisation, so with `max_cache_len` a compiled step is
+    reused at every length (`is_compileable`).
 
     Args:
         config: the model's (text) config.
         max_cache_len: the most tokens (attention-mask columns, padding included) the cache will see. When given,
-            the IndexPool storage is reserved once for that, never grows, and the cache is compileable; `generate()`
-            passes prompt + new tokens. Without it the storage grows in bounded steps.
-
-    Built by `generate()` and by `forward(use_cache=True)`; supports beam-search reordering,
-    `batch_repeat_interleave`, `batch_select_indices`, `reset`, and `crop(-n)` where the layers allow it.
+            the IndexPool storage is reserved once for that (when first written), never grows, and the cache is
+            compileable; `generate()` passes prompt + new tokens. Without it the storage grows in bounded steps.
     """
 
     def __init__(self, config, max_cache_len: int | None = None):
@@ -173,19 +147,15 @@ class HybridIndexPoolCache(Cache):
         self.max_cache_len = max(self.max_cache_len or 0, max_cache_len)
         for layer in self.index_layers:
             layer.max_cache_len = self.max_cache_len
-            layer.reserve(max(to_come, 0))
+            layer._reserve(max(to_come, 0))
 
     def extend_to(self, num_tokens: int) -> None:
-        """Count every row of every IndexPool layer as holding `num_tokens` tokens, with no padding (see
-        `IndexPoolLayerCache.extend_to`; the linear-attention states are whatever they hold)."""
+        """Count every row of every IndexPool layer as holding `num_tokens` tokens, with no padding: what the storage
+        holds up to there becomes its content (for benchmarks that write synthetic keys into the storage to time a
+        decode step at a long context without prefilling it; the linear-attention states are whatever they hold)."""
         for layer in self.index_layers:
-            layer.extend_to(num_tokens)
+            layer._extend_to(num_tokens)
         self.seen_tokens.fill_(num_tokens)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Attention-mask columns seen so far (padding included), the same for every decoder layer; an MTP layer's
-        entries for `layer_idx` of one."""
-        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length)
@@ -209,26 +179,27 @@ class HybridIndexPoolCache(Cache):
         for layer in self.layers:
             layer.seen_tokens = None
 
-    def _map_rope_deltas(self, fn) -> None:
+    def _map_batch(self, fn) -> None:
+        """Apply `fn` to every batch-first tensor the cache holds (each layer's and the rotary offsets)."""
+        for layer in self.layers:
+            layer._map_batch(fn)
         if self.rope_deltas is not None:
             self.rope_deltas = fn(self.rope_deltas)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._map_rope_deltas(lambda deltas: deltas.index_select(0, beam_idx.to(deltas.device)))
+        """Reorder the batch for beam search, in place (the storage keeps its address)."""
+        self._map_batch(lambda t: t.copy_(t.index_select(0, beam_idx.to(t.device))))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._map_rope_deltas(lambda deltas: deltas.repeat_interleave(repeats, dim=0))
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._map_rope_deltas(lambda deltas: deltas[indices.to(deltas.device)])
+        self._map_batch(lambda t: t[indices.to(t.device)])
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
-        """Record, from the next forward on, what `crop(-n)` needs, in every decoder layer (see
-        `LinearAttentionLayerCache` and `IndexPoolLayerCache`); a long forward records its last
-        `recurrent_states_to_keep + 1` tokens."""
+        """Record, from the next forward on, what `crop(-n)` needs to remove the last `n` tokens, in every decoder
+        layer, for `n` up to `recurrent_states_to_keep + 1` (any `n` when None) or the tokens fed since the last crop,
+        if more (a long forward records only its last `recurrent_states_to_keep + 1` tokens)."""
         for layer in self.decoder_layers:
             layer.activate_past_recording(recurrent_states_to_keep)
 
@@ -247,14 +218,10 @@ class HybridIndexPoolCache(Cache):
             layer._drop_recording()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`).
-
-        Every layer is checked before any changes. After `activate_past_recording(recurrent_states_to_keep=k)` every
-        layer type rolls back the tokens recorded since the last crop (a long forward records its last `k + 1`), as
-        if they had never been fed; a crop then forgets the recording (the linear-attention layers replay the kept
-        tokens' recorded inputs at their next forward). Without a recording a linear-attention layer cannot roll back,
-        and an IndexPool layer can cut only inside its open window or on a window boundary.
-        """
+        """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`), after checking
+        every layer. After `activate_past_recording` every layer rolls back the tokens recorded since the last crop, as
+        if never fed, and forgets the recording; without one a linear-attention layer cannot roll back and an IndexPool
+        layer cuts only inside its open window or on a window boundary."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number, crop(-n), to remove the last n tokens (the "
@@ -264,7 +231,7 @@ class HybridIndexPoolCache(Cache):
         if count > self.get_seq_length():
             raise ValueError(f"Cannot crop {count} tokens from a cache of {self.get_seq_length()}.")
         for layer in self.decoder_layers:
-            layer.check_crop(count)
+            layer._check_crop(count)
         for layer in self.decoder_layers:
             layer.crop(count)
         if count:
@@ -274,36 +241,33 @@ class HybridIndexPoolCache(Cache):
         """Bytes per component, summed over layers: in use under each component's name, reserved under
         `<name>_reserved`; `total` and `reserved` sum them; `unpooled_index_keys` is what an r = 1 indexer would
         hold for the same tokens. `reserved` counts every tensor the cache holds (the MTP layers' under `mtp_*`)."""
-        used: dict[str, int] = {}
-        reserved: dict[str, int] = {}
+        used, reserved = {}, {}
         for index, layer in enumerate(self.layers):
             for name, (in_use, held) in layer.memory_footprint().items():
                 name = name if index < self.num_decoder_layers else f"mtp_{name}"
                 used[name] = used.get(name, 0) + in_use
                 reserved[name] = reserved.get(name, 0) + held
-        counters = _bytes(self.seen_tokens) + _bytes(self.rope_deltas)
-        used["bookkeeping"] = used.get("bookkeeping", 0) + counters
-        reserved["bookkeeping"] = reserved.get("bookkeeping", 0) + counters
-        footprint = dict(used)
-        footprint.update({f"{name}_reserved": size for name, size in reserved.items()})
-        footprint["total"] = sum(used.values())
-        footprint["reserved"] = sum(reserved.values())
-        footprint["unpooled_index_keys"] = sum(layer.unpooled_index_bytes() for layer in self.index_layers)
+        for sizes in (used, reserved):
+            sizes["bookkeeping"] = sizes.get("bookkeeping", 0) + _bytes(self.seen_tokens, self.rope_deltas)
+        footprint = {**used, **{f"{name}_reserved": size for name, size in reserved.items()}}
+        footprint["total"], footprint["reserved"] = sum(used.values()), sum(reserved.values())
+        footprint["unpooled_index_keys"] = sum(  # a pooled key's bytes for every token
+            int(layer.lengths.sum()) * layer.pooled_storage.shape[-1] * layer.pooled_storage.element_size()
+            for layer in self.index_layers if layer.pooled_storage is not None)
         return footprint
 
     # The rest of transformers' `Cache` protocol, on this cache's layers.
 
     def _linear_layer(self, layer_idx: int | None, method: str) -> LinearAttentionLayerCache:
-        if layer_idx is None:  # transformers' convention: the last linear-attention layer
-            layer_idx = max((i for i, linear in enumerate(self.is_linear) if linear), default=0)
-        layer = self.layers[layer_idx]
-        if not isinstance(layer, LinearAttentionLayerCache):
+        linear = [i for i, is_linear in enumerate(self.is_linear) if is_linear]
+        layer_idx = max(linear, default=0) if layer_idx is None else layer_idx  # transformers': the last one
+        if not isinstance(self.layers[layer_idx], LinearAttentionLayerCache):
             raise ValueError(
                 f"{method}: layer {layer_idx} is an IndexPool layer; conv and recurrent states belong to the "
-                f"linear-attention layers {[i for i, linear in enumerate(self.is_linear) if linear]} (its own keys, "
-                f"values and pooled keys are cache.layers[{layer_idx}].keys / .values / .pooled_storage)."
+                f"linear-attention layers {linear} (its own keys, values and pooled keys are "
+                f"cache.layers[{layer_idx}].keys / .values / .pooled_storage)."
             )
-        return layer
+        return self.layers[layer_idx]
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self._linear_layer(layer_idx, "get_conv_state").conv_state
@@ -324,38 +288,36 @@ class HybridIndexPoolCache(Cache):
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self._linear_layer(layer_idx, "has_previous_state").recurrent_state is not None
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        raise ValueError(
-            "HybridIndexPoolCache.update: an IndexPool layer stores its keys and values together with its pooled "
-            "indexer keys, by position: use cache.layers[layer_idx].place_windows(...) then .update(...) (the "
-            "model's IndexPool attention does), or run the model's forward with this cache."
-        )
 
-    def update_indexer(self, indexer_key_states, layer_idx: int):
-        raise ValueError(
-            "HybridIndexPoolCache keeps pooled indexer keys (one per window of index_pool_size tokens), written with "
-            "the layer's keys by cache.layers[layer_idx].update(..., windows, pooled_keys); read them from "
-            "cache.layers[layer_idx].pooled_storage."
-        )
+def _refusal(name: str, error: type[Exception], advice: str):
+    def refuse(self, *args, **kwargs):
+        raise error(f"HybridIndexPoolCache.{name}: {advice}")
 
-    def increase_count(self, layer_idx: int, state_idx: int):
-        raise ValueError(
-            "HybridIndexPoolCache counts its tokens itself (cache.positions(token_is_real), called by the model once "
-            "per forward); to count synthetic content use cache.extend_to(num_tokens)."
-        )
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = f"Not supported by this cache: raises {error.__name__} saying what to use instead."
+    return refuse
 
-    def offload(self, layer_idx: int, only_non_sliding: bool = True):
-        self.layers[layer_idx].offload()
 
-    def prefetch(self, layer_idx: int, only_non_sliding: bool = True):
-        self.layers[layer_idx].prefetch()
-
-    def early_initialization(self, *args, **kwargs):
-        raise ValueError(
-            "HybridIndexPoolCache allocates each layer when it is first written, for max_cache_len tokens: build it "
-            "with HybridIndexPoolCache(config, max_cache_len=N) and run the prompt's forward (for torch.export, export "
-            "the decode step after that forward, see docs/model.md)."
-        )
+# transformers' `Cache` methods this cache refuses, and what to use instead. Each becomes a method that raises.
+_REFUSED = {
+    "update": (ValueError, "an IndexPool layer stores its keys and values together with its pooled indexer keys, by "
+               "position: use cache.layers[layer_idx].place_windows(...) then .update(...) (the model's IndexPool "
+               "attention does), or run the model's forward with this cache."),
+    "update_indexer": (ValueError, "this cache keeps pooled indexer keys (one per window of index_pool_size tokens), "
+                       "written with the layer's keys by cache.layers[layer_idx].update(..., windows, pooled_keys); "
+                       "read them from cache.layers[layer_idx].pooled_storage."),
+    "increase_count": (ValueError, "this cache counts its tokens itself (cache.positions(token_is_real), called by "
+                       "the model once per forward); to count synthetic content use cache.extend_to(num_tokens)."),
+    "early_initialization": (ValueError, "this cache allocates each layer when it is first written, for "
+                             "max_cache_len tokens: build it with HybridIndexPoolCache(config, max_cache_len=N) and "
+                             "run the prompt's forward (for torch.export, export the decode step after that forward, "
+                             "see docs/model.md)."),
+    **dict.fromkeys(("offload", "prefetch"), (
+        NotImplementedError, "this cache keeps its layers on their device (its storage is reserved once, by "
+        "position); to hold less, use index_key_cache_dtype='float8_e4m3fn' or a smaller max_cache_len.")),
+}
+for _name, (_error, _advice) in _REFUSED.items():
+    setattr(HybridIndexPoolCache, _name, _refusal(_name, _error, _advice))
 
 
 __all__ = ["HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache", "WindowPlacement",

@@ -263,8 +263,8 @@ def indexer_step(model, cache, args) -> dict:
         for layer in layers:
             pooled = layer.pooled_storage
             # Packed fp8 keys take float queries (rotated inside).
-            pooled_index_topk(query if is_packed(pooled) else query.to(pooled.dtype), pooled, layer.num_pooled[:, None],
-                              topk, head_weights)
+            pooled_index_topk(query if is_packed(pooled) else query.to(pooled.dtype), pooled,
+                              (layer.lengths // layer.pool_size)[:, None], topk, head_weights)
 
     samples = []
     for _ in range(args.repeats):

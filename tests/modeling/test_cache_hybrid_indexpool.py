@@ -34,8 +34,7 @@ def test_prefill_then_decode_equals_one_full_forward(pool_size, chunk_sizes):
     torch.testing.assert_close(incremental, full, atol=1e-4, rtol=0)
     assert cache.get_seq_length() == input_ids.shape[1]
     layer = next(layer for layer in cache.layers if isinstance(layer, IndexPoolLayerCache))
-    assert layer.num_pooled.tolist() == [input_ids.shape[1] // pool_size] * 2
-    assert layer.num_open.tolist() == [input_ids.shape[1] % pool_size] * 2
+    assert layer.lengths.tolist() == [input_ids.shape[1]] * 2 and layer.pool_size == pool_size
 
 
 @pytest.mark.parametrize("weighting", ["learned_scalar", "prenorm_mean"])
@@ -303,7 +302,7 @@ def test_the_cache_only_stores_what_the_indexer_pooled_for_the_windows_it_report
     marked = torch.arange(windows.keys.shape[1], dtype=torch.float)[None, :, None].expand(2, -1, 6) + 1
     _, _, pooled = layer.update(keys, keys, token_is_real, windows, marked)
     assert pooled[0, :2, 0].tolist() == [1.0, 2.0] and pooled[1, :1, 0].tolist() == [1.0]
-    assert layer.num_pooled.tolist() == [2, 1] and layer.num_open.tolist() == [2, 3]
+    assert layer.lengths.tolist() == [2 * 4 + 2, 1 * 4 + 3]  # 2 and 1 windows pooled, 2 and 3 tokens open
     # A decode step gives one window per row: only the row whose window it completes is written.
     step_real = torch.ones(2, 1, dtype=torch.bool)
     step = layer.place_windows(raw_index_keys[:, :1], None, step_real, torch.tensor([[[10], [7]]]))
@@ -426,7 +425,7 @@ def test_recording_bytes_gives_what_each_layer_records_for_a_verify_forward(vari
             model(torch.randint(3, 97, (2, 13)), cache=cache, use_cache=True)
             cache.activate_past_recording(recurrent_states_to_keep=tokens - 1)
             model(torch.randint(3, 97, (2, tokens)), cache=cache, use_cache=True)
-        recorded = [layer.rollback_bytes() for layer in cache.layers]
+        recorded = [layer.memory_footprint()["rollback"][0] for layer in cache.layers]
         assert recorded == recording_bytes(model.config, tokens, dtype, batch_size=2)
         assert cache.memory_footprint()["rollback"] == sum(recorded) > 0
 

@@ -26,12 +26,13 @@ def assert_same_cache(first: HybridIndexPoolCache, second: HybridIndexPoolCache)
             torch.testing.assert_close(a.recurrent_state, b.recurrent_state, atol=1e-4, rtol=1e-4)
         else:
             assert isinstance(a, IndexPoolLayerCache)
-            assert torch.equal(a.num_pooled, b.num_pooled) and torch.equal(a.num_open, b.num_open)
+            assert torch.equal(a.lengths, b.lengths)
             torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
             torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
-            for row, (pooled, open_count) in enumerate(zip(a.num_pooled.tolist(), a.num_open.tolist())):
+            pooled_counts, open_counts = (a.lengths // a.pool_size).tolist(), (a.lengths % a.pool_size).tolist()
+            for row, (pooled, open_count) in enumerate(zip(pooled_counts, open_counts)):
                 # Only each row's own windows and open tokens are state; the rest of the storage is never read.
-                torch.testing.assert_close(a.pooled_index_keys[row, :pooled], b.pooled_index_keys[row, :pooled],
+                torch.testing.assert_close(a.pooled_storage[row, :pooled], b.pooled_storage[row, :pooled],
                                            atol=1e-5, rtol=0)
                 for name in ("open_index_keys", "open_gate_logits"):
                     torch.testing.assert_close(getattr(a, name)[row, :open_count], getattr(b, name)[row, :open_count],
