@@ -40,32 +40,23 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *key_c
     }
 }
 
-/* Sixteen float32 lanes: one AVX-512 register where the CPU has them (two AVX ones elsewhere). */
-typedef float wide __attribute__((vector_size(64)));
-typedef uint32_t wide_words __attribute__((vector_size(64)));
+/* Rows are read in chunks of 16 elements, two vectors of 8 lanes (16 AVX-512 lanes measured 5-13% slower: Zen 4
+   splits them in two), a head dimension's whole chunks, then its tail one element at a time. */
+#define CHUNK 16
 
-/* Rows are read in chunks of 32 elements: a head dimension's whole chunks, then its tail one element at a time. */
-#define CHUNK 32
-
-static inline wide load_wide(const float *p) {
-    wide v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* Elements d .. d + 31 of a cache row as two vectors of 16 float32 lanes, in the chunk order of its storage: float32
-   rows as they are (d .. d + 15, then d + 16 .. d + 31); bfloat16 rows widened in registers, the even elements then
-   the odd ones (each 32-bit word of the row holds an even element in its low half and the next odd one in its high
-   half, so one shift or one mask widens 16 of them). The queries are laid out in that order (`to_chunk_order`) and
-   the weighted sums of values come out in it (`from_chunk_order`): no widened copy of a row is ever written. */
-static inline __attribute__((always_inline)) void row_chunk(const void *row, int cache_kind, int64_t d, wide *first,
-                                                            wide *second) {
+/* Elements d .. d + 15 of a cache row as two vectors of 8 float32 lanes, in the chunk order of its storage: float32
+   rows as they are (d .. d + 7, then d + 8 .. d + 15); bfloat16 rows widened in registers, the even elements then the
+   odd ones (each 32-bit word of the row holds an even element in its low half and the next odd one in its high half,
+   so one shift or one mask widens 8 of them). The queries are laid out in that order (`to_chunk_order`) and the
+   weighted sums of values come out in it (`from_chunk_order`): no widened copy of a row is ever written. */
+static inline __attribute__((always_inline)) void row_chunk(const void *row, int cache_kind, int64_t d, lanes *first,
+                                                            lanes *second) {
     if (cache_kind == CACHE_FLOAT32) {
-        *first = load_wide((const float *)row + d);
-        *second = load_wide((const float *)row + d + 16);
+        *first = load_lanes((const float *)row + d);
+        *second = load_lanes((const float *)row + d + 8);
         return;
     }
-    wide_words pairs, even, odd;
+    words pairs, even, odd;
     memcpy(&pairs, (const uint16_t *)row + d, sizeof pairs);
     even = pairs << 16;
     odd = pairs & 0xFFFF0000u;
@@ -95,30 +86,22 @@ static void from_chunk_order(const float *ordered, float *natural, int64_t dim, 
             natural[d + 2 * i] = ordered[d + i] * factor, natural[d + 2 * i + 1] = ordered[d + CHUNK / 2 + i] * factor;
 }
 
-/* The lanes of a vector of 16 folded into 8: its halves added. */
-static inline lanes fold(wide v) {
-    lanes low, high;
-    memcpy(&low, &v, sizeof low);
-    memcpy(&high, (const char *)&v + sizeof low, sizeof high);
-    return low + high;
-}
-
 /* products[j] = query row j . key row for 4 query rows (row stride dim, chunk order), the key row of storage
    `cache_kind` (a constant once inlined) widened in registers: each key vector is loaded once for the 4 rows. */
 static inline __attribute__((always_inline)) void row_products_4(const float *query, const void *key, int cache_kind,
                                                                  int64_t dim, float *products) {
-    wide a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     const float *q0 = query, *q1 = query + dim, *q2 = query + 2 * dim, *q3 = query + 3 * dim;
     int64_t d = 0;
     for (; d + CHUNK <= dim; d += CHUNK) {
-        wide x, y;
+        lanes x, y;
         row_chunk(key, cache_kind, d, &x, &y);
-        a0 += load_wide(q0 + d) * x; b0 += load_wide(q0 + d + 16) * y;
-        a1 += load_wide(q1 + d) * x; b1 += load_wide(q1 + d + 16) * y;
-        a2 += load_wide(q2 + d) * x; b2 += load_wide(q2 + d + 16) * y;
-        a3 += load_wide(q3 + d) * x; b3 += load_wide(q3 + d + 16) * y;
+        a0 += load_lanes(q0 + d) * x; b0 += load_lanes(q0 + d + 8) * y;
+        a1 += load_lanes(q1 + d) * x; b1 += load_lanes(q1 + d + 8) * y;
+        a2 += load_lanes(q2 + d) * x; b2 += load_lanes(q2 + d + 8) * y;
+        a3 += load_lanes(q3 + d) * x; b3 += load_lanes(q3 + d + 8) * y;
     }
-    lanes sums = lane_sums_4(fold(a0 + b0), fold(a1 + b1), fold(a2 + b2), fold(a3 + b3));
+    lanes sums = lane_sums_4(a0 + b0, a1 + b1, a2 + b2, a3 + b3);
     float p[4] = {sums[0], sums[1], sums[2], sums[3]};
     for (; d < dim; ++d) {
         float k = row_element(key, cache_kind, d);
@@ -128,7 +111,7 @@ static inline __attribute__((always_inline)) void row_products_4(const float *qu
 }
 
 /* sums (4 rows of dim, chunk order) += the `count` value rows `values` weighted by each sum row's weights
-   (`weights[j * CHUNK_ROWS + s]` for sum row j and value row s): a chunk of 32 elements of the 4 sum rows stays in
+   (`weights[j * CHUNK_ROWS + s]` for sum row j and value row s): a chunk of 16 elements of the 4 sum rows stays in
    registers over the value rows. */
 static inline __attribute__((always_inline)) void add_weighted_values_4(float *sums, const float *weights,
                                                                         const void *const *values, int64_t count,
@@ -136,10 +119,10 @@ static inline __attribute__((always_inline)) void add_weighted_values_4(float *s
     int64_t d = 0;
     for (; d + CHUNK <= dim; d += CHUNK) {
         float *s0 = sums + d, *s1 = s0 + dim, *s2 = s1 + dim, *s3 = s2 + dim;
-        wide a0 = load_wide(s0), a1 = load_wide(s1), a2 = load_wide(s2), a3 = load_wide(s3);
-        wide b0 = load_wide(s0 + 16), b1 = load_wide(s1 + 16), b2 = load_wide(s2 + 16), b3 = load_wide(s3 + 16);
+        lanes a0 = load_lanes(s0), a1 = load_lanes(s1), a2 = load_lanes(s2), a3 = load_lanes(s3);
+        lanes b0 = load_lanes(s0 + 8), b1 = load_lanes(s1 + 8), b2 = load_lanes(s2 + 8), b3 = load_lanes(s3 + 8);
         for (int64_t s = 0; s < count; ++s) {
-            wide x, y;
+            lanes x, y;
             row_chunk(values[s], cache_kind, d, &x, &y);
             float w0 = weights[s], w1 = weights[CHUNK_ROWS + s], w2 = weights[2 * CHUNK_ROWS + s],
                   w3 = weights[3 * CHUNK_ROWS + s];
@@ -148,10 +131,10 @@ static inline __attribute__((always_inline)) void add_weighted_values_4(float *s
             a2 += w2 * x; b2 += w2 * y;
             a3 += w3 * x; b3 += w3 * y;
         }
-        memcpy(s0, &a0, sizeof a0); memcpy(s0 + 16, &b0, sizeof b0);
-        memcpy(s1, &a1, sizeof a1); memcpy(s1 + 16, &b1, sizeof b1);
-        memcpy(s2, &a2, sizeof a2); memcpy(s2 + 16, &b2, sizeof b2);
-        memcpy(s3, &a3, sizeof a3); memcpy(s3 + 16, &b3, sizeof b3);
+        memcpy(s0, &a0, sizeof a0); memcpy(s0 + 8, &b0, sizeof b0);
+        memcpy(s1, &a1, sizeof a1); memcpy(s1 + 8, &b1, sizeof b1);
+        memcpy(s2, &a2, sizeof a2); memcpy(s2 + 8, &b2, sizeof b2);
+        memcpy(s3, &a3, sizeof a3); memcpy(s3 + 8, &b3, sizeof b3);
     }
     for (; d < dim; ++d)
         for (int64_t s = 0; s < count; ++s) {
@@ -302,7 +285,7 @@ int paged_window_attention(const float *query, const void *key_cache, const void
                     total[g] += ((head_total[0] + head_total[4]) + (head_total[1] + head_total[5]))
                                 + ((head_total[2] + head_total[6]) + (head_total[3] + head_total[7]));
                 }
-                /* Values: a chunk of 32 elements of 4 heads' sums stays in registers over the chunk's rows. */
+                /* Values: a chunk of 16 elements of 4 heads' sums stays in registers over the chunk's rows. */
                 for (int64_t g = 0; g < padded; g += 4) {
                     if (cache_kind == CACHE_FLOAT32)
                         add_weighted_values_4(sums + g * dim, scores + g * CHUNK_ROWS, value_rows, chunk,

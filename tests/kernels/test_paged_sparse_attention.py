@@ -350,7 +350,7 @@ def test_kernel_matches_reference(dtype, pool_size, block_size, group):
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_chunks_and_a_tail_of_the_head_dimension(dtype):
-    """A head dimension of two whole chunks of 32 (read as vectors, bfloat16 pairs split into even and odd elements
+    """A head dimension of four whole chunks of 16 (read as vectors, bfloat16 pairs split into even and odd elements
     and put back in order) and a tail of 8 (one by one), groups of 3 and 8 query heads (a padded quad, two quads)."""
     for group in (3, 8):
         step = paged_step(**STEP, kv_heads=2, group=group, head_dim=72, pool_size=4, block_size=16, topk=6,
