@@ -310,6 +310,7 @@ def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int =
     from hybrid_indexpool.benchmarking import copy_bandwidth
     from hybrid_indexpool.kernels import sparse_attention
     from hybrid_indexpool.kernels.cpu_build import ENABLE_VARIABLE
+    from hybrid_indexpool.serving.huge_pages import anon_huge_page_bytes, transparent_huge_page_mode
     from hybrid_indexpool.serving.paged_step import select_windows
     from hybrid_indexpool.serving.synthetic_step import synthetic_step
 
@@ -368,7 +369,14 @@ def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int =
         index_bytes = requests * (context // sizes.pool_size) * step.caches.pooled_keys.shape[-1] * \
             step.caches.pooled_keys.element_size()
         row = {"context": context, "requests": requests, **{f"{name}_ms": ms for name, ms in times.items()},
-               "attention_bytes": attention_bytes, "index_bytes": index_bytes}
+               "attention_bytes": attention_bytes, "index_bytes": index_bytes,
+               # The caches in transparent huge pages, as the plugin advises vLLM's (`serving/huge_pages.py`): the
+               # AnonHugePages of their mappings in /proc/self/smaps, and why the advice was declined where it was.
+               "cache_bytes": {kind: getattr(step.caches, kind).nbytes for kind in ("main", "pooled_keys")},
+               "cache_huge_page_bytes": {kind: anon_huge_page_bytes(getattr(step.caches, kind))
+                                         for kind in ("main", "pooled_keys")},
+               "huge_pages_declined": {kind: advice.reason for kind, advice in step.huge_pages.items()
+                                       if advice.reason}}
         for suffix, rate in (("", bandwidth), ("_cpu", bandwidth_cpu)):
             bytes_ms = {"attention": 1e3 * attention_bytes / rate, "selection": 1e3 * index_bytes / rate,
                         "step": 1e3 * (attention_bytes + index_bytes) / rate}
@@ -379,7 +387,8 @@ def decode_step_timing(sizes, requests: int, contexts: list[int], repeats: int =
                     row[f"{part}_{path}{suffix}_over_bytes"] = row[f"{part}_{path}{suffix}_ms"] / bytes_ms[part]
         rows.append(row)
     return {"copy_bandwidth": bandwidth, "copy_bandwidth_cpu": bandwidth_cpu, "threads": torch.get_num_threads(),
-            "load_average_1min_after": os.getloadavg()[0], "rows": rows}
+            "transparent_huge_pages": transparent_huge_page_mode(), "load_average_1min_after": os.getloadavg()[0],
+            "rows": rows}
 
 
 def print_decode_step_timing(timing: dict) -> None:
@@ -399,6 +408,12 @@ def print_decode_step_timing(timing: dict) -> None:
             megabytes, bytes_ms = (row["attention_bytes"] + row["index_bytes"]) / 1e6, row["step_bytes_ms" + suffix]
             print(f"| {row['context']} | {row['requests']} | {megabytes:.1f} | {bytes_ms:.2f} ms | "
                   + " | ".join(cells) + " |")
+    for row in timing["rows"]:
+        held = ", ".join(f"{kind} {row['cache_huge_page_bytes'][kind] / 2**20:.0f} of {size / 2**20:.0f} MiB"
+                         for kind, size in row["cache_bytes"].items())
+        declined = "".join(f"; {kind} declined: {reason}" for kind, reason in row["huge_pages_declined"].items())
+        print(f"{row['context']} tokens: caches in transparent huge pages (THP {timing['transparent_huge_pages']!r}; "
+              f"AnonHugePages of their mappings): {held}{declined}")
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:

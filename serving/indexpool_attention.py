@@ -44,6 +44,7 @@ from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheLayout, KVCach
 
 from ..kernels.pooled_key_write import neox_rotary
 from ..kernels.sparse_attention import paged_attention_reads_request_tiles
+from .huge_pages import HugePageAdvice, advise_huge_pages
 from .memory import main_kv_spec, open_window_spec, pooled_key_spec
 from .paged_step import (
     IndexPoolStepSettings,
@@ -140,6 +141,13 @@ class PooledKeyCache(QSACompressedKeyCache):
     `kv_cache [blocks, block_size // r, 1, width]` (`head_dim` in the model's dtype, or `head_dim + 4` bytes of a
     packed fp8 key)."""
 
+    huge_pages: HugePageAdvice | None = None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """vLLM's binding, then the cache's memory advised into huge pages (`IndexPoolKVCache.bind_kv_cache`)."""
+        super().bind_kv_cache(kv_cache)
+        self.huge_pages = advise_huge_pages(kv_cache)
+
     def get_attn_backend(self) -> type[AttentionBackend]:
         return IndexPoolStateBackend
 
@@ -166,13 +174,22 @@ class OpenWindowCache(QSARawKeyCache):
 
 class IndexPoolKVCache(nn.Module, AttentionLayerBase):
     """Owner of one IndexPool layer's paged main keys/values: `kv_cache [blocks, kv_heads, block_size, 2 * head_dim]`
-    (key, then value, per slot)."""
+    (key, then value, per slot). `huge_pages`: what the system granted when the cache was bound."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         self.num_kv_heads, self.head_dim, self.dtype, self.prefix = num_kv_heads, head_dim, dtype, prefix
         self.kv_cache = torch.tensor([])
+        self.huge_pages: HugePageAdvice | None = None
         register_step_layer(vllm_config, prefix, self)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """vLLM's binding, then the memory under the cache advised into transparent huge pages (on a CPU: vLLM's
+        CPU worker fills its caches in 4 KiB pages, and the step reads each selected window in another one;
+        `huge_pages.advise_huge_pages`, best effort). The advice covers the cache's whole storage, which vLLM shares
+        between all layers: the first binding moves it into huge pages, the others find it there."""
+        super().bind_kv_cache(kv_cache)
+        self.huge_pages = advise_huge_pages(kv_cache)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return IndexPoolAttentionBackend

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..kernels.fp8_index_keys import quantize_pooled_keys
+from .huge_pages import advise_huge_pages
 from .paged_step import (
     IndexPoolStepSettings,
     PagedCacheMetadata,
@@ -49,6 +50,7 @@ class SyntheticStep:
     caches: PagedCaches
     metadata: dict  # cache kind -> PagedCacheMetadata
     settings: IndexPoolStepSettings
+    huge_pages: dict  # cache kind -> HugePageAdvice (empty without `huge_pages`)
 
     def run(self) -> torch.Tensor:
         return indexpool_step(**self.inputs, caches=self.caches, main=self.metadata["main"],
@@ -70,20 +72,33 @@ def neox_cos_sin_cache(max_positions: int, rotary_dim: int, device, base: float 
 
 def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes = StepSizes(), *,
                    dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0, padding: int = 0,
-                   full_graphs: bool = False, max_model_len: int | None = None) -> SyntheticStep:
+                   full_graphs: bool = False, max_model_len: int | None = None,
+                   huge_pages: bool = True) -> SyntheticStep:
     """A step in which request `i` has `contexts[i]` tokens cached and `new_tokens[i]` scheduled, `padding` tokens
     of no request after them, built for an engine of `max_model_len` tokens (default: the longest request).
     `full_graphs`: full CUDA graphs replay uniform decode batches (their window bound is then every window a request
-    may reach, `max_model_len / r`), as vLLM's builder sets it in a graph mode with full graphs."""
+    may reach, `max_model_len / r`), as vLLM's builder sets it in a graph mode with full graphs. `huge_pages`: the
+    main and pooled-key caches are advised into transparent huge pages before they are filled and collapsed into them
+    after, as the plugin advises vLLM's (`huge_pages.advise_huge_pages`; best effort, what was granted is in
+    `SyntheticStep.huge_pages`)."""
     device = torch.device(device)
     # Drawn on the device itself: the caches of long contexts are gigabytes.
     generator = torch.Generator(device=device).manual_seed(seed)
     host_generator = torch.Generator().manual_seed(seed)
     r, block_size = sizes.pool_size, sizes.block_size
 
-    def random(*shape, scale=1.0):
+    def cache(*shape, dtype=dtype) -> torch.Tensor:
+        # Advised before it is filled, so that its pages come in huge pages (memory the allocator had already used
+        # keeps its 4 KiB pages until the collapse after the fill).
+        tensor = torch.empty(*shape, dtype=dtype, device=device)
+        if huge_pages:
+            advise_huge_pages(tensor, collapse=False)
+        return tensor
+
+    def random(*shape, scale=1.0, into=None):
         # Drawn in place in `dtype`: no float32 copy of a cache of gigabytes on the way.
-        return torch.empty(*shape, dtype=dtype, device=device).normal_(0.0, scale, generator=generator)
+        into = torch.empty(*shape, dtype=dtype, device=device) if into is None else into
+        return into.normal_(0.0, scale, generator=generator)
 
     lengths = [context + count for context, count in zip(contexts, new_tokens)]
     blocks_per_request = [-(-length // block_size) for length in lengths]
@@ -102,19 +117,20 @@ def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes 
     width, pooled_dtype = pooled_key_width(sizes.index_head_dim, "float8_e4m3fn" if sizes.fp8_index_keys else "auto")
     pooled_shape = (num_blocks, block_size // r, 1, sizes.index_head_dim)
     if pooled_dtype is None:
-        pooled_keys = random(*pooled_shape)
+        pooled_keys = random(into=cache(*pooled_shape))
     else:  # quantized from float32 rows, a block at a time: the float32 copy of the whole cache is never held
-        pooled_keys = torch.empty(*pooled_shape[:-1], width, dtype=pooled_dtype, device=device)
+        pooled_keys = cache(*pooled_shape[:-1], width, dtype=pooled_dtype)
         for block in range(0, num_blocks, PACKED_BLOCKS_PER_DRAW):
             rows = torch.randn(*pooled_keys[block:block + PACKED_BLOCKS_PER_DRAW].shape[:-1], sizes.index_head_dim,
                                generator=generator, device=device)
             pooled_keys[block:block + PACKED_BLOCKS_PER_DRAW] = quantize_pooled_keys(rows)
     caches = PagedCaches(
-        main=random(num_blocks, sizes.kv_heads, block_size, 2 * sizes.head_dim),
+        main=random(into=cache(num_blocks, sizes.kv_heads, block_size, 2 * sizes.head_dim)),
         pooled_keys=pooled_keys,
         open_window=random(len(contexts) + 1, r, 1, sizes.index_head_dim + gate_width),
     )
     assert caches.pooled_keys.shape[-1] == width
+    advice = {kind: advise_huge_pages(getattr(caches, kind)) for kind in ("main", "pooled_keys") if huge_pages}
 
     num_scheduled = sum(new_tokens)
     num_tokens = num_scheduled + padding
@@ -149,7 +165,7 @@ def synthetic_step(contexts: list[int], new_tokens: list[int], sizes: StepSizes 
         head_weights=torch.rand(num_tokens, sizes.index_heads, generator=generator, device=device),
         output_gate=random(num_tokens, sizes.heads, sizes.head_dim),
     )
-    return SyntheticStep(inputs, caches, metadata, settings)
+    return SyntheticStep(inputs, caches, metadata, settings, advice)
 
 
 class OperationCounter(TorchDispatchMode):

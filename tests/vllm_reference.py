@@ -149,6 +149,25 @@ def fill_caches(llm, fill: str = "nan", seed: int = 0) -> int:
     return sum(llm.apply_model(functools.partial(_fill_model_caches, fill=fill, seed=seed)))
 
 
+def huge_page_reports(llm) -> list[dict]:
+    """Per worker: the system's THP mode, each IndexPool main and pooled-key cache owner's `huge_pages` advice (as
+    `(advised_bytes, collapsed, reason)`) and the AnonHugePages bytes of the mappings holding the caches, in the
+    engine's process (`serving/huge_pages.py`)."""
+    return llm.apply_model(_huge_page_report)
+
+
+def _huge_page_report(model) -> dict:
+    from hybrid_indexpool.serving.huge_pages import anon_huge_page_bytes, transparent_huge_page_mode
+    from hybrid_indexpool.serving.indexpool_attention import IndexPoolKVCache, PooledKeyCache
+
+    owners = [module for module in model.modules() if isinstance(module, (IndexPoolKVCache, PooledKeyCache))]
+    return {"mode": transparent_huge_page_mode(),
+            "advice": [None if owner.huge_pages is None else
+                       (owner.huge_pages.advised_bytes, owner.huge_pages.collapsed, owner.huge_pages.reason)
+                       for owner in owners],
+            "huge_page_bytes": [anon_huge_page_bytes(owner.kv_cache) for owner in owners]}
+
+
 def cache_tensor_count(checkpoint: Path) -> int:
     """The KV-cache and state tensors an engine serving `checkpoint` keeps per worker: two per Gated DeltaNet layer
     (convolution, recurrent), three per IndexPool layer (keys/values, pooled keys, open-window ring), two per PLE layer

@@ -197,8 +197,10 @@ typedef struct {
 } running_topk;
 
 static inline void offer(running_topk *best, int64_t key) {
-    if (key <= best->threshold) return;
-    best->keys[best->size++] = key;
+    /* Without a branch on the key: written in the next free place, which it keeps only when above the threshold (a
+       branch there is mispredicted for about a quarter of the keys of the blocks scored near the threshold). */
+    best->keys[best->size] = key;
+    best->size += key > best->threshold;
     if (best->size == 2 * best->capacity) {
         keep_largest(best->keys, best->size, best->capacity);
         best->size = best->capacity;

@@ -349,6 +349,18 @@ def test_kernel_matches_reference(dtype, pool_size, block_size, group):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_chunks_and_a_tail_of_the_head_dimension(dtype):
+    """A head dimension of four whole chunks of 16 (read as vectors, bfloat16 pairs split into even and odd elements
+    and put back in order) and a tail of 8 (one by one), groups of 3 and 8 query heads (a padded quad, two quads)."""
+    for group in (3, 8):
+        step = paged_step(**STEP, kv_heads=2, group=group, head_dim=72, pool_size=4, block_size=16, topk=6,
+                          seed=group, dtype=dtype)
+        expected = paged_sparse_attention_torch(*paged_args(step), 4, 0.3, step["gate"])
+        torch.testing.assert_close(kernel_output(step, 4, 0.3, step["gate"]), expected, **TOLERANCE[dtype])
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_selections_rescale_the_running_softmax(dtype):
     """Decodes selecting 40 windows (160 rows and a tail: many chunks of rows), scores spread widely (the running
     maximum grows from chunk to chunk, and rows far below it weigh nothing), head dimension 128 as served."""

@@ -64,6 +64,10 @@ def test_decode_step_timing_reports_both_paths_against_the_bytes(monkeypatch):
                 row[f"selection_{path}_ms"] / (1e3 * row["index_bytes"] / 1e10))
             assert row[f"step_{path}_cpu_over_bytes"] == pytest.approx(
                 row[f"step_{path}_cpu_ms"] / (1e3 * (row["index_bytes"] + row["attention_bytes"]) / 2e10))
+        # The tiny caches hold no whole huge page: the advice says so.
+        assert set(row["cache_bytes"]) == set(row["cache_huge_page_bytes"]) == {"main", "pooled_keys"}
+        assert set(row["huge_pages_declined"]) == {"main", "pooled_keys"}
+        assert all("no whole huge page" in reason for reason in row["huge_pages_declined"].values())
     bench_serving.print_decode_step_timing(timing)
 
 

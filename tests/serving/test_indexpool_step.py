@@ -357,3 +357,39 @@ def test_gpu_graph_settings_bound_each_step_by_its_queries():
     queries' visible windows, one row per decode; only the uniform decode batch a full graph replays keeps the
     captured bound, and the mode is read at each step (a runner that resolves it to PIECEWISE later is followed)."""
     run_in_fresh_process(__file__, "check_gpu_graph_settings_bound_each_step_by_its_queries")
+
+
+def check_binding_advises_the_caches_into_huge_pages():
+    import torch
+
+    from hybrid_indexpool.serving.huge_pages import anon_huge_page_bytes, transparent_huge_page_mode
+
+    layer, _, _ = build_layer()
+    main, pooled = layer.main_cache, layer.indexer.pooled_key_cache
+    # As vLLM's CPU worker allocates them: one zeroed int8 buffer under every cache, each a view of it, the pooled keys
+    # as `[blocks, 1, rows, width]` (vLLM's compressed-key cache binds them transposed).
+    buffer = torch.zeros(12 << 20, dtype=torch.int8)
+    main_shape, pooled_shape = main.kv_cache.shape, pooled.kv_cache.shape
+    main_view = buffer[:main.kv_cache.nbytes].view(main.kv_cache.dtype).view(main_shape)
+    pooled_view = buffer[-pooled.kv_cache.nbytes:].view(pooled.kv_cache.dtype).view(
+        pooled_shape[0], 1, pooled_shape[1], pooled_shape[3])
+    main_view.copy_(main.kv_cache)
+    saved = main_view.clone()
+    main.bind_kv_cache(main_view)
+    pooled.bind_kv_cache(pooled_view)
+    assert main.kv_cache is main_view and torch.equal(main.kv_cache, saved)
+    assert pooled.kv_cache.shape == pooled_shape and pooled.kv_cache.data_ptr() == pooled_view.data_ptr()
+    for owner in (main, pooled):
+        # The whole shared buffer, whichever view was bound.
+        assert owner.huge_pages.advised_bytes >= buffer.nbytes - (4 << 20)
+        assert owner.huge_pages.collapsed or owner.huge_pages.reason
+    # Granted where the system has THP (this machine: `madvise`, Linux 6.18).
+    if transparent_huge_page_mode() in ("always", "madvise"):
+        assert main.huge_pages.collapsed and pooled.huge_pages.collapsed, main.huge_pages.reason
+        assert anon_huge_page_bytes(buffer) >= main.huge_pages.advised_bytes
+
+
+def test_binding_advises_the_caches_into_huge_pages():
+    """vLLM binding a CPU cache to the main and pooled-key cache owners moves the buffer under it (which vLLM shares
+    between all layers) into transparent huge pages, its contents unchanged (`huge_pages.advise_huge_pages`)."""
+    run_in_fresh_process(__file__, "check_binding_advises_the_caches_into_huge_pages")

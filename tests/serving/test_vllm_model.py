@@ -1,6 +1,7 @@
 """The vLLM model of the plugin against our transformers model, on vLLM's CPU build (marker `vllm`, run in the vLLM
 environment: see the README's vLLM section). One engine serves every test of the module."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from vllm_reference import (
     cache_tensor_count,
     fill_caches,
     generate,
+    huge_page_reports,
     num_preemptions,
     random_prompts,
     score,
@@ -75,6 +77,25 @@ def test_cache_contents_left_from_other_batches_never_reach_a_token(engine, chec
         again = generate(engine, prompts, max_tokens=12)
         assert [request["output"] for request in again] == [request["output"] for request in first]
         assert [request["logprobs"] for request in again] == [request["logprobs"] for request in first]
+
+
+def test_the_caches_are_advised_into_huge_pages(engine, checkpoint):
+    """vLLM's CPU worker bound every IndexPool main and pooled-key cache through the owners' `bind_kv_cache`, which
+    advised the buffer under them (one for all layers) into transparent huge pages: granted where the system has THP
+    and the buffer holds a whole huge page, or declined with its reason."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    layers = config.get("text_config", config)["layer_types"].count("indexpool_attention")
+    for report in huge_page_reports(engine):
+        assert len(report["advice"]) == 2 * layers and None not in report["advice"]
+        # One buffer under every cache: the same advice each time (this engine's, of 2.2 MB, holds no whole huge
+        # page; `test_indexpool_step.py` binds a larger one).
+        assert len(set(report["advice"])) == 1
+        for (advised, collapsed, reason), held in zip(report["advice"], report["huge_page_bytes"]):
+            assert collapsed or reason
+            assert advised or "no whole huge page" in reason
+            if report["mode"] in ("always", "madvise") and advised:  # this machine: madvise, Linux 6.18
+                assert collapsed, reason
+                assert held >= advised
 
 
 def test_tensor_parallel_2_matches_transformers(checkpoint, tmp_path, monkeypatch):
