@@ -82,6 +82,28 @@ static inline void products_4(const float *query, const float *key, int64_t dim,
     memcpy(products, p, sizeof p);
 }
 
+/* 16 bfloat16 values as two float32 vectors without a widened copy: the even-indexed elements into `even`, the
+   odd-indexed ones into `odd` (one shift or one mask widens 8 of them). A product over the row then needs its other
+   operand in the same order. */
+static inline __attribute__((always_inline)) void load_bf16_pairs(const uint16_t *p, lanes *even, lanes *odd) {
+    words pairs, low, high;
+    memcpy(&pairs, p, sizeof pairs);
+    low = pairs << 16;
+    high = pairs & 0xFFFF0000u;
+    memcpy(even, &low, sizeof low);
+    memcpy(odd, &high, sizeof high);
+}
+
+/* A float32 row's elements of each whole chunk of 16 reordered in place as `load_bf16_pairs` widens bfloat16: even,
+   then odd (the tail past the last whole chunk stays as it is). */
+static inline void split_pairs(float *row, int64_t dim) {
+    for (int64_t d = 0; d + 16 <= dim; d += 16) {
+        float chunk[16];
+        for (int i = 0; i < 8; ++i) chunk[i] = row[d + 2 * i], chunk[8 + i] = row[d + 2 * i + 1];
+        memcpy(row + d, chunk, sizeof chunk);
+    }
+}
+
 static inline float bf16_to_float(uint16_t half) {
     uint32_t bits = (uint32_t)half << 16;
     float value;

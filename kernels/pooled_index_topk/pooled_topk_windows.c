@@ -67,24 +67,10 @@ static inline __attribute__((always_inline)) void key_chunk(const void *row, int
         *low = load_lanes((const float *)row + d);
         *high = load_lanes((const float *)row + d + 8);
     } else if (keys_kind == KEYS_BFLOAT16) {
-        words pairs, even, odd;
-        memcpy(&pairs, (const uint16_t *)row + d, sizeof pairs);
-        even = pairs << 16;
-        odd = pairs & 0xFFFF0000u;
-        memcpy(low, &even, sizeof even);
-        memcpy(high, &odd, sizeof odd);
+        load_bf16_pairs((const uint16_t *)row + d, low, high);
     } else {
         *low = load_fp8_lanes_over_256((const uint8_t *)row + d);
         *high = load_fp8_lanes_over_256((const uint8_t *)row + d + 8);
-    }
-}
-
-/* A query row's elements of each whole chunk of 16 reordered as `key_chunk` widens bfloat16 keys: even, then odd. */
-static void split_pairs(float *row, int64_t dim) {
-    for (int64_t d = 0; d + 16 <= dim; d += 16) {
-        float chunk[16];
-        for (int i = 0; i < 8; ++i) chunk[i] = row[d + 2 * i], chunk[8 + i] = row[d + 2 * i + 1];
-        memcpy(row + d, chunk, sizeof chunk);
     }
 }
 

@@ -56,12 +56,7 @@ static inline __attribute__((always_inline)) void row_chunk(const void *row, int
         *second = load_lanes((const float *)row + d + 8);
         return;
     }
-    words pairs, even, odd;
-    memcpy(&pairs, (const uint16_t *)row + d, sizeof pairs);
-    even = pairs << 16;
-    odd = pairs & 0xFFFF0000u;
-    memcpy(first, &even, sizeof even);
-    memcpy(second, &odd, sizeof odd);
+    load_bf16_pairs((const uint16_t *)row + d, first, second);
 }
 
 static inline float row_element(const void *row, int cache_kind, int64_t d) {
@@ -72,10 +67,7 @@ static inline float row_element(const void *row, int cache_kind, int64_t d) {
    even elements, then its odd ones; the tail as it is), and back times `factor`. */
 static void to_chunk_order(const float *natural, float *ordered, int64_t dim, int cache_kind) {
     memcpy(ordered, natural, dim * sizeof(float));
-    if (cache_kind == CACHE_FLOAT32) return;
-    for (int64_t d = 0; d + CHUNK <= dim; d += CHUNK)
-        for (int i = 0; i < CHUNK / 2; ++i)
-            ordered[d + i] = natural[d + 2 * i], ordered[d + CHUNK / 2 + i] = natural[d + 2 * i + 1];
+    if (cache_kind != CACHE_FLOAT32) split_pairs(ordered, dim);
 }
 
 static void from_chunk_order(const float *ordered, float *natural, int64_t dim, int cache_kind, float factor) {
