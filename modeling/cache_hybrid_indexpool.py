@@ -87,6 +87,10 @@ class HybridIndexPoolCache(Cache):
             for layer_type in layer_types
         ])
         self.num_decoder_layers = len(config.layer_types)
+        # Views of `layers` (which never changes after this): the decoder's, its IndexPool ones, and the MTP layers'.
+        self.decoder_layers = self.layers[: self.num_decoder_layers]
+        self.index_layers = [layer for layer in self.decoder_layers if isinstance(layer, IndexPoolLayerCache)]
+        self.mtp_layers = self.layers[self.num_decoder_layers:]
         self.max_cache_len = max_cache_len
         self.layout = cache_layout(config)
         # Attention-mask columns seen (padding included): a device tensor advanced in place (so a compiled decode step
@@ -95,19 +99,6 @@ class HybridIndexPoolCache(Cache):
         # [batch, 1] offset of each row's rotary positions from its token count after a multimodal prompt (image
         # tokens share positions), set by the multimodal model; None for text.
         self.rope_deltas: torch.Tensor | None = None
-
-    @property
-    def decoder_layers(self) -> list:
-        return self.layers[: self.num_decoder_layers]
-
-    @property
-    def index_layers(self) -> list[IndexPoolLayerCache]:
-        """The decoder's IndexPool layers."""
-        return [layer for layer in self.decoder_layers if isinstance(layer, IndexPoolLayerCache)]
-
-    @property
-    def mtp_layers(self) -> list[IndexPoolLayerCache]:
-        return self.layers[self.num_decoder_layers:]
 
     def check_compatible(self, config, batch_size: int) -> None:
         """Raise a `ValueError` saying what differs when this cache was built for another model or batch."""
@@ -157,9 +148,6 @@ class HybridIndexPoolCache(Cache):
             layer._extend_to(num_tokens)
         self.seen_tokens.fill_(num_tokens)
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.layers[layer_idx].get_mask_sizes(query_length)
-
     @property
     def batch_size(self) -> int:
         """Rows held, or -1 before the first forward (layers another pipeline stage runs stay empty)."""
@@ -168,10 +156,6 @@ class HybridIndexPoolCache(Cache):
     @property
     def is_initialized(self) -> bool:
         return self.seen_tokens is not None
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [isinstance(layer, LinearAttentionLayerCache) for layer in self.layers]
 
     def reset(self) -> None:
         super().reset()
@@ -203,20 +187,6 @@ class HybridIndexPoolCache(Cache):
         for layer in self.decoder_layers:
             layer.activate_past_recording(recurrent_states_to_keep)
 
-    def keep_recurrent_states(self, recurrent_states_to_keep: int) -> None:
-        """Let a long forward record what a crop of up to `recurrent_states_to_keep + 1` tokens needs, from the next
-        forward on, keeping what is recorded: generate() calls it before a verify forward whose drafts outnumber what
-        recording was activated for (transformers' heuristic schedule grows the draft count after accepted drafts)."""
-        for layer in self.decoder_layers:
-            if layer.record_past and layer.recurrent_states_to_keep is not None:
-                layer.recurrent_states_to_keep = max(layer.recurrent_states_to_keep, recurrent_states_to_keep)
-
-    def deactivate_past_recording(self) -> None:
-        """Stop recording (what `activate_past_recording` started) and forget what was recorded."""
-        for layer in self.decoder_layers:
-            layer.record_past = False
-            layer._drop_recording()
-
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`), after checking
         every layer. After `activate_past_recording` every layer rolls back the tokens recorded since the last crop, as
@@ -237,56 +207,28 @@ class HybridIndexPoolCache(Cache):
         if count:
             self.seen_tokens.sub_(count)
 
-    def memory_footprint(self) -> dict[str, int]:
-        """Bytes per component, summed over layers: in use under each component's name, reserved under
-        `<name>_reserved`; `total` and `reserved` sum them; `unpooled_index_keys` is what an r = 1 indexer would
-        hold for the same tokens. `reserved` counts every tensor the cache holds (the MTP layers' under `mtp_*`)."""
+    def memory_footprint(self, layer_idx: int | None = None) -> dict[str, int]:
+        """Bytes per component, of the layer `layer_idx` or summed over all (the MTP layers' under `mtp_*` names, and
+        the cache's own counters under `bookkeeping`): in use under each component's name, reserved under
+        `<name>_reserved`; `total` and `reserved` sum them; `unpooled_index_keys` is what an r = 1 indexer would hold
+        for the decoder's tokens. `reserved` counts every tensor held."""
         used, reserved = {}, {}
-        for index, layer in enumerate(self.layers):
-            for name, (in_use, held) in layer.memory_footprint().items():
-                name = name if index < self.num_decoder_layers else f"mtp_{name}"
+        selected = range(len(self.layers)) if layer_idx is None else [layer_idx]
+        for index in selected:
+            for name, (in_use, held) in self.layers[index]._memory_footprint().items():
+                name = f"mtp_{name}" if layer_idx is None and index >= self.num_decoder_layers else name
                 used[name] = used.get(name, 0) + in_use
                 reserved[name] = reserved.get(name, 0) + held
-        for sizes in (used, reserved):
-            sizes["bookkeeping"] = sizes.get("bookkeeping", 0) + _bytes(self.seen_tokens, self.rope_deltas)
+        if layer_idx is None:
+            for sizes in (used, reserved):
+                sizes["bookkeeping"] = sizes.get("bookkeeping", 0) + _bytes(self.seen_tokens, self.rope_deltas)
         footprint = {**used, **{f"{name}_reserved": size for name, size in reserved.items()}}
         footprint["total"], footprint["reserved"] = sum(used.values()), sum(reserved.values())
         footprint["unpooled_index_keys"] = sum(  # a pooled key's bytes for every token
             int(layer.lengths.sum()) * layer.pooled_storage.shape[-1] * layer.pooled_storage.element_size()
-            for layer in self.index_layers if layer.pooled_storage is not None)
+            for index in selected if (layer := self.layers[index]) in self.index_layers
+            and layer.pooled_storage is not None)
         return footprint
-
-    # The rest of transformers' `Cache` protocol, on this cache's layers.
-
-    def _linear_layer(self, layer_idx: int | None, method: str) -> LinearAttentionLayerCache:
-        linear = [i for i, is_linear in enumerate(self.is_linear) if is_linear]
-        layer_idx = max(linear, default=0) if layer_idx is None else layer_idx  # transformers': the last one
-        if not isinstance(self.layers[layer_idx], LinearAttentionLayerCache):
-            raise ValueError(
-                f"{method}: layer {layer_idx} is an IndexPool layer; conv and recurrent states belong to the "
-                f"linear-attention layers {linear} (its own keys, values and pooled keys are "
-                f"cache.layers[{layer_idx}].keys / .values / .pooled_storage)."
-            )
-        return self.layers[layer_idx]
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self._linear_layer(layer_idx, "get_conv_state").conv_state
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self._linear_layer(layer_idx, "get_recurrent_state").recurrent_state
-
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        layer = self._linear_layer(layer_idx, "update_conv_state")
-        layer.update(conv_states, layer.recurrent_state)
-        return layer.conv_state
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        layer = self._linear_layer(layer_idx, "update_recurrent_state")
-        layer.update(layer.conv_state, recurrent_states)
-        return layer.recurrent_state
-
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return self._linear_layer(layer_idx, "has_previous_state").recurrent_state is not None
 
 
 def _refusal(name: str, error: type[Exception], advice: str):

@@ -5,6 +5,7 @@ after a crop) and hands it tensors to keep."""
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .layers import last_real_entries
 
@@ -15,6 +16,15 @@ GROWTH_FRACTION = 16
 
 def _bytes(*tensors: torch.Tensor | None) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
+
+
+def _map_tensors(value, fn):
+    """`value` (a tensor, None, or a dict or tuple of them) with `fn` applied to each tensor."""
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, fn) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(item, fn) for item in value)
+    return None if value is None else fn(value)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -92,6 +102,9 @@ class _LayerCache:
     recurrent_states_to_keep: int | None = None
     seen_tokens: torch.Tensor | None = None
     max_cache_len: int | None = None  # the tokens an IndexPool layer's storage is reserved for (None: it grows)
+    lengths: torch.Tensor | None = None  # an IndexPool layer's real tokens per row
+    replay_inputs: tuple[torch.Tensor, ...] | None = None  # what a linear-attention layer's crop left to replay
+    _fixed_size = True  # whether the storage keeps its shapes (an IndexPool layer's only once reserved)
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
         self.record_past = True
@@ -115,30 +128,38 @@ class _LayerCache:
 
     def _map_batch(self, fn) -> None:
         for name in self._batch_tensors:
-            value = getattr(self, name)
-            if isinstance(value, tuple):
-                setattr(self, name, tuple(fn(tensor) for tensor in value))
-            elif value is not None:
-                setattr(self, name, fn(value))
+            setattr(self, name, _map_tensors(getattr(self, name), fn))
 
-    @property
-    def is_initialized(self) -> bool:
-        return any(getattr(self, name) is not None for name in self._batch_tensors)
+    def _held(self) -> list[torch.Tensor]:
+        held = []
+        for name in self._batch_tensors:
+            _map_tensors(getattr(self, name), held.append)
+        return held
 
     @property
     def batch_size(self) -> int:
         """Rows held, or -1 before the first write."""
-        tensors = [value for name in self._batch_tensors if isinstance(value := getattr(self, name), torch.Tensor)]
-        return tensors[0].shape[0] if tensors else -1
+        held = self._held()
+        return held[0].shape[0] if held else -1
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether a compiled decode step can run on this layer: no recording (it keeps host-side lists of tensors),
+        no replay pending (it runs the rule over them, eagerly) and storage that keeps its shapes."""
+        return not self.record_past and self.replay_inputs is None and self._fixed_size
 
     def reset(self) -> None:
         """Forget everything (the next forward starts a new sequence)."""
         for name in self._batch_tensors:
-            setattr(self, name, None)
+            value = getattr(self, name)
+            setattr(self, name, dict.fromkeys(value) if isinstance(value, dict) else None)
         self._drop_recording()
 
     def get_seq_length(self) -> int:
-        """Tokens fed so far (attention-mask columns, padding included)."""
+        """Tokens fed so far (attention-mask columns, padding included); in a layer the cache does not count for (an
+        MTP layer's), the entries of its longest row."""
+        if self.seen_tokens is None and self.lengths is not None:
+            return int(self.lengths.max())
         return 0 if self.seen_tokens is None else int(self.seen_tokens)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -153,40 +174,35 @@ class _LayerCache:
 
 
 class LinearAttentionLayerCache(_LayerCache):
-    """Convolution state `[batch, conv_dim, kernel - 1]` and recurrent state `[batch, heads, key_dim, value_dim]` of
-    a linear-attention layer (Kimi Delta Attention keeps its convolution state in float32); on a PLE layer also the
-    last `ple_ngram_size - 1` token ids and the PLE convolution's input history. Fixed in size.
+    """The fixed-size states of a linear-attention layer, keyed by index as transformers' linear-attention layers keep
+    them. `conv_states`, windows of each sequence's last inputs: 0 the convolution state `[batch, conv_dim, kernel -
+    1]` (Kimi Delta Attention's in float32); on a PLE layer also 1 the PLE convolution's input history `[batch,
+    channels, history]` and 2 the last `ple_ngram_size - 1` token ids. `recurrent_states[0]`: `[batch, heads, key_dim,
+    value_dim]`.
 
     Rollback (`crop(-n)` after `activate_past_recording`) is by checkpoint and replay: the first recorded forward keeps
     the recurrent state it starts from, and every recorded forward its tokens' delta-rule inputs (query, key, value, log
-    decay, beta) and convolution inputs. A crop rebuilds the convolution and PLE windows from the kept inputs and
-    leaves `pending_replay()`: the checkpoint and the recorded inputs with the removed tokens made no-ops (zero beta and
-    log decay), which the layer runs through its rule at its next forward, before the new tokens.
+    decay, beta) and each window's inputs. A crop rebuilds the windows from the kept inputs and leaves `replay_state`
+    (the checkpoint) and `replay_inputs` (the recorded inputs `[batch, recorded, ...]`, the removed tokens made no-ops:
+    zero beta and log decay), which the layer runs through its rule at its next forward, before the new tokens.
     """
 
-    _batch_tensors = ("conv_state", "recurrent_state", "ple_token_context", "ple_conv_state", "_replay_state",
-                      "_replay_inputs")
+    _batch_tensors = ("conv_states", "recurrent_states", "replay_state", "replay_inputs")
 
     def __init__(self):
-        self.conv_state = self.recurrent_state = self.ple_token_context = self.ple_conv_state = None
-        self._replay_state: torch.Tensor | None = None
-        self._replay_inputs: tuple[torch.Tensor, ...] | None = None
+        self.conv_states: dict[int, torch.Tensor | None] = {0: None}  # a PLE layer adds 1 and 2 when it first writes
+        self.recurrent_states: dict[int, torch.Tensor | None] = {0: None}
+        self.replay_state = self.replay_inputs = None
         self._drop_recording()
 
     @property
-    def is_compileable(self) -> bool:
-        # A recording keeps host-side lists of per-forward tensors, and a replay runs the rule over them: eager.
-        return not self.record_past and self._replay_inputs is None
+    def has_previous_state(self) -> dict[int, bool]:
+        return {index: state is not None for index, state in self.conv_states.items()}
 
     def _drop_recording(self) -> None:
         self._checkpoint: torch.Tensor | None = None
         self._inputs: list[tuple[torch.Tensor, ...]] = []  # (query, key, value, log_decay, beta) per forward
-        self._conv = self._ple_tokens = self._ple_conv = None  # _WindowRecording each
-
-    def pending_replay(self) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]] | None:
-        """What a crop left for the layer to replay before its next tokens: `(recurrent state at the checkpoint,
-        (query, key, value, log_decay, beta) [batch, recorded, ...])`, removed tokens as no-ops; None when nothing."""
-        return None if self._replay_inputs is None else (self._replay_state, self._replay_inputs)
+        self._windows: dict[int, _WindowRecording] = {}  # per conv state
 
     def recording_start(self, token_is_real: torch.Tensor) -> int | None:
         """Where the recording of the new tokens `token_is_real [batch, new]` starts: None when not recording, 0 for
@@ -194,47 +210,42 @@ class LinearAttentionLayerCache(_LayerCache):
         there first, and the state it reaches is the recording's checkpoint."""
         return self._recording_start(token_is_real) if self.record_past else None
 
-    def update(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, checkpoint: torch.Tensor | None = None,
-               rule_inputs: tuple[torch.Tensor, ...] | None = None, conv_input: torch.Tensor | None = None,
-               token_is_real: torch.Tensor | None = None, start: int | None = None) -> None:
-        """Store the states after the new tokens (any pending replay has been run). While recording, from column
-        `start` (`recording_start`), also keep the state there (`checkpoint`, kept when a new recording starts), the
-        recorded columns' rule inputs `rule_inputs` and the convolution input `conv_input [batch, channels, kernel - 1
-        + new]` (state, then the new tokens) with `token_is_real [batch, new]`."""
-        self._replay_state = self._replay_inputs = None
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0,
+                               checkpoint: torch.Tensor | None = None, rule_inputs: tuple[torch.Tensor, ...] | None = None,
+                               start: int | None = None) -> torch.Tensor:
+        """Store the recurrent state after the new tokens (any pending replay has been run). While recording, from
+        column `start` (`recording_start`; None: not recording, and what was recorded is dropped), also keep the state
+        there (`checkpoint`, kept when a new recording starts) and the recorded columns' rule inputs `rule_inputs`."""
+        self.replay_state = self.replay_inputs = None
         if start is None:
             self._drop_recording()
-        else:
-            if start > 0 or self._conv is None:
+        elif rule_inputs is not None:
+            if start > 0 or not self._inputs:
                 self._checkpoint = None if checkpoint is None else checkpoint.clone()
                 self._inputs = []
             # Copies: slices of the projections would keep the whole forward's buffers (a prompt's) alive until a crop.
             self._inputs.append(tuple(x.clone() for x in rule_inputs))
-            self._conv = _WindowRecording.resume(self._conv, conv_input, token_is_real, start)
-        self.conv_state = _store(self.conv_state, conv_state)
-        self.recurrent_state = _store(self.recurrent_state, recurrent_state)
+        self.recurrent_states[state_idx] = _store(self.recurrent_states[state_idx], recurrent_states)
+        return self.recurrent_states[state_idx]
 
-    def update_ple(self, token_history: torch.Tensor, conv_input: torch.Tensor, token_is_real: torch.Tensor) -> None:
-        """Store the PLE token context and convolution history after the new tokens, from `token_history [batch,
-        context + new]` (the context, then the new token ids) and `conv_input [batch, channels, history + new]`
-        (recorded while `record_past`); each row's real tokens come first."""
-        if self.record_past:
-            start = self._recording_start(token_is_real)
-            self._ple_tokens = _WindowRecording.resume(self._ple_tokens, token_history, token_is_real, start)
-            self._ple_conv = _WindowRecording.resume(self._ple_conv, conv_input, token_is_real, start)
-        num_real, num_new = token_is_real.sum(dim=1), token_is_real.shape[1]
-        self.ple_token_context = _store(self.ple_token_context, last_real_entries(
-            token_history, num_real, token_history.shape[1] - num_new))
-        self.ple_conv_state = _store(self.ple_conv_state, last_real_entries(
-            conv_input, num_real, conv_input.shape[-1] - num_new))
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, window_input: torch.Tensor | None = None,
+                          token_is_real: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
+        """Store the window `state_idx` after the new tokens; while recording, from column `start`, also its input
+        `window_input [batch, ..., count + new]` (the window before, then the new entries) with `token_is_real
+        [batch, new]` (each row's real tokens first)."""
+        if start is not None and window_input is not None:
+            self._windows[state_idx] = _WindowRecording.resume(self._windows.get(state_idx), window_input,
+                                                               token_is_real, start)
+        self.conv_states[state_idx] = _store(self.conv_states.get(state_idx), conv_states)
+        return self.conv_states[state_idx]
 
     def _recorded_tokens(self) -> torch.Tensor | None:
         """`[batch, recorded]` the real tokens recorded since the checkpoint (None when nothing is recorded)."""
-        recording = self._conv or self._ple_tokens
+        recording = next(iter(self._windows.values()), None)  # every window records the same columns
         return None if recording is None else torch.cat(recording.token_is_real, dim=1)
 
     def _check_crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove <= 0 or not self.is_initialized:
+        if tokens_to_remove <= 0 or not self._held():
             return
         recorded = self._recorded_tokens()
         if recorded is None:
@@ -254,33 +265,31 @@ class LinearAttentionLayerCache(_LayerCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `tokens_to_remove` tokens of every row and forget the recording (`crop(0)` keeps every
-        token for good): the convolution and PLE windows are rebuilt now, the recurrent state at the next forward."""
+        token for good): the windows are rebuilt now, the recurrent state at the next forward."""
         self._check_crop(tokens_to_remove)
         recorded = self._recorded_tokens()
         if tokens_to_remove > 0 and recorded is not None:
             counts = recorded.long().cumsum(dim=1)
             kept = recorded & (counts <= counts[:, -1:] - tokens_to_remove)  # [batch, recorded]
-            if self._conv is not None:
-                self.conv_state = _store(self.conv_state, self._conv.rebuild(kept))
+            for index, recording in self._windows.items():
+                self.conv_states[index] = _store(self.conv_states[index], recording.rebuild(kept))
+            if self._inputs:
                 query, key, value, log_decay, beta = (torch.cat(parts, dim=1) for parts in zip(*self._inputs))
                 # A removed token becomes a no-op of the rule: it neither decays nor writes the state.
                 log_decay = log_decay * kept.view(*kept.shape, *[1] * (log_decay.dim() - 2))
                 beta = beta * kept.view(*kept.shape, *[1] * (beta.dim() - 2)).to(beta.dtype)
-                self._replay_state, self._replay_inputs = self._checkpoint, (query, key, value, log_decay, beta)
-            if self._ple_tokens is not None:
-                self.ple_token_context = _store(self.ple_token_context, self._ple_tokens.rebuild(kept))
-                self.ple_conv_state = _store(self.ple_conv_state, self._ple_conv.rebuild(kept))
+                self.replay_state, self.replay_inputs = self._checkpoint, (query, key, value, log_decay, beta)
         self._drop_recording()
 
-    def memory_footprint(self) -> dict[str, tuple[int, int]]:
+    def _memory_footprint(self) -> dict[str, tuple[int, int]]:
         """`{component: (bytes in use, bytes reserved)}`, all in use: the states, what a recording holds (`rollback`:
         the checkpoint and the recorded tokens' inputs and masks, `recording_bytes` gives it by formula) and what a
         crop left to replay (`replay`)."""
         rollback = _bytes(self._checkpoint, *[x for part in self._inputs for x in part]) + sum(
-            recording.nbytes() for recording in (self._conv, self._ple_tokens, self._ple_conv) if recording)
-        sizes = {"conv_state": _bytes(self.conv_state), "recurrent_state": _bytes(self.recurrent_state),
-                 "ple_state": _bytes(self.ple_token_context, self.ple_conv_state), "rollback": rollback,
-                 "replay": _bytes(self._replay_state, *(self._replay_inputs or ()))}
+            recording.nbytes() for recording in self._windows.values())
+        sizes = {"conv_state": _bytes(self.conv_states[0]), "recurrent_state": _bytes(self.recurrent_states[0]),
+                 "ple_state": _bytes(self.conv_states.get(1), self.conv_states.get(2)), "rollback": rollback,
+                 "replay": _bytes(self.replay_state, *(self.replay_inputs or ()))}
         return {name: (size, size) for name, size in sizes.items()}
 
 
@@ -341,9 +350,8 @@ class IndexPoolLayerCache(_LayerCache):
         self._open_windows: list[tuple[torch.Tensor, ...]] | None = None
 
     @property
-    def is_compileable(self) -> bool:
-        """Reserved storage (fixed shapes) and no recording (which keeps host-side lists)."""
-        return self.max_cache_len is not None and not self.record_past
+    def _fixed_size(self) -> bool:
+        return self.max_cache_len is not None
 
     def _drop_recording(self) -> None:
         self._open_windows = None
@@ -355,11 +363,6 @@ class IndexPoolLayerCache(_LayerCache):
     @property
     def values(self) -> torch.Tensor | None:
         return None if self.value_storage is None else self.value_storage.transpose(1, 2)
-
-    def get_seq_length(self) -> int:
-        if self.seen_tokens is not None or self.lengths is None:
-            return super().get_seq_length()
-        return int(self.lengths.max())  # a layer of its own (an MTP layer): the entries of its longest row
 
     @property
     def capacity(self) -> int:
@@ -659,7 +662,7 @@ class IndexPoolLayerCache(_LayerCache):
             self._length_bound = max(0, self._length_bound - tokens_to_remove)
         self._drop_recording()
 
-    def memory_footprint(self) -> dict[str, tuple[int, int]]:
+    def _memory_footprint(self) -> dict[str, tuple[int, int]]:
         """`{component: (bytes in use, bytes reserved)}`; `rollback` is what a recording holds (the recorded tokens'
         raw indexer keys, gate logits and positions, and the open window at the checkpoint; `recording_bytes` gives it
         by formula)."""
@@ -679,3 +682,9 @@ class IndexPoolLayerCache(_LayerCache):
                             _bytes(self.open_index_keys, self.open_gate_logits)),
             **{name: (size, size) for name, size in fixed.items()},
         }
+
+
+# transformers' `Cache` finds its layers' kinds by these classes (`get_conv_state`, `get_mask_sizes`, `is_linear`...):
+# registered, our layers answer to them without inheriting the key/value and per-state storage they implement.
+CacheLayerMixin.register(IndexPoolLayerCache)
+LinearAttentionCacheLayerMixin.register(LinearAttentionLayerCache)

@@ -22,10 +22,9 @@ def continue_delta_rule(rule, inputs: tuple[torch.Tensor, ...], token_is_real: t
     """
     state = None
     if layer_cache is not None:
-        state = layer_cache.recurrent_state
-        replay = layer_cache.pending_replay()
-        if replay is not None:
-            checkpoint, recorded = replay
+        state = layer_cache.recurrent_states[0]
+        if layer_cache.replay_inputs is not None:
+            checkpoint, recorded = layer_cache.replay_state, layer_cache.replay_inputs
             few = checkpoint is not None and recorded[0].shape[1] <= FEW_TOKENS
             _, state = rule(*recorded, checkpoint, mode="recurrent" if few else "chunk")
     mode = "recurrent" if state is not None and inputs[0].shape[1] <= FEW_TOKENS else "chunk"
@@ -37,6 +36,6 @@ def continue_delta_rule(rule, inputs: tuple[torch.Tensor, ...], token_is_real: t
     tail = inputs if not start else tuple(x[:, start:] for x in inputs)
     output, final_state = rule(*tail, state, mode=mode)
     if layer_cache is not None:
-        layer_cache.update(conv_state, final_state, checkpoint=state, rule_inputs=tail, conv_input=conv_input,
-                           token_is_real=token_is_real, start=start)
+        layer_cache.update_recurrent_state(final_state, checkpoint=state, rule_inputs=tail, start=start)
+        layer_cache.update_conv_state(conv_state, window_input=conv_input, token_is_real=token_is_real, start=start)
     return output if head is None else torch.cat([head, output], dim=1)

@@ -105,8 +105,9 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
                 generator.release()
         cache = model_kwargs.get("cache")
         if isinstance(cache, HybridIndexPoolCache):
-            cache.crop(0)
-            cache.deactivate_past_recording()
+            cache.crop(0)  # keeps every token for good and forgets the recording
+            for layer in cache.layers:  # what transformers does to a cache it hands back
+                layer.record_past = False
         return output
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
@@ -127,8 +128,13 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
         )
         cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
-        if isinstance(cache, HybridIndexPoolCache) and next_sequence_length is not None and next_sequence_length > 1:
-            cache.keep_recurrent_states(next_sequence_length - 1)  # a verify forward: its drafts may have grown
+        recording = isinstance(cache, HybridIndexPoolCache) and cache.decoder_layers[0].record_past
+        if recording and next_sequence_length is not None and next_sequence_length > 1:
+            # A verify forward, right after the crop of the last one (nothing recorded): transformers' heuristic
+            # schedule may have grown its drafts beyond what recording was activated for.
+            keep = cache.decoder_layers[0].recurrent_states_to_keep
+            if keep is not None and keep < next_sequence_length - 1:
+                cache.activate_past_recording(recurrent_states_to_keep=next_sequence_length - 1)
         if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
             # A decode step reads only the new tokens' columns of the growing 2-D mask, so a compiled step serves
             # every length: say so up front instead of recompiling once the length changes.

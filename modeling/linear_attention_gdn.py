@@ -62,7 +62,7 @@ class HybridIndexPoolGatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(hidden_states)
         if channels is not None:
             mixed = mixed.index_select(-1, channels)  # this rank's heads
-        conv_state = None if layer_cache is None else layer_cache.conv_state
+        conv_state = None if layer_cache is None else layer_cache.conv_states[0]
         mixed, conv_input = self.conv1d(mixed, conv_state, channels)  # [batch, seq, conv_dim (this rank's)]
 
         query, key, value = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)

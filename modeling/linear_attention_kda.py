@@ -117,7 +117,7 @@ class HybridIndexPoolKimiDeltaAttention(nn.Module):
 
         # Causal depthwise convolution over [q | k | v] in float32, as GLM keeps it.
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
-        conv_state = None if layer_cache is None else layer_cache.conv_state
+        conv_state = None if layer_cache is None else layer_cache.conv_states[0]
         mixed, conv_input = self.conv1d(mixed, conv_state, self._rank_channels_of_conv(), torch.float32)
 
         # [batch, seq, heads, head_dim] each

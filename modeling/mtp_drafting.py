@@ -154,15 +154,11 @@ class HybridIndexPoolMTPCandidateGenerator(CandidateGenerator):
                 layer.activate_past_recording(recurrent_states_to_keep=self.num_draft_tokens)
 
     def draft_cache_footprint(self) -> dict[str, int]:
-        """The bytes of the MTP layers' cache (the drafter's own): in use under each component's name, reserved under
-        `<name>_reserved`; `total` and `reserved` sum them."""
-        used, reserved = {}, {}
-        for layer in self.cache.mtp_layers:
-            for name, (in_use, held) in layer.memory_footprint().items():
-                used[name] = used.get(name, 0) + in_use
-                reserved[name] = reserved.get(name, 0) + held
-        footprint = {**used, **{f"{name}_reserved": size for name, size in reserved.items()}}
-        footprint.update(total=sum(used.values()), reserved=sum(reserved.values()))
+        """The bytes of the MTP layers' cache (the drafter's own), as the cache's `memory_footprint()` gives them."""
+        footprint = {}
+        for index in range(self.cache.num_decoder_layers, len(self.cache.layers)):
+            for name, size in self.cache.memory_footprint(index).items():
+                footprint[name] = footprint.get(name, 0) + size
         return footprint
 
     def _check_padding(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> None:

@@ -95,7 +95,7 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
     ) -> torch.Tensor:
         token_context = conv_state = None
         if layer_cache is not None:
-            token_context, conv_state = layer_cache.ple_token_context, layer_cache.ple_conv_state
+            conv_state, token_context = layer_cache.conv_states.get(1), layer_cache.conv_states.get(2)
         num_real = token_is_real.sum(dim=1)  # each row's real tokens come first
         if token_context is None:  # the start of the sequence (as the n-gram embedding would fill it)
             token_context = token_ids.new_full((token_ids.shape[0], self.ple_embedding.ngram_size - 1),
@@ -115,7 +115,10 @@ class HybridIndexPoolPerLayerEmbedding(nn.Module):
         if conv_state is None:
             conv_state = conv_input.new_zeros(*conv_input.shape[:2], self.conv_state_length)
         conv_input = torch.cat([conv_state.to(conv_input.dtype), conv_input], dim=-1)
-        if layer_cache is not None:
-            layer_cache.update_ple(token_history, conv_input, token_is_real)
+        if layer_cache is not None:  # the windows after the new tokens: each row's last entries
+            start, num_new = layer_cache.recording_start(token_is_real), token_is_real.shape[1]
+            for index, window in ((1, conv_input), (2, token_history)):
+                layer_cache.update_conv_state(last_real_entries(window, num_real, window.shape[-1] - num_new), index,
+                                              window, token_is_real, start)
         conv_output = F.conv1d(conv_input, self.conv1d.weight, dilation=self.conv_dilation, groups=conv_input.shape[1])
         return gated_values + F.silu(conv_output).transpose(1, 2)

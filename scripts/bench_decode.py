@@ -216,8 +216,8 @@ def roofline_bytes(model, cache, context: int) -> int:
     embedding = model.get_input_embeddings().weight
     total = weights + embedding[0].numel() * embedding.element_size()
     for layer in cache.layers:
-        if hasattr(layer, "recurrent_state"):
-            total += 2 * sum(t.numel() * t.element_size() for t in (layer.recurrent_state, layer.conv_state))
+        if hasattr(layer, "recurrent_states"):
+            total += 2 * sum(t.numel() * t.element_size() for t in (layer.recurrent_states[0], layer.conv_states[0]))
             continue
         r = layer.pool_size
         attended = min(context, config.index_topk + r - 1)

@@ -24,8 +24,8 @@ def run(folder: Path, distributed_config: DistributedConfig, name: str) -> None:
     for layer in output.cache.layers:
         if getattr(layer, "key_storage", None) is not None:
             shapes.append(("indexpool", tuple(layer.key_storage.shape), tuple(layer.value_storage.shape)))
-        elif getattr(layer, "recurrent_state", None) is not None:
-            shapes.append(("linear", tuple(layer.conv_state.shape), tuple(layer.recurrent_state.shape)))
+        elif getattr(layer, "recurrent_states", {0: None})[0] is not None:
+            shapes.append(("linear", tuple(layer.conv_states[0].shape), tuple(layer.recurrent_states[0].shape)))
         else:
             shapes.append(("other stage", None, None))
     rank = torch.distributed.get_rank()

@@ -159,13 +159,15 @@ def index_layer(cache):
 
 
 def tensor_bytes(cache) -> int:
-    """Bytes of every distinct tensor the cache object holds, found by walking its attributes."""
+    """Bytes of every distinct tensor the cache object holds, found by walking its attributes (and the dicts of
+    states keyed by index that linear-attention layers keep)."""
     seen, total = set(), 0
     for holder in [cache, *cache.layers]:
         for value in vars(holder).values():
-            if isinstance(value, torch.Tensor) and id(value) not in seen:
-                seen.add(id(value))
-                total += value.numel() * value.element_size()
+            for tensor in value.values() if isinstance(value, dict) else [value]:
+                if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    total += tensor.numel() * tensor.element_size()
     return total
 
 
@@ -378,11 +380,11 @@ def test_crop_refuses_more_than_was_recorded_and_changes_nothing():
         cache.activate_past_recording(recurrent_states_to_keep=2)
         model(input_ids, cache=cache, use_cache=True)  # a long forward records its last 3 tokens
         linear = [layer for layer in cache.layers if getattr(layer, "recurrent_state", None) is not None]
-        states = [layer.recurrent_state.clone() for layer in linear]
+        states = [layer.recurrent_states[0].clone() for layer in linear]
         with pytest.raises(ValueError, match="recorded only 3"):
             cache.crop(-4)
         assert cache.get_seq_length() == 30 and all(int(layer.lengths[0]) == 30 for layer in cache.index_layers)
-        assert all(torch.equal(layer.recurrent_state, before) for layer, before in zip(linear, states))
+        assert all(torch.equal(layer.recurrent_states[0], before) for layer, before in zip(linear, states))
         cache.crop(-3)
         assert cache.get_seq_length() == 27
         with pytest.raises(ValueError, match="activate_past_recording"):
@@ -425,7 +427,7 @@ def test_recording_bytes_gives_what_each_layer_records_for_a_verify_forward(vari
             model(torch.randint(3, 97, (2, 13)), cache=cache, use_cache=True)
             cache.activate_past_recording(recurrent_states_to_keep=tokens - 1)
             model(torch.randint(3, 97, (2, tokens)), cache=cache, use_cache=True)
-        recorded = [layer.memory_footprint()["rollback"][0] for layer in cache.layers]
+        recorded = [cache.memory_footprint(index)["rollback"] for index in range(len(cache.layers))]
         assert recorded == recording_bytes(model.config, tokens, dtype, batch_size=2)
         assert cache.memory_footprint()["rollback"] == sum(recorded) > 0
 
@@ -443,8 +445,8 @@ def test_a_long_recorded_forward_holds_only_what_it_reports():
     def collect(value):  # every tensor reachable from a layer's recordings (not its states and storage)
         if isinstance(value, torch.Tensor):
             held[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
-        elif isinstance(value, (list, tuple)):
-            for item in value:
+        elif isinstance(value, (list, tuple, dict)):
+            for item in value.values() if isinstance(value, dict) else value:
                 collect(item)
         elif hasattr(value, "__dict__"):
             collect(list(vars(value).values()))

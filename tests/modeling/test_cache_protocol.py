@@ -32,11 +32,13 @@ def test_every_public_member_of_the_cache_works_or_names_what_to_use_instead():
     cache = filled_cache(model)
     linear = config.layer_types.index("linear_attention")
     attention = config.layer_types.index("indexpool_attention")
-    conv_state = cache.layers[linear].conv_state
+    last_linear = len(config.layer_types) - 1 - config.layer_types[::-1].index("linear_attention")
+    conv_state = cache.layers[linear].conv_states[0]
     checks = {
         # Lengths and sizes.
         "get_seq_length": lambda: cache.get_seq_length() == 11 and cache.get_seq_length(attention) == 11,
-        "get_mask_sizes": lambda: cache.get_mask_sizes(3) == (14, 0) == cache.get_mask_sizes(3, linear),
+        "get_mask_sizes": lambda: cache.get_mask_sizes(3, 0) == (14, 0) == cache.get_mask_sizes(3, attention)
+        and refuses(lambda: cache.get_mask_sizes(3, last_linear), ValueError, "does not track sequence length"),
         "get_query_offset": lambda: cache.get_query_offset() == 11,
         "get_max_length": lambda: cache.get_max_length() == 20 and cache.get_max_length(linear) == -1,
         "batch_size": lambda: cache.batch_size == 2,
@@ -63,8 +65,8 @@ def test_every_public_member_of_the_cache_works_or_names_what_to_use_instead():
         "memory_footprint": lambda: cache.memory_footprint()["key_value"] > 0,
         # Linear-attention states, as transformers' linear-attention layers give them.
         "get_conv_state": lambda: cache.get_conv_state(linear) is conv_state and refuses(
-            lambda: cache.get_conv_state(attention), ValueError, r"linear-attention layers \["),
-        "get_recurrent_state": lambda: cache.get_recurrent_state(linear) is cache.layers[linear].recurrent_state,
+            lambda: cache.get_conv_state(attention), ValueError, "non linear attention layer"),
+        "get_recurrent_state": lambda: cache.get_recurrent_state(linear) is cache.layers[linear].recurrent_states[0],
         "has_previous_state": lambda: cache.has_previous_state() and cache.has_previous_state(linear),
         "update_conv_state": lambda: torch.equal(cache.update_conv_state(conv_state * 1, linear), conv_state),
         "update_recurrent_state": lambda: torch.equal(
@@ -85,10 +87,6 @@ def test_every_public_member_of_the_cache_works_or_names_what_to_use_instead():
         "get_recurrent_states_to_keep": lambda: cache.get_recurrent_states_to_keep() == 0,
         "activate_past_recording": lambda: cache.activate_past_recording(recurrent_states_to_keep=2) is None
         and cache.is_recording_past(linear) and cache.get_recurrent_states_to_keep() == 2,
-        "keep_recurrent_states": lambda: cache.keep_recurrent_states(4) is None
-        and cache.get_recurrent_states_to_keep() == 4,
-        "deactivate_past_recording": lambda: cache.deactivate_past_recording() is None
-        and not cache.is_recording_past(linear),
         "crop": lambda: cache.crop(0) is None and refuses(lambda: cache.crop(-1), ValueError,
                                                            "activate_past_recording"),
         # Batch operations generate() uses.
@@ -147,7 +145,7 @@ def test_no_cache_layer_holds_a_callable_while_recording_after_a_crop_or_after_t
         held["recording"] = list(held_objects(cache))
         cache.crop(-2)
         held["cropped"] = list(held_objects(cache))
-        assert any(layer.pending_replay() is not None for layer in cache.decoder_layers
+        assert any(layer.replay_inputs is not None for layer in cache.decoder_layers
                    if isinstance(layer, LinearAttentionLayerCache))  # the crop left a replay to the layers
         model(torch.randint(3, 97, (2, 1)), cache=cache)  # replays, then runs the new token
         held["replayed"] = list(held_objects(cache))

@@ -31,7 +31,7 @@ def test_chunked_prefill_equals_token_by_token_decode():
         for t in range(11, 30):
             parts.append(layer(hidden[:, t:t + 1], real[:, t:t + 1], cache))
     torch.testing.assert_close(torch.cat(parts, 1), whole, atol=1e-5, rtol=1e-4)
-    assert cache.recurrent_state.dtype == torch.float32
+    assert cache.recurrent_states[0].dtype == torch.float32
 
 
 def test_equals_transformers_qwen3_5_gated_deltanet_with_the_same_weights():

@@ -63,9 +63,9 @@ def test_chunked_prefill_then_decode_equals_glm_whole_and_glm_cached():
             step = ours(hidden[:, start:end], all_real(2, end - start), cache)
             torch.testing.assert_close(step, whole[:, start:end], **TOLERANCE)
             torch.testing.assert_close(step, glm(hidden[:, start:end], cache=glm_cache), **TOLERANCE)
-    assert cache.recurrent_state.dtype == torch.float32 and cache.recurrent_state.shape == (2, 2, 16, 16)
-    assert cache.conv_state.shape == (2, 3 * 32, config.linear_conv_kernel_dim - 1)
-    torch.testing.assert_close(cache.recurrent_state, glm_cache.get_recurrent_state(0, state_idx=0), **TOLERANCE)
+    assert cache.recurrent_states[0].dtype == torch.float32 and cache.recurrent_states[0].shape == (2, 2, 16, 16)
+    assert cache.conv_states[0].shape == (2, 3 * 32, config.linear_conv_kernel_dim - 1)
+    torch.testing.assert_close(cache.recurrent_states[0], glm_cache.get_recurrent_state(0, state_idx=0), **TOLERANCE)
 
 
 def test_padded_batch_equals_each_row_alone_and_glm_masked():
@@ -100,7 +100,7 @@ def test_bfloat16_keeps_the_decay_parameters_and_state_in_float32():
     with torch.no_grad():
         output = ours(torch.randn(1, 10, config.hidden_size, dtype=torch.bfloat16), all_real(1, 10), cache)
     assert output.dtype == torch.bfloat16 and torch.isfinite(output).all()
-    assert cache.recurrent_state.dtype == torch.float32
+    assert cache.recurrent_states[0].dtype == torch.float32
 
 
 def test_a_kimi_delta_model_generates_like_its_uncached_forward_and_trains():
@@ -158,6 +158,6 @@ def test_cache_of_a_kimi_delta_model_holds_float32_states_and_refuses_cropping_w
     with torch.no_grad():
         model(torch.tensor([[5, 9, 2, 33]]), cache=cache, use_cache=True)
     layer = cache.layers[0]
-    assert layer.conv_state.dtype == torch.float32 and layer.recurrent_state.shape == (1, 2, 8, 8)
+    assert layer.conv_states[0].dtype == torch.float32 and layer.recurrent_states[0].shape == (1, 2, 8, 8)
     with pytest.raises(ValueError, match="activate_past_recording"):
         cache.crop(-1)

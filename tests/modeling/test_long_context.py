@@ -22,8 +22,8 @@ def assert_same_cache(first: HybridIndexPoolCache, second: HybridIndexPoolCache)
     assert first.get_seq_length() == second.get_seq_length()
     for a, b in zip(first.layers, second.layers):
         if isinstance(a, LinearAttentionLayerCache):
-            torch.testing.assert_close(a.conv_state, b.conv_state, atol=1e-5, rtol=0)
-            torch.testing.assert_close(a.recurrent_state, b.recurrent_state, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(a.conv_states[0], b.conv_states[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], atol=1e-4, rtol=1e-4)
         else:
             assert isinstance(a, IndexPoolLayerCache)
             assert torch.equal(a.lengths, b.lengths)

@@ -200,8 +200,8 @@ def test_the_mtp_layer_records_for_a_crop_only_when_it_reads_drafts(k, monkeypat
 
     def logged_draft(generator, *args):
         result = draft(generator, *args)
-        layer = generator.cache.mtp_layers[0]
-        seen.append((layer.record_past, layer.memory_footprint()["rollback"][0]))
+        cache = generator.cache
+        seen.append((cache.mtp_layers[0].record_past, cache.memory_footprint(cache.num_decoder_layers)["rollback"]))
         return result
 
     monkeypatch.setattr(HybridIndexPoolMTPCandidateGenerator, "_draft", logged_draft)

@@ -84,8 +84,8 @@ def test_roofline_counts_weights_selected_keys_values_pooled_keys_and_states():
         model(torch.randint(1, 1000, (1, 200)), cache=cache)
     config, element = model.config, 4
     weights = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name) * element
-    states = 2 * sum(t.numel() * element for layer in cache.layers if hasattr(layer, "recurrent_state")
-                     for t in (layer.recurrent_state, layer.conv_state))
+    states = 2 * sum(t.numel() * element for layer in cache.layers if hasattr(layer, "recurrent_states")
+                     for t in (layer.recurrent_states[0], layer.conv_states[0]))
     attended = 2 * (32 + 3) * config.num_key_value_heads * config.head_dim * element
     pooled = 50 * config.index_head_dim * element
     embedding_row = config.hidden_size * element
