@@ -100,20 +100,6 @@ class HybridIndexPoolCache(Cache):
         # tokens share positions), set by the multimodal model; None for text.
         self.rope_deltas: torch.Tensor | None = None
 
-    def check_compatible(self, config, batch_size: int) -> None:
-        """Raise a `ValueError` saying what differs when this cache was built for another model or batch."""
-        theirs, ours = self.layout, cache_layout(config)
-        differences = [f"{name}: cache {theirs[name]!r}, model {ours[name]!r}" for name in ours
-                       if theirs.get(name) != ours[name]]
-        if differences:
-            raise ValueError("This cache was built for another model (" + "; ".join(differences) + "); build one "
-                             "with HybridIndexPoolCache(model.config).")
-        if self.batch_size not in (-1, batch_size):
-            raise ValueError(
-                f"The cache holds {self.batch_size} rows but the input has {batch_size}; use a new cache, or resize it "
-                "with batch_repeat_interleave / batch_select_indices first."
-            )
-
     def positions(self, token_is_real: torch.Tensor) -> torch.Tensor:
         """Where new tokens `token_is_real [batch, new]` go: their positions `[batch, new]`, each row counting its
         real tokens after those it holds (padding gets the position of the token before it, or 0). Counts the new
@@ -139,14 +125,6 @@ class HybridIndexPoolCache(Cache):
         for layer in self.index_layers:
             layer.max_cache_len = self.max_cache_len
             layer._reserve(max(to_come, 0))
-
-    def extend_to(self, num_tokens: int) -> None:
-        """Count every row of every IndexPool layer as holding `num_tokens` tokens, with no padding: what the storage
-        holds up to there becomes its content (for benchmarks that write synthetic keys into the storage to time a
-        decode step at a long context without prefilling it; the linear-attention states are whatever they hold)."""
-        for layer in self.index_layers:
-            layer._extend_to(num_tokens)
-        self.seen_tokens.fill_(num_tokens)
 
     @property
     def batch_size(self) -> int:
@@ -249,7 +227,7 @@ _REFUSED = {
                        "written with the layer's keys by cache.layers[layer_idx].update(..., windows, pooled_keys); "
                        "read them from cache.layers[layer_idx].pooled_storage."),
     "increase_count": (ValueError, "this cache counts its tokens itself (cache.positions(token_is_real), called by "
-                       "the model once per forward); to count synthetic content use cache.extend_to(num_tokens)."),
+                       "the model once per forward)."),
     "early_initialization": (ValueError, "this cache allocates each layer when it is first written, for "
                              "max_cache_len tokens: build it with HybridIndexPoolCache(config, max_cache_len=N) and "
                              "run the prompt's forward (for torch.export, export the decode step after that forward, "

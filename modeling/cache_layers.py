@@ -375,13 +375,6 @@ class IndexPoolLayerCache(_LayerCache):
             self._length_bound = int(self.lengths.max())
             self._grow_to(_round_up(self._length_bound + tokens_to_come, self.pool_size))
 
-    def _extend_to(self, length: int) -> None:
-        if self.lengths is None or length > self.capacity:
-            raise ValueError(f"extend_to({length}): the storage holds {self.capacity} positions per row; reserve "
-                             "them first (HybridIndexPoolCache(config, max_cache_len=N) and one update).")
-        self.lengths.fill_(length)
-        self._length_bound = length
-
     def place_windows(self, raw_index_keys: torch.Tensor, gate_logits: torch.Tensor | None,
                       token_is_real: torch.Tensor, rope_positions: torch.Tensor) -> WindowPlacement:
         """The windows new tokens touch: each row's open window followed by its new real tokens, by position. Takes

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from transformers.utils.generic import TransformersKwargs
 
-from .cache_hybrid_indexpool import HybridIndexPoolCache
+from .cache_hybrid_indexpool import HybridIndexPoolCache, cache_layout
 from .token_layout import TokenGrid, TokenLayout
 
 
@@ -197,14 +197,26 @@ def cache_for_forward(config, cache: HybridIndexPoolCache | None, use_cache: boo
 
 
 def check_cache(config, cache, batch_size: int) -> None:
-    """Refuse a cache that is not a `HybridIndexPoolCache`, or one built for another model or batch."""
+    """Refuse a cache that is not a `HybridIndexPoolCache`, or one built for another model (its `layout` differs
+    from the config's `cache_layout`) or batch, saying what differs."""
     if cache is not None and not isinstance(cache, HybridIndexPoolCache):
         raise ValueError(
             f"`cache` is a {type(cache).__name__}; this model needs a HybridIndexPoolCache "
             "(leave it empty and one is created, or build one with HybridIndexPoolCache(model.config))."
         )
-    if cache is not None:
-        cache.check_compatible(config, batch_size)
+    if cache is None:
+        return
+    theirs, ours = cache.layout, cache_layout(config)
+    differences = [f"{name}: cache {theirs[name]!r}, model {ours[name]!r}" for name in ours
+                   if theirs.get(name) != ours[name]]
+    if differences:
+        raise ValueError("This cache was built for another model (" + "; ".join(differences) + "); build one "
+                         "with HybridIndexPoolCache(model.config).")
+    if cache.batch_size not in (-1, batch_size):
+        raise ValueError(
+            f"The cache holds {cache.batch_size} rows but the input has {batch_size}; use a new cache, or resize it "
+            "with batch_repeat_interleave / batch_select_indices first."
+        )
 
 
 def token_is_real_mask(attention_mask, cache, batch_size, seq_len, device):

@@ -299,7 +299,11 @@ def fill_cache_synthetically(cache, context: int, seed: int) -> None:
                                                              generator=generator)))
         else:
             pooled.copy_(torch.randn(pooled.shape, generator=generator, dtype=pooled.dtype))
-    cache.extend_to(context)
+    # Count the synthetic tokens as held (every row, no padding); reserve() then re-reads the lengths for growth.
+    for layer in cache.index_layers:
+        layer.lengths.fill_(context)
+    cache.seen_tokens.fill_(context)
+    cache.reserve(cache.max_cache_len)
 
 
 def aten_calls(step) -> int:

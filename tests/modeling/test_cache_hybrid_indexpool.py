@@ -321,18 +321,6 @@ def test_an_fp8_cache_refuses_pooled_keys_that_are_not_packed():
         layer.update(torch.randn(1, 1, 4, 8), None, token_is_real, windows, torch.randn(1, 2, 16))
 
 
-def test_extend_to_counts_synthetic_content_and_refuses_beyond_the_reservation():
-    model = tiny_model()
-    cache = HybridIndexPoolCache(model.config, max_cache_len=64)
-    with torch.no_grad():
-        model(torch.randint(1, 97, (1, 5)), cache=cache, use_cache=True)
-    cache.extend_to(40)
-    assert cache.get_seq_length() == 40
-    assert all(layer.lengths.tolist() == [40] for layer in cache.index_layers)
-    with pytest.raises(ValueError, match="reserve"):
-        cache.extend_to(10_000)
-
-
 HC_PLE = dict(hc_count=3, hc_lowrank=8, ple_layers=[0, 2], ple_ngram_size=3, ple_heads_per_ngram=2, ple_embed_dim=12,
               ple_ngram_vocab_size_base=40, ple_vocab_size_multiple=8, eos_token_id=2)  # small n-gram tables
 

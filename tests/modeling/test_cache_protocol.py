@@ -60,8 +60,6 @@ def test_every_public_member_of_the_cache_works_or_names_what_to_use_instead():
         "rope_deltas": lambda: cache.rope_deltas is None,
         "layer_class_to_replicate": lambda: cache.layer_class_to_replicate is None,
         "offloading": lambda: cache.offloading is False,
-        "check_compatible": lambda: cache.check_compatible(config, 2) is None and refuses(
-            lambda: cache.check_compatible(config, 3), ValueError, "batch_repeat_interleave"),
         "memory_footprint": lambda: cache.memory_footprint()["key_value"] > 0,
         # Linear-attention states, as transformers' linear-attention layers give them.
         "get_conv_state": lambda: cache.get_conv_state(linear) is conv_state and refuses(
@@ -77,7 +75,7 @@ def test_every_public_member_of_the_cache_works_or_names_what_to_use_instead():
                                   ValueError, r"place_windows\(...\) then .update"),
         "update_indexer": lambda: refuses(lambda: cache.update_indexer(torch.zeros(2, 1, 8), attention), ValueError,
                                           "pooled_storage"),
-        "increase_count": lambda: refuses(lambda: cache.increase_count(linear, 0), ValueError, "extend_to"),
+        "increase_count": lambda: refuses(lambda: cache.increase_count(linear, 0), ValueError, r"cache.positions\(token_is_real\)"),
         "early_initialization": lambda: refuses(lambda: cache.early_initialization(2, 4, 8, torch.float32, "cpu"),
                                                 ValueError, r"max_cache_len=N\) and run the prompt's forward"),
         "offload": lambda: refuses(lambda: cache.offload(attention), NotImplementedError, "index_key_cache_dtype"),
@@ -95,9 +93,8 @@ def test_every_public_member_of_the_cache_works_or_names_what_to_use_instead():
         "batch_select_indices": lambda: cache.batch_select_indices(torch.tensor([0, 3])) is None
         and cache.batch_size == 2,
         "reserve": lambda: cache.reserve(30) is None and cache.index_layers[0].capacity >= 30,
-        "extend_to": lambda: cache.extend_to(25) is None and cache.get_seq_length() == 25,
-        "positions": lambda: cache.positions(torch.ones(2, 3, dtype=torch.bool)).tolist() == [[25, 26, 27]] * 2
-        and cache.get_seq_length() == 28,
+        "positions": lambda: cache.positions(torch.ones(2, 3, dtype=torch.bool)).tolist() == [[11, 12, 13]] * 2
+        and cache.get_seq_length() == 14,
         "reset": lambda: cache.reset() is None and cache.get_seq_length() == 0 and not cache.is_initialized,
     }
     public = {name for name in dir(cache) if not name.startswith("_")}

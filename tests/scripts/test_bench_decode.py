@@ -238,3 +238,21 @@ def test_synthetic_mla_cache_has_the_bytes_of_a_real_prefill_and_the_roofline_re
     states = real["cache_bytes"]["conv_state"] + real["cache_bytes"]["recurrent_state"]
     pooled_keys = (352 // 16) * 16 * 4
     assert real["roofline_bytes"] == weights + 64 * 4 + 2 * states + 47 * 24 * 4 + pooled_keys
+
+
+def test_synthetic_context_counts_as_held_and_refuses_beyond_the_reservation():
+    import torch
+    from model_factory import tiny_model
+
+    from hybrid_indexpool import HybridIndexPoolCache
+
+    model = tiny_model()
+    cache = HybridIndexPoolCache(model.config, max_cache_len=64)
+    with torch.no_grad():
+        model(torch.randint(1, 97, (2, 5)), cache=cache, use_cache=True)
+    bench_decode.fill_cache_synthetically(cache, 40, seed=0)
+    assert cache.get_seq_length() == 40
+    assert all(layer.lengths.tolist() == [40, 40] for layer in cache.index_layers)
+    assert cache.positions(torch.ones(2, 1, dtype=torch.bool)).tolist() == [[40], [40]]
+    with pytest.raises(ValueError, match="fewer than 10000"):
+        bench_decode.fill_cache_synthetically(cache, 10_000, seed=0)
