@@ -210,9 +210,8 @@ class LinearAttentionLayerCache(_LayerCache):
         there first, and the state it reaches is the recording's checkpoint."""
         return self._recording_start(token_is_real) if self.record_past else None
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0,
-                               checkpoint: torch.Tensor | None = None, rule_inputs: tuple[torch.Tensor, ...] | None = None,
-                               start: int | None = None) -> torch.Tensor:
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, checkpoint=None,
+                               rule_inputs: tuple[torch.Tensor, ...] | None = None, start: int | None = None):
         """Store the recurrent state after the new tokens (any pending replay has been run). While recording, from
         column `start` (`recording_start`; None: not recording, and what was recorded is dropped), also keep the state
         there (`checkpoint`, kept when a new recording starts) and the recorded columns' rule inputs `rule_inputs`."""
