@@ -26,7 +26,8 @@ def recording_bytes(config, recorded_tokens: int, dtype: torch.dtype = torch.bfl
     them, after `activate_past_recording(recurrent_states_to_keep=k)` or the crop of the previous one. By formula, for a
     model in `dtype` (rotary positions in `rope_streams` streams: 3 for a multimodal model's); one entry per layer.
     What each layer type records is described by `LinearAttentionLayerCache` and `IndexPoolLayerCache._record` (an
-    IndexPool layer's keys and values are stored by position anyway: a crop only lowers its lengths)."""
+    IndexPool layer's keys and values are stored by position anyway: a crop only lowers its lengths; its recording
+    holds the indexer's raw keys, gate logits and rotary positions of the recorded tokens and the r - 1 before them)."""
     element = torch.empty((), dtype=dtype).element_size()
     tokens, float32, int64, mask = recorded_tokens, 4, 8, 1
     kimi = config.linear_attention_type == "kimi_delta"
@@ -45,7 +46,8 @@ def recording_bytes(config, recorded_tokens: int, dtype: torch.dtype = torch.bfl
     ple_checkpoint = (config.ple_ngram_size - 1) * int64 + ple_width * ple_history * element
     ple_per_token = int64 + ple_width * element + 2 * mask
     gate_width = {"learned": config.index_head_dim, "learned_scalar": 1}.get(config.index_pool_weighting, 0)
-    index_entry = config.index_head_dim * element + gate_width * float32 + rope_streams * int64 + int64 + mask
+    index_entry = config.index_head_dim * element + gate_width * float32 + rope_streams * int64
+    index_masks = (3 if gate_width else 2) * mask  # each recorded window's (keys, gate logits, positions)
     indexer_types = config.indexer_types or ["full"] * len(config.layer_types)
     sizes = []
     for layer, layer_type in enumerate(config.layer_types):
@@ -54,7 +56,7 @@ def recording_bytes(config, recorded_tokens: int, dtype: torch.dtype = torch.bfl
             if layer in config.ple_layers:
                 size += ple_checkpoint + tokens * ple_per_token
         elif config.index_pool_size > 1 and indexer_types[layer] != "shared":
-            size = (config.index_pool_size - 1 + tokens) * index_entry
+            size = (config.index_pool_size - 1 + tokens) * index_entry + tokens * index_masks
         else:
             size = 0
         sizes.append(batch_size * size)

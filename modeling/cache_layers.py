@@ -113,13 +113,14 @@ class _LayerCache:
 
     def _drop_recording(self) -> None:
         """Forget what was recorded (a crop keeps the tokens before it for good)."""
+        self._windows: dict = {}  # a _WindowRecording per recorded window of last entries
 
-    def _recording_start(self, token_is_real: torch.Tensor, extra: int = 0) -> int:
+    def _recording_start(self, token_is_real: torch.Tensor) -> int:
         """The first of the new columns `token_is_real [batch, new]` to record: a forward longer than the
-        `recurrent_states_to_keep + 1` tokens a crop may remove (plus `extra`) records only the columns that hold each
-        row's last ones (the layers see each row's real tokens first). Reads the device for a long forward (recording
-        forwards run eagerly)."""
-        keep = None if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep + 1 + extra
+        `recurrent_states_to_keep + 1` tokens a crop may remove records only the columns that hold each row's last
+        ones (the layers see each row's real tokens first). Reads the device for a long forward (recording forwards
+        run eagerly)."""
+        keep = None if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep + 1
         if keep is None or token_is_real.shape[1] <= keep:
             return 0
         after = token_is_real.flip(1).long().cumsum(dim=1).flip(1)  # [batch, new] real tokens from each column on
@@ -169,8 +170,27 @@ class _LayerCache:
     def get_max_length(self) -> int:
         return -1 if self.max_cache_len is None else self.max_cache_len
 
+    def _recorded_tokens(self) -> torch.Tensor | None:
+        """`[batch, recorded]` the real tokens recorded since the checkpoint (None when nothing is recorded)."""
+        recording = next(iter(self._windows.values()), None)  # every window records the same columns
+        return None if recording is None else torch.cat(recording.token_is_real, dim=1)
+
+    def _kept(self, tokens_to_remove: int) -> torch.Tensor:
+        """`[batch, recorded]` the recorded real tokens a crop of `tokens_to_remove` keeps."""
+        recorded = self._recorded_tokens()
+        counts = recorded.long().cumsum(dim=1)
+        return recorded & (counts <= counts[:, -1:] - tokens_to_remove)
+
     def _check_crop(self, tokens_to_remove: int) -> None:
-        """Raise if `crop(tokens_to_remove)` (a count to remove) is impossible; change nothing."""
+        """Raise if `crop(tokens_to_remove)` (a count to remove) goes past what was recorded; change nothing."""
+        fewest = int(self._recorded_tokens().sum(dim=1).min())
+        if tokens_to_remove > fewest:
+            raise ValueError(
+                f"Cannot crop {tokens_to_remove} tokens: a {type(self).__name__} recorded only {fewest} since its "
+                f"last crop (a long forward records its last recurrent_states_to_keep + 1 = "
+                f"{(self.recurrent_states_to_keep or 0) + 1}); activate past recording with a larger "
+                "recurrent_states_to_keep."
+            )
 
 
 class LinearAttentionLayerCache(_LayerCache):
@@ -200,9 +220,9 @@ class LinearAttentionLayerCache(_LayerCache):
         return {index: state is not None for index, state in self.conv_states.items()}
 
     def _drop_recording(self) -> None:
+        super()._drop_recording()  # the windows by conv state
         self._checkpoint: torch.Tensor | None = None
         self._inputs: list[tuple[torch.Tensor, ...]] = []  # (query, key, value, log_decay, beta) per forward
-        self._windows: dict[int, _WindowRecording] = {}  # per conv state
 
     def recording_start(self, token_is_real: torch.Tensor) -> int | None:
         """Where the recording of the new tokens `token_is_real [batch, new]` starts: None when not recording, 0 for
@@ -238,38 +258,23 @@ class LinearAttentionLayerCache(_LayerCache):
         self.conv_states[state_idx] = _store(self.conv_states.get(state_idx), conv_states)
         return self.conv_states[state_idx]
 
-    def _recorded_tokens(self) -> torch.Tensor | None:
-        """`[batch, recorded]` the real tokens recorded since the checkpoint (None when nothing is recorded)."""
-        recording = next(iter(self._windows.values()), None)  # every window records the same columns
-        return None if recording is None else torch.cat(recording.token_is_real, dim=1)
-
     def _check_crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove <= 0 or not self._held():
             return
-        recorded = self._recorded_tokens()
-        if recorded is None:
+        if not self._windows:
             raise ValueError(
                 f"Cannot crop {tokens_to_remove} tokens: a linear-attention layer rolls back only the tokens fed "
                 "since cache.activate_past_recording(recurrent_states_to_keep=k) (generate() calls it for assisted "
                 "decoding) and the last crop; activate it before the forward whose tokens may be removed."
             )
-        fewest = int(recorded.sum(dim=1).min())
-        if tokens_to_remove > fewest:
-            raise ValueError(
-                f"Cannot crop {tokens_to_remove} tokens: a linear-attention layer recorded only {fewest} since its "
-                f"last crop (a long forward records its last recurrent_states_to_keep + 1 = "
-                f"{(self.recurrent_states_to_keep or 0) + 1}); activate past recording with a larger "
-                "recurrent_states_to_keep."
-            )
+        super()._check_crop(tokens_to_remove)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `tokens_to_remove` tokens of every row and forget the recording (`crop(0)` keeps every
         token for good): the windows are rebuilt now, the recurrent state at the next forward."""
         self._check_crop(tokens_to_remove)
-        recorded = self._recorded_tokens()
-        if tokens_to_remove > 0 and recorded is not None:
-            counts = recorded.long().cumsum(dim=1)
-            kept = recorded & (counts <= counts[:, -1:] - tokens_to_remove)  # [batch, recorded]
+        if tokens_to_remove > 0 and self._windows:
+            kept = self._kept(tokens_to_remove)
             for index, recording in self._windows.items():
                 self.conv_states[index] = _store(self.conv_states[index], recording.rebuild(kept))
             if self._inputs:
@@ -345,15 +350,11 @@ class IndexPoolLayerCache(_LayerCache):
         # Host-side upper bound of `lengths.max()`: decides growth without reading the device. Exact after every
         # multi-token write; a decode step adds one (not maintained inside a compiled step, whose capacity is fixed).
         self._length_bound = 0
-        # Per recorded forward: (raw keys, gate logits, rotary positions [batch, n, streams], positions, valid).
-        self._open_windows: list[tuple[torch.Tensor, ...]] | None = None
+        self._drop_recording()
 
     @property
     def _fixed_size(self) -> bool:
         return self.max_cache_len is not None
-
-    def _drop_recording(self) -> None:
-        self._open_windows = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -567,59 +568,34 @@ class IndexPoolLayerCache(_LayerCache):
                     storage.copy_(entries.gather(1, open_index[..., None].expand(-1, -1, entries.shape[-1])))
 
     def _record(self, new_tokens) -> None:
-        """Record the new tokens' raw indexer keys and gate logits by position (before they are stored); the first
-        recorded forward also records the open window it starts from. A long forward records its last
-        `recurrent_states_to_keep + r` tokens: a crop of up to `recurrent_states_to_keep + 1` reopens a window that
-        starts at most `r - 1` tokens earlier."""
+        """Record the new tokens' raw indexer keys, gate logits (float32) and rotary positions, each as a window of its
+        last r - 1 entries (`_WindowRecording`) that starts from the open window: what a crop needs to put back the
+        open window it reopens. Called before the new tokens are stored."""
         raw_index_keys, gate_logits, rope_positions, token_is_real = new_tokens
-        r = self.pool_size
-        start = self._recording_start(token_is_real, extra=r - 1)
-        if start > 0 or self._open_windows is None:
-            self._open_windows = []
-            if start == 0:
-                slots = torch.arange(r - 1, device=self.lengths.device)
-                self._open_windows.append(tuple(x.clone() for x in (
-                    self.open_index_keys, self.open_gate_logits if gate_logits is not None else None,
-                    self.open_window_position[:, None].expand(-1, r - 1, -1),
-                    (self.lengths // r)[:, None] * r + slots, slots < (self.lengths % r)[:, None])
-                    if x is not None))
-        positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1
-        # Copies: a slice of a forward's keys would keep all of them (a prompt's) alive until the crop.
-        self._open_windows.append(tuple(x.clone() for x in (
-            raw_index_keys[:, start:], None if gate_logits is None else gate_logits[:, start:].float(),
-            rope_positions[:, :, start:].permute(1, 2, 0), positions[:, start:], token_is_real[:, start:])
-            if x is not None))
-
-    def _reopened_window(self, tokens_to_remove: int):
-        """Where the recording holds each row's open window after removing `tokens_to_remove` tokens: `(index
-        [batch, r - 1] into the recorded entries, needed [batch, r - 1], the recorded entries by name)`; raises if an
-        entry was not recorded."""
-        names = ("keys", "gate_logits", "rope_positions", "positions", "valid")
-        if self.open_gate_logits is None:
-            names = ("keys", "rope_positions", "positions", "valid")
-        recorded = {name: torch.cat(parts, dim=1) for name, parts in zip(names, zip(*self._open_windows))}
-        r, remaining = self.pool_size, self.lengths - tokens_to_remove
-        wanted = (remaining // r * r)[:, None] + torch.arange(r - 1, device=remaining.device)  # [batch, r - 1]
-        needed = wanted < remaining[:, None]
-        match = recorded["valid"][:, None, :] & (recorded["positions"][:, None, :] == wanted[..., None])
-        if bool((needed & ~match.any(dim=-1)).any()):
-            raise ValueError(
-                f"Cannot crop {tokens_to_remove} tokens: the window this cut reopens starts before the tokens this "
-                f"IndexPool layer recorded (a long forward records its last recurrent_states_to_keep + "
-                f"index_pool_size tokens); activate past recording with a larger recurrent_states_to_keep."
-            )
-        return match.to(torch.uint8).argmax(dim=-1), needed, recorded
+        r, start = self.pool_size, self._recording_start(token_is_real)
+        new = {"keys": (raw_index_keys, self.open_index_keys), "gate_logits": (gate_logits, self.open_gate_logits),
+               "positions": (rope_positions.permute(1, 2, 0), self.open_window_position[:, None].expand(-1, r - 1, -1))}
+        if start > 0 or not self._windows:  # the open window's entries last, as the window before the new tokens
+            slots = (torch.arange(r - 1, device=self.lengths.device) + self.lengths[:, None] % r) % (r - 1)
+        for name, (entries, opened) in new.items():
+            if entries is None:
+                continue
+            sequence = entries.to(opened.dtype).transpose(1, 2)  # [batch, width, new]
+            if start > 0 or not self._windows.get(name):
+                state = opened.gather(1, slots[..., None].expand(-1, -1, opened.shape[-1])).transpose(1, 2)
+                sequence = torch.cat([state, sequence], dim=-1)
+            self._windows[name] = _WindowRecording.resume(self._windows.get(name), sequence, token_is_real, start)
 
     def _check_crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove <= 0 or self.lengths is None:
+            return
+        if self._windows:
+            super()._check_crop(tokens_to_remove)
             return
         remaining = self.lengths - tokens_to_remove
         if bool((remaining < 0).any()):
             raise ValueError(
                 f"Cannot crop {tokens_to_remove} tokens: a row holds only {int(self.lengths.min())} real tokens.")
-        if self._open_windows is not None:
-            self._reopened_window(tokens_to_remove)
-            return
         inside_open = remaining >= (self.lengths // self.pool_size) * self.pool_size
         on_boundary = remaining % self.pool_size == 0
         if self.pooled_storage is not None and not bool((inside_open | on_boundary).all()):
@@ -638,33 +614,34 @@ class IndexPoolLayerCache(_LayerCache):
         first rotary position of the window it reopens (its stale pooled key lies beyond the new length, invisible)."""
         self._check_crop(tokens_to_remove)
         if tokens_to_remove > 0 and self.lengths is not None:
-            if self._open_windows is not None and self.pool_size > 1:
-                index, needed, recorded = self._reopened_window(tokens_to_remove)
-
-                def gathered(entries, current):
-                    picked = entries.gather(1, index[..., None].expand(-1, -1, entries.shape[-1]))
-                    return torch.where(needed[..., None], picked.to(current.dtype), current)
-
-                self.open_index_keys.copy_(gathered(recorded["keys"], self.open_index_keys))
-                if self.open_gate_logits is not None:
-                    self.open_gate_logits.copy_(gathered(recorded["gate_logits"], self.open_gate_logits))
-                self.open_window_position.copy_(
-                    gathered(recorded["rope_positions"], self.open_window_position[:, None])[:, 0])
+            if self._windows:
+                # Each rebuilt window ends at the row's last kept token: the reopened window is its last `count`.
+                kept, r = self._kept(tokens_to_remove), self.pool_size
+                count = (self.lengths - tokens_to_remove) % r  # [batch]
+                first = (r - 1 - count).clamp(max=r - 2)[:, None]
+                needed = torch.arange(r - 1, device=count.device) < count[:, None]  # [batch, r - 1]
+                for name, current in (("keys", self.open_index_keys), ("gate_logits", self.open_gate_logits),
+                                      ("positions", self.open_window_position[:, None])):
+                    if current is not None:
+                        window = self._windows[name].rebuild(kept).transpose(1, 2)  # [batch, r - 1, width]
+                        index = (first + torch.arange(current.shape[1], device=count.device)).clamp(max=r - 2)
+                        picked = window.gather(1, index[..., None].expand(-1, -1, window.shape[-1]))
+                        current.copy_(torch.where(needed[:, : current.shape[1], None], picked, current))
             self.lengths.sub_(tokens_to_remove)
             self._length_bound = max(0, self._length_bound - tokens_to_remove)
         self._drop_recording()
 
     def _memory_footprint(self) -> dict[str, tuple[int, int]]:
         """`{component: (bytes in use, bytes reserved)}`; `rollback` is what a recording holds (the recorded tokens'
-        raw indexer keys, gate logits and positions, and the open window at the checkpoint; `recording_bytes` gives it
-        by formula)."""
+        raw indexer keys, gate logits and rotary positions, and the window before them; `recording_bytes` gives it by
+        formula)."""
         if self.lengths is None:
             return dict.fromkeys(("key_value", "pooled_index_keys", "open_window", "bookkeeping", "rollback"), (0, 0))
         tokens, windows = int(self.lengths.sum()), int((self.lengths // self.pool_size).sum())
         open_per_token = 0 if self.open_index_keys is None else self.open_index_keys.shape[-1] * sum(
             tensor.element_size() for tensor in (self.open_index_keys, self.open_gate_logits) if tensor is not None)
         fixed = {"bookkeeping": _bytes(self.lengths, self.open_window_position),
-                 "rollback": _bytes(*[x for part in self._open_windows or () for x in part])}
+                 "rollback": sum(recording.nbytes() for recording in self._windows.values())}
         return {
             "key_value": (tokens * _bytes(*[s[0, 0] for s in (self.key_storage, self.value_storage) if s is not None]),
                           _bytes(self.key_storage, self.value_storage)),
