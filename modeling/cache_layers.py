@@ -65,9 +65,10 @@ class _WindowRecording:
         """`recording` (a new one when None or when `start > 0`) with the new columns from `start` on added, from
         `sequence [batch, ..., count + new]` (the state, then the new entries)."""
         count = sequence.shape[-1] - token_is_real.shape[1]
-        if recording is None or start > 0:
-            recording = cls(last_real_entries(sequence[..., : count + start], token_is_real[:, :start].sum(dim=1),
-                                              count))
+        if recording is None or start > 0:  # the checkpoint: the window before the recorded columns
+            before = sequence[..., : count + start]
+            recording = cls(before.clone() if start == 0 else last_real_entries(
+                before, token_is_real[:, :start].sum(dim=1), count))
         # Copies: a slice of a forward's input would keep the whole input alive until the crop.
         recording.entries.append(sequence[..., count + start:].clone())
         recording.token_is_real.append(token_is_real[:, start:].clone())

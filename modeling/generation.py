@@ -1,4 +1,5 @@
-"""What the HybridIndexPool language-model heads share for `generate()`."""
+"""What the HybridIndexPool language-model heads share for `generate()`, and what the rollback recording of its
+verify forwards holds (`recording_bytes`)."""
 
 import torch
 from transformers.generation import GenerationMixin
@@ -8,6 +9,50 @@ from .cache_hybrid_indexpool import HybridIndexPoolCache
 from .mtp_drafting import HybridIndexPoolMTPCandidateGenerator
 
 logger = logging.get_logger(__name__)
+
+
+def recording_bytes(config, recorded_tokens: int, dtype: torch.dtype = torch.bfloat16, batch_size: int = 1,
+                    rope_streams: int = 1) -> list[int]:
+    """Bytes each layer's recording holds (the cache's `memory_footprint(layer_idx)["rollback"]`) after a forward of
+    `recorded_tokens` tokens over a cache that holds earlier ones: a verify forward of `k` drafts and the token before
+    them, after `activate_past_recording(recurrent_states_to_keep=k)` or the crop of the previous one. By formula, for a
+    model in `dtype` (rotary positions in `rope_streams` streams: 3 for a multimodal model's); one entry per layer.
+    What each layer type records is described by `LinearAttentionLayerCache` and `IndexPoolLayerCache._record` (an
+    IndexPool layer's keys and values are stored by position anyway: a crop only lowers its lengths; its recording
+    holds the indexer's raw keys, gate logits and rotary positions of the recorded tokens and the r - 1 before them)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    tokens, float32, int64, mask = recorded_tokens, 4, 8, 1
+    kimi = config.linear_attention_type == "kimi_delta"
+    key_heads, key_dim = config.linear_num_key_heads, config.linear_key_head_dim
+    value_heads, value_dim = config.linear_num_value_heads, config.linear_value_head_dim
+    conv_channels = 2 * key_heads * key_dim + value_heads * value_dim
+    conv_element = float32 if kimi else element  # KDA convolves in float32
+    decay_width = value_heads * (key_dim if kimi else 1)  # KDA decays per key channel
+    beta_element = float32 if kimi else element
+    linear_checkpoint = value_heads * key_dim * value_dim * float32 + conv_channels * (
+        config.linear_conv_kernel_dim - 1) * conv_element
+    linear_per_token = (conv_channels * element + decay_width * float32 + value_heads * beta_element
+                        + conv_channels * conv_element + mask)
+    ple_history = (config.ple_conv_kernel_size - 1) * config.ple_ngram_size
+    ple_width = config.hc_count * config.hidden_size
+    ple_checkpoint = (config.ple_ngram_size - 1) * int64 + ple_width * ple_history * element
+    ple_per_token = int64 + ple_width * element + 2 * mask
+    gate_width = {"learned": config.index_head_dim, "learned_scalar": 1}.get(config.index_pool_weighting, 0)
+    index_entry = config.index_head_dim * element + gate_width * float32 + rope_streams * int64
+    index_masks = (3 if gate_width else 2) * mask  # each recorded window's (keys, gate logits, positions)
+    indexer_types = config.indexer_types or ["full"] * len(config.layer_types)
+    sizes = []
+    for layer, layer_type in enumerate(config.layer_types):
+        if layer_type == "linear_attention":
+            size = linear_checkpoint + tokens * linear_per_token
+            if layer in config.ple_layers:
+                size += ple_checkpoint + tokens * ple_per_token
+        elif config.index_pool_size > 1 and indexer_types[layer] != "shared":
+            size = (config.index_pool_size - 1 + tokens) * index_entry + tokens * index_masks
+        else:
+            size = 0
+        sizes.append(batch_size * size)
+    return sizes
 
 
 class HybridIndexPoolGenerationMixin(GenerationMixin):

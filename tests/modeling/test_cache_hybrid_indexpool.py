@@ -5,7 +5,8 @@ import torch
 from model_factory import KIMI_DELTA, MLA, tiny_model
 
 from hybrid_indexpool import HybridIndexPoolCache
-from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache, recording_bytes
+from hybrid_indexpool.modeling.cache_hybrid_indexpool import IndexPoolLayerCache
+from hybrid_indexpool.modeling.generation import recording_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
