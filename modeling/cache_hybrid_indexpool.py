@@ -94,10 +94,8 @@ class HybridIndexPoolCache(Cache):
         return self.seen_tokens is not None
 
     def reset(self) -> None:
-        super().reset()
+        super().reset()  # each layer forgets the shared count too
         self.seen_tokens = self.rope_deltas = None
-        for layer in self.layers:
-            layer.seen_tokens = None
 
     def _map_batch(self, fn) -> None:
         """Apply `fn` to every batch-first tensor the cache holds (each layer's and the rotary offsets)."""

@@ -34,11 +34,8 @@ def _round_up(value: int, multiple: int) -> int:
 def _store(current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     """Keep `new` as the state: copied into `current` when it has the same layout and no gradient is involved (so the
     state keeps its address for CUDA graphs), otherwise `new` itself."""
-    if (
-        current is not None and current.shape == new.shape and current.dtype == new.dtype
-        and current.device == new.device
-        and not (torch.is_grad_enabled() and (new.requires_grad or current.requires_grad))
-    ):
+    same = current is not None and (current.shape, current.dtype, current.device) == (new.shape, new.dtype, new.device)
+    if same and not (torch.is_grad_enabled() and (new.requires_grad or current.requires_grad)):
         return current.copy_(new)
     return new
 
@@ -155,6 +152,7 @@ class _LayerCache:
         for name in self._batch_tensors:
             value = getattr(self, name)
             setattr(self, name, dict.fromkeys(value) if isinstance(value, dict) else None)
+        self.seen_tokens = None
         self._drop_recording()
 
     def get_seq_length(self) -> int:
