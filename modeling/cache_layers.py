@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from .layers import last_real_entries
+from .layers import FEW_TOKENS, last_real_entries
 
 # Positions a growing (non-reserved) cache adds at least, and the fraction of its size it adds at most beyond need.
 GROWTH_CHUNK = 256
@@ -62,13 +62,15 @@ class _WindowRecording:
         """`recording` (a new one when None or when `start > 0`) with the new columns from `start` on added, from
         `sequence [batch, ..., count + new]` (the state, then the new entries)."""
         count = sequence.shape[-1] - token_is_real.shape[1]
+        # Copies of a long forward's slices, which would keep its whole input (a prompt's) alive until the crop; a
+        # few tokens' own small tensors are kept as they are.
+        keep = torch.clone if token_is_real.shape[1] > FEW_TOKENS else (lambda tensor: tensor)
         if recording is None or start > 0:  # the checkpoint: the window before the recorded columns
             before = sequence[..., : count + start]
-            recording = cls(before.clone() if start == 0 else last_real_entries(
+            recording = cls(keep(before) if start == 0 else last_real_entries(
                 before, token_is_real[:, :start].sum(dim=1), count))
-        # Copies: a slice of a forward's input would keep the whole input alive until the crop.
-        recording.entries.append(sequence[..., count + start:].clone())
-        recording.token_is_real.append(token_is_real[:, start:].clone())
+        recording.entries.append(keep(sequence[..., count + start:]))
+        recording.token_is_real.append(keep(token_is_real[:, start:]))
         return recording
 
     def nbytes(self) -> int:
