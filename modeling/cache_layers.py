@@ -339,6 +339,7 @@ class IndexPoolLayerCache(_LayerCache):
         self._length_bound = 0
         # Per recorded forward: (raw keys, gate logits, rotary positions [batch, n, streams], positions, valid).
         self._open_windows: list[tuple[torch.Tensor, ...]] | None = None
+        self._reopened = None  # the last `_reopened_window` answer, with its count
 
     @property
     def is_compileable(self) -> bool:
@@ -346,7 +347,7 @@ class IndexPoolLayerCache(_LayerCache):
         return self.max_cache_len is not None and not self.record_past
 
     def _drop_recording(self) -> None:
-        self._open_windows = None
+        self._open_windows = self._reopened = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -587,28 +588,32 @@ class IndexPoolLayerCache(_LayerCache):
         `recurrent_states_to_keep + r` tokens: a crop of up to `recurrent_states_to_keep + 1` reopens a window that
         starts at most `r - 1` tokens earlier."""
         raw_index_keys, gate_logits, rope_positions, token_is_real = new_tokens
-        r = self.pool_size
+        r, num_new, device = self.pool_size, token_is_real.shape[1], self.lengths.device
         start = self._recording_start(token_is_real, extra=r - 1)
         if start > 0 or self._open_windows is None:
             self._open_windows = []
             if start == 0:
-                slots = torch.arange(r - 1, device=self.lengths.device)
-                self._open_windows.append(tuple(x.clone() for x in (
-                    self.open_index_keys, self.open_gate_logits if gate_logits is not None else None,
-                    self.open_window_position[:, None].expand(-1, r - 1, -1),
-                    (self.lengths // r)[:, None] * r + slots, slots < (self.lengths % r)[:, None])
-                    if x is not None))
-        positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1
-        # Copies: a slice of a forward's keys would keep all of them (a prompt's) alive until the crop.
-        self._open_windows.append(tuple(x.clone() for x in (
-            raw_index_keys[:, start:], None if gate_logits is None else gate_logits[:, start:].float(),
-            rope_positions[:, :, start:].permute(1, 2, 0), positions[:, start:], token_is_real[:, start:])
-            if x is not None))
+                slots, num_open = torch.arange(r - 1, device=device), (self.lengths % r)[:, None]
+                self._open_windows.append((
+                    self.open_index_keys.clone(), *([] if gate_logits is None else [self.open_gate_logits.clone()]),
+                    self.open_window_position.clone()[:, None].expand(-1, r - 1, -1),
+                    self.lengths[:, None] - num_open + slots, slots < num_open))
+        self._reopened = None
+        if num_new <= FEW_TOKENS:  # a verify forward's own small tensors, each row's real tokens first
+            part = (raw_index_keys, gate_logits, rope_positions.permute(1, 2, 0),
+                    self.lengths[:, None] + torch.arange(num_new, device=device), token_is_real)
+        else:  # copies: a slice of a long forward's keys would keep all of them (a prompt's) alive until the crop
+            positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1
+            part = tuple(None if x is None else x[:, start:].clone() for x in (
+                raw_index_keys, gate_logits, rope_positions.permute(1, 2, 0), positions, token_is_real))
+        self._open_windows.append(tuple(x for x in part if x is not None))
 
     def _reopened_window(self, tokens_to_remove: int):
         """Where the recording holds each row's open window after removing `tokens_to_remove` tokens: `(index
         [batch, r - 1] into the recorded entries, needed [batch, r - 1], the recorded entries by name)`; raises if an
-        entry was not recorded."""
+        entry was not recorded. Kept until the recording changes: a crop asks twice (to check, then to cut)."""
+        if self._reopened is not None and self._reopened[0] == tokens_to_remove:
+            return self._reopened[1]
         names = ("keys", "gate_logits", "rope_positions", "positions", "valid")
         if self.open_gate_logits is None:
             names = ("keys", "rope_positions", "positions", "valid")
@@ -623,7 +628,8 @@ class IndexPoolLayerCache(_LayerCache):
                 f"IndexPool layer recorded (a long forward records its last recurrent_states_to_keep + "
                 f"index_pool_size tokens); activate past recording with a larger recurrent_states_to_keep."
             )
-        return match.to(torch.uint8).argmax(dim=-1), needed, recorded
+        self._reopened = (tokens_to_remove, (match.to(torch.uint8).argmax(dim=-1), needed, recorded))
+        return self._reopened[1]
 
     def _check_crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove <= 0 or self.lengths is None:
