@@ -393,40 +393,41 @@ class IndexPoolLayerCache(_LayerCache):
         if open_logits is None and gate_logits is not None:
             open_logits = gate_logits.new_zeros(batch_size, r - 1, gate_logits.shape[-1])
         num_pooled, num_open = lengths // r, lengths % r
-        new_tokens = (raw_index_keys, gate_logits, rope_positions, token_is_real)
-        if num_new == 1:  # decode: the open window with the new token at its place, fixed shapes
-            slot = num_open[:, None, None]
-
-            def with_new(open_part, new_part):
-                window = torch.cat([open_part, new_part.to(open_part.dtype)], dim=1)  # room for r tokens
-                return window.scatter(1, slot.expand(-1, 1, open_part.shape[-1]), new_part.to(open_part.dtype))
-
-            first = torch.where((num_open == 0)[None], rope_positions[:, :, 0], open_position.T)  # [streams, batch]
-            return WindowPlacement(
-                keys=with_new(open_keys, raw_index_keys)[:, None],
-                gate_logits=None if gate_logits is None else with_new(open_logits, gate_logits)[:, None],
-                first_positions=first[:, :, None], complete=token_is_real & (num_open == r - 1)[:, None],
-                target=num_pooled[:, None], new_tokens=new_tokens)
-        # Any number of tokens: scatter the new real tokens after their row's open window, by position.
         num_windows = max(1, -(-(r - 1 + num_new) // r))
-        rows, columns = token_is_real.nonzero(as_tuple=True)
-        relative = num_open[rows] + token_is_real.long().cumsum(dim=1)[rows, columns] - 1
+        # The new real tokens take the slots after their row's open window's tokens. A few tokens (a decode step, a
+        # verify forward: each row's real tokens first, as the model lays them out) go by column, a padding column
+        # past the row's last real token, where nothing is read; more go by count, padding to a spare slot.
+        if num_new <= FEW_TOKENS:
+            spare = num_windows * r - (r - 1) - num_new
+            slots = num_open[:, None] if num_new == 1 else num_open[:, None] + torch.arange(num_new, device=device)
+        else:
+            spare = num_windows * r - (r - 1) - num_new + 1
+            slots = torch.where(token_is_real, num_open[:, None] + token_is_real.long().cumsum(dim=1) - 1,
+                                num_windows * r)
 
-        def scattered(new, open_part):  # [batch, windows * r, d]
-            buffer = new.new_zeros(batch_size, num_windows * r, new.shape[-1])
-            buffer[:, : open_part.shape[1]] = open_part.to(buffer.dtype)
-            buffer[rows, relative] = new[rows, columns].to(buffer.dtype)
-            return buffer
+        index = slots[..., None]
 
-        positions = scattered(rope_positions.permute(1, 2, 0), open_position[:, None])  # [batch, width, streams]
-        window_ids = torch.arange(num_windows, device=device)
+        def with_new(open_part, new_part):  # [batch, windows * r, d], fixed shapes
+            new_part = new_part.to(open_part.dtype)
+            window = torch.cat([open_part, new_part] + [new_part.new_zeros(batch_size, spare, new_part.shape[-1])] * (
+                spare > 0), dim=1).scatter(1, index.expand(-1, -1, new_part.shape[-1]), new_part)
+            return window if num_new <= FEW_TOKENS else window[:, : num_windows * r]  # without the spare slot
+
+        if num_new == 1:  # decode: one window, the open one, which the token may complete
+            first_positions = torch.where((num_open == 0)[None], rope_positions[:, :, 0], open_position.T)[..., None]
+            complete, target = token_is_real & (num_open == r - 1)[:, None], num_pooled[:, None]
+        else:
+            first_positions = with_new(open_position[:, None].expand(-1, r - 1, -1), rope_positions.permute(1, 2, 0))
+            first_positions = first_positions[:, ::r].permute(2, 0, 1)
+            window_ids = torch.arange(num_windows, device=device)
+            complete = window_ids < ((num_open + token_is_real.sum(dim=1)) // r)[:, None]
+            target = num_pooled[:, None] + window_ids
         return WindowPlacement(
-            keys=scattered(raw_index_keys, open_keys).view(batch_size, num_windows, r, index_head_dim),
-            gate_logits=None if gate_logits is None else scattered(gate_logits, open_logits).view(
+            keys=with_new(open_keys, raw_index_keys).view(batch_size, num_windows, r, index_head_dim),
+            gate_logits=None if gate_logits is None else with_new(open_logits, gate_logits).view(
                 batch_size, num_windows, r, gate_logits.shape[-1]),
-            first_positions=positions[:, ::r].permute(2, 0, 1),
-            complete=window_ids < ((num_open + token_is_real.sum(dim=1)) // r)[:, None],
-            target=num_pooled[:, None] + window_ids, new_tokens=new_tokens)
+            first_positions=first_positions, complete=complete, target=target,
+            new_tokens=(raw_index_keys, gate_logits, rope_positions, token_is_real))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None, token_is_real: torch.Tensor,
                windows: WindowPlacement | None = None, pooled_keys: torch.Tensor | None = None):
@@ -443,9 +444,11 @@ class IndexPoolLayerCache(_LayerCache):
                 f"This cache stores packed fp8 pooled keys, but got {pooled_keys.dtype} ones; quantise them first "
                 "(HybridIndexPoolIndexer.pool_windows(..., quantize=True))."
             )
+        # A decode step or a verify forward (a few tokens after the first write) writes by masked row-wise indexing
+        # (`rows [batch, 1]`): fixed shapes, no host synchronisation.
+        few = key_states.shape[-2] <= FEW_TOKENS and self.lengths is not None
+        rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None] if few else None
         self._make_room(key_states, value_states, token_is_real, windows, pooled_keys)
-        # A decode step writes by masked row-wise indexing (`rows`): fixed shapes, no host synchronisation.
-        rows = torch.arange(key_states.shape[0], device=key_states.device) if key_states.shape[-2] == 1 else None
         self._write_keys(key_states, value_states, token_is_real, rows)
         if windows is not None:
             if self.record_past and self.pool_size > 1:  # at r = 1 every token is its own window: none reopens
@@ -458,10 +461,10 @@ class IndexPoolLayerCache(_LayerCache):
 
     def _make_room(self, key_states, value_states, token_is_real, windows, pooled_keys) -> None:
         """Decide, on the host, the capacity these tokens need, and allocate or grow the storage to it. A multi-token
-        input (or the first one) counts its real tokens, which reads the device once; a decode step adds one to the
-        host-side bound and reads nothing."""
+        input (or the first one) counts its real tokens, which reads the device once; a few tokens (a decode step, a
+        verify forward) add their count to the host-side bound and read nothing."""
         batch_size, num_new = token_is_real.shape
-        if num_new == 1 and self.lengths is not None:
+        if num_new <= FEW_TOKENS and self.lengths is not None:
             if torch.compiler.is_compiling():
                 if self.max_cache_len is None:
                     raise RuntimeError(
@@ -470,7 +473,7 @@ class IndexPoolLayerCache(_LayerCache):
                         "never change."
                     )
                 return  # the reserved capacity holds every token up to max_cache_len
-            self._length_bound += 1
+            self._length_bound += num_new
         else:
             new_real = token_is_real.sum(dim=1)
             if self.lengths is not None:
@@ -515,14 +518,18 @@ class IndexPoolLayerCache(_LayerCache):
         _mark_static(self.key_storage, self.value_storage, self.pooled_storage)
 
     def _write_keys(self, key_states, value_states, token_is_real, rows) -> None:
-        """Write the new tokens' keys and values at their positions: one per row by masked writes at `rows` (decode),
-        or any number (reads the device for its shapes)."""
+        """Write the new tokens' keys and values at their positions: a few per row by masked writes at `rows`
+        (decode, a verify forward: each row's real tokens first, `update` made room for every column), or any number
+        (reads the device for its shapes)."""
         if rows is not None:
-            target = self.lengths.clamp(max=self.capacity - 1)
+            num_new = token_is_real.shape[1]
+            target = self.lengths[:, None] if num_new == 1 else self.lengths[:, None] + torch.arange(
+                num_new, device=rows.device)
+            target = target.clamp(max=self.capacity - 1)  # [batch, new]
             for storage, new in ((self.key_storage, key_states), (self.value_storage, value_states)):
                 if storage is not None:
-                    new = new[:, :, 0].to(storage.dtype)  # [batch, kv_heads, head_dim]
-                    storage[rows, target] = torch.where(token_is_real[..., None], new, storage[rows, target])
+                    new = new.transpose(1, 2).to(storage.dtype)  # [batch, new, kv_heads, head_dim]
+                    storage[rows, target] = torch.where(token_is_real[..., None, None], new, storage[rows, target])
             return
         positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1  # of the real tokens
         rows, columns = token_is_real.nonzero(as_tuple=True)
@@ -533,13 +540,19 @@ class IndexPoolLayerCache(_LayerCache):
 
     def _store_windows(self, windows: WindowPlacement, pooled_keys, token_is_real, rows) -> None:
         """Write the pooled keys of the complete windows and keep the tokens after the last one as the open window:
-        by masked writes at `rows` for a decode step, otherwise by reading which windows are complete."""
-        r = self.pool_size
+        by masked writes at `rows` for a few tokens, otherwise by reading which windows are complete."""
+        r, num_new = self.pool_size, token_is_real.shape[1]
         pooled_keys = pooled_keys.to(self.pooled_storage.dtype)
-        if rows is not None:
-            target = windows.target[:, 0].clamp(max=self.pooled_storage.shape[1] - 1)
-            self.pooled_storage[rows, target] = torch.where(windows.complete, pooled_keys[:, 0],
-                                                            self.pooled_storage[rows, target])
+        if rows is not None:  # the windows the new tokens can complete, whose indices the storage holds
+            written = (r - 1 + num_new) // r
+            target = windows.target[:, :written].clamp(max=self.pooled_storage.shape[1] - 1)
+            self.pooled_storage[rows, target] = torch.where(windows.complete[:, :written, None],
+                                                            pooled_keys[:, :written], self.pooled_storage[rows, target])
+        else:
+            complete_rows, complete_windows = windows.complete.nonzero(as_tuple=True)
+            self.pooled_storage[complete_rows, windows.target[complete_rows, complete_windows]] = \
+                pooled_keys[complete_rows, complete_windows]
+        if rows is not None and num_new == 1:
             # The placement's first position is the open window's own unless the new token opens one.
             self.open_window_position.copy_(torch.where(token_is_real, windows.first_positions[:, :, 0].T,
                                                         self.open_window_position))
@@ -551,16 +564,13 @@ class IndexPoolLayerCache(_LayerCache):
                     self.open_gate_logits.copy_(torch.where(
                         token_is_real[..., None], windows.gate_logits[:, 0, : r - 1], self.open_gate_logits))
             return
-        complete_rows, complete_windows = windows.complete.nonzero(as_tuple=True)
-        self.pooled_storage[complete_rows, windows.target[complete_rows, complete_windows]] = \
-            pooled_keys[complete_rows, complete_windows]
         # The tokens after the last complete window form the new open window.
         num_complete = windows.complete.sum(dim=1)
-        rows = torch.arange(num_complete.shape[0], device=num_complete.device)
+        batch = torch.arange(num_complete.shape[0], device=num_complete.device)
         last = num_complete.clamp(max=windows.keys.shape[1] - 1)
-        self.open_window_position.copy_(windows.first_positions.permute(1, 2, 0)[rows, last])
+        self.open_window_position.copy_(windows.first_positions.permute(1, 2, 0)[batch, last])
         if r > 1:
-            open_index = (num_complete[:, None] * r + torch.arange(r - 1, device=rows.device)).clamp(
+            open_index = (num_complete[:, None] * r + torch.arange(r - 1, device=batch.device)).clamp(
                 max=windows.keys.shape[1] * r - 1)
             for storage, entries in ((self.open_index_keys, windows.keys),
                                      (self.open_gate_logits, windows.gate_logits)):

@@ -63,21 +63,32 @@ def recurrent_gated_delta_rule_torch(
     output_dtype = value.dtype
     query, key, value, log_decay, beta = _prepare(query, key, value, log_decay, beta, use_qk_l2norm)
     batch_size, num_heads, seq_len, key_dim = key.shape
+    value_dim = value.shape[-1]
     state = (
-        torch.zeros(batch_size, num_heads, key_dim, value.shape[-1], dtype=torch.float32, device=value.device)
+        torch.zeros(batch_size, num_heads, key_dim, value_dim, dtype=torch.float32, device=value.device)
         if initial_state is None
         else initial_state.float()
     )
+    # Heads folded into the batch and every token's views taken at once: a step is then two batched products and
+    # five elementwise operators (a decode step's time is its operators' dispatch).
+    rows = batch_size * num_heads
+    state = state.reshape(rows, key_dim, value_dim)
+    query, key = query.reshape(rows, seq_len, 1, key_dim), key.reshape(rows, seq_len, 1, key_dim)
+    value = value.reshape(rows, seq_len, 1, value_dim)
+    decay = log_decay.exp().reshape(rows, seq_len, 1, 1)
+    beta = beta.reshape(rows, seq_len, 1, 1)
+    steps = zip(*(x.unbind(1) for x in (decay, key, key.transpose(-1, -2), value, beta, query)))
     outputs = []
-    for t in range(seq_len):
-        state = state * log_decay[:, :, t].exp()[..., None, None]
-        k_t = key[:, :, t]
-        predicted = torch.einsum("bhkv,bhk->bhv", state, k_t)
-        correction = (value[:, :, t] - predicted) * beta[:, :, t, None]
-        state = state + k_t[..., :, None] * correction[..., None, :]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", state, query[:, :, t]))
-    output = torch.stack(outputs, dim=2) if outputs else value.new_zeros(value.shape)
-    return output.transpose(1, 2).to(output_dtype), state
+    for decay_t, key_t, key_column, value_t, beta_t, query_t in steps:  # [rows, 1 or key_dim, 1 or value_dim] each
+        state = state * decay_t
+        correction = (value_t - torch.bmm(key_t, state)) * beta_t  # [rows, 1, value_dim]
+        state = state + key_column * correction
+        outputs.append(torch.bmm(query_t, state))
+    if not outputs:
+        return value.new_zeros(batch_size, seq_len, num_heads, value_dim).to(output_dtype), state.view(
+            batch_size, num_heads, key_dim, value_dim)
+    output = torch.cat(outputs, dim=1).view(batch_size, num_heads, seq_len, value_dim)
+    return output.transpose(1, 2).to(output_dtype), state.view(batch_size, num_heads, key_dim, value_dim)
 
 
 def chunk_gated_delta_rule_torch(

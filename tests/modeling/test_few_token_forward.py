@@ -80,3 +80,70 @@ def test_short_convolution_as_dot_products_equals_conv1d(num_tokens, dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(causal_conv1d_torch(conv_input, weight, "silu").float(), expected,
                                rtol=tolerance, atol=tolerance)
+
+
+def _indexpool_contents(cache) -> list[dict]:
+    """What each IndexPool layer of `cache` holds that a reader can see: every row's entries below its length."""
+    contents = []
+    for layer in cache.layers:
+        if not hasattr(layer, "pooled_storage"):
+            continue
+        rows = []
+        for row, length in enumerate(layer.lengths.tolist()):
+            r = layer.pool_size
+            held = {"length": length, "keys": layer.key_storage[row, :length]}
+            if layer.value_storage is not None:
+                held["values"] = layer.value_storage[row, :length]
+            if layer.pooled_storage is not None:
+                held["pooled"] = layer.pooled_storage[row, : length // r]
+                held["open_keys"] = layer.open_index_keys[row, : length % r]
+                if layer.open_gate_logits is not None:
+                    held["open_gate_logits"] = layer.open_gate_logits[row, : length % r]
+                if length % r:
+                    held["open_position"] = layer.open_window_position[row]
+            rows.append(held)
+        contents.append(rows)
+    return contents
+
+
+@pytest.mark.parametrize("variant", ["gated_deltanet", "mla", "glm_style", "learned_r1", "learned_r16",
+                                     "fp8_index_keys"])
+def test_the_cache_writes_a_few_tokens_as_the_general_path_does(variant, monkeypatch):
+    """A decode step or a verify forward writes its tokens into the IndexPool layers with fixed shapes (no host
+    synchronisation); the cache it leaves and the logits equal the general path's, bit for bit, with padding rows,
+    across window boundaries, after a crop."""
+    from hybrid_indexpool.modeling import cache_layers
+
+    overrides = dict(VARIANTS[variant])
+    if overrides.get("indexer_types"):
+        overrides["layer_types"] = ["linear_attention", "indexpool_attention"] * 2
+    model = tiny_model(seed=4, **overrides)
+    ids = _prompt(46, model.config.vocab_size, seed=7).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the second row is left-padded: its few-token forwards have padding columns too
+    mask[1, 33] = 0
+
+    def run(few_tokens: int):
+        monkeypatch.setattr(cache_layers, "FEW_TOKENS", few_tokens)
+        logits, states = [], []
+        with torch.no_grad():
+            cache = HybridIndexPoolCache(model.config)
+            cache.activate_past_recording(recurrent_states_to_keep=FEW_TOKENS)
+            model(ids[:, :29], attention_mask=mask[:, :29], cache=cache, use_cache=True)
+            for start, end, removed in ((29, 31, 1), (30, 35, 3), (32, 33, 0), (33, 41, 0), (41, 46, 2)):
+                logits.append(model(ids[:, start:end], attention_mask=mask[:, :end], cache=cache,
+                                    use_cache=True).logits)
+                cache.crop(-removed)
+                states.append(_indexpool_contents(cache))
+        return logits, states
+
+    general_logits, general_states = run(0)
+    few_logits, few_states = run(FEW_TOKENS)
+    for general, few in zip(general_logits, few_logits):
+        assert torch.equal(general, few)
+    for general_layers, few_layers in zip(general_states, few_states):
+        for general_rows, few_rows in zip(general_layers, few_layers):
+            for general, few in zip(general_rows, few_rows):
+                assert general.keys() == few.keys()
+                for name in general:
+                    assert torch.equal(torch.as_tensor(general[name]), torch.as_tensor(few[name])), name
