@@ -525,11 +525,11 @@ class IndexPoolLayerCache(_LayerCache):
             num_new = token_is_real.shape[1]
             target = self.lengths[:, None] if num_new == 1 else self.lengths[:, None] + torch.arange(
                 num_new, device=rows.device)
-            target = target.clamp(max=self.capacity - 1)  # [batch, new]
+            target, real = target.clamp(max=self.capacity - 1), token_is_real[..., None, None]  # [batch, new, ...]
             for storage, new in ((self.key_storage, key_states), (self.value_storage, value_states)):
                 if storage is not None:
                     new = new.transpose(1, 2).to(storage.dtype)  # [batch, new, kv_heads, head_dim]
-                    storage[rows, target] = torch.where(token_is_real[..., None, None], new, storage[rows, target])
+                    storage[rows, target] = torch.where(real, new, storage[rows, target])
             return
         positions = self.lengths[:, None] + token_is_real.long().cumsum(dim=1) - 1  # of the real tokens
         rows, columns = token_is_real.nonzero(as_tuple=True)

@@ -62,6 +62,16 @@ def recurrent_gated_delta_rule_torch(
     """
     output_dtype = value.dtype
     query, key, value, log_decay, beta = _prepare(query, key, value, log_decay, beta, use_qk_l2norm)
+    output, state = delta_rule_steps(query, key, value, log_decay.exp(), beta, initial_state)
+    return output.transpose(1, 2).to(output_dtype), state
+
+
+def delta_rule_steps(query, key, value, decay, beta, initial_state=None):
+    """The delta rule token by token over prepared inputs (heads first, float32): `query, key [batch, heads, seq,
+    key_dim]`, `value [batch, heads, seq, value_dim]`, `decay [batch, heads, seq(, key_dim)]` (what each step
+    multiplies the state's rows by: one factor per head, or one per key channel as in KDA), `beta [batch, heads,
+    seq]`. Returns the output `[batch, heads, seq, value_dim]` and the final state `[batch, heads, key_dim,
+    value_dim]`."""
     batch_size, num_heads, seq_len, key_dim = key.shape
     value_dim = value.shape[-1]
     state = (
@@ -75,7 +85,7 @@ def recurrent_gated_delta_rule_torch(
     state = state.reshape(rows, key_dim, value_dim)
     query, key = query.reshape(rows, seq_len, 1, key_dim), key.reshape(rows, seq_len, 1, key_dim)
     value = value.reshape(rows, seq_len, 1, value_dim)
-    decay = log_decay.exp().reshape(rows, seq_len, 1, 1)
+    decay = decay.reshape(rows, seq_len, decay.shape[3] if decay.dim() == 4 else 1, 1)
     beta = beta.reshape(rows, seq_len, 1, 1)
     steps = zip(*(x.unbind(1) for x in (decay, key, key.transpose(-1, -2), value, beta, query)))
     outputs = []
@@ -84,11 +94,10 @@ def recurrent_gated_delta_rule_torch(
         correction = (value_t - torch.bmm(key_t, state)) * beta_t  # [rows, 1, value_dim]
         state = state + key_column * correction
         outputs.append(torch.bmm(query_t, state))
+    state = state.view(batch_size, num_heads, key_dim, value_dim)
     if not outputs:
-        return value.new_zeros(batch_size, seq_len, num_heads, value_dim).to(output_dtype), state.view(
-            batch_size, num_heads, key_dim, value_dim)
-    output = torch.cat(outputs, dim=1).view(batch_size, num_heads, seq_len, value_dim)
-    return output.transpose(1, 2).to(output_dtype), state.view(batch_size, num_heads, key_dim, value_dim)
+        return value.new_zeros(batch_size, num_heads, seq_len, value_dim), state
+    return torch.cat(outputs, dim=1).view(batch_size, num_heads, seq_len, value_dim), state
 
 
 def chunk_gated_delta_rule_torch(

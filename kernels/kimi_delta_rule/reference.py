@@ -27,7 +27,7 @@ channel. Memory is bounded by one chunk: nothing grows with the sequence but the
 import torch
 import torch.nn.functional as F
 
-from ..gated_delta_rule.reference import l2_normalize
+from ..gated_delta_rule.reference import delta_rule_steps, l2_normalize
 
 SUB_CHUNK = 16
 
@@ -71,16 +71,7 @@ def recurrent_kimi_delta_rule_torch(
     """
     output_dtype = value.dtype
     query, key, value, log_decay, beta = _prepare(query, key, value, log_decay, beta, use_qk_l2norm)
-    state = _zero_state(key, value) if initial_state is None else initial_state.float()
-    outputs = []
-    for t in range(key.shape[2]):
-        state = state * log_decay[:, :, t, :, None].exp()
-        k_t = key[:, :, t]
-        predicted = torch.einsum("bhkv,bhk->bhv", state, k_t)
-        correction = (value[:, :, t] - predicted) * beta[:, :, t, None]
-        state = state + k_t[..., :, None] * correction[..., None, :]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", state, query[:, :, t]))
-    output = torch.stack(outputs, dim=2) if outputs else value.new_zeros(value.shape)
+    output, state = delta_rule_steps(query, key, value, log_decay.exp(), beta, initial_state)
     return output.transpose(1, 2).to(output_dtype), state
 
 
