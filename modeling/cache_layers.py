@@ -243,8 +243,9 @@ class LinearAttentionLayerCache(_LayerCache):
             if start > 0 or not self._inputs:
                 self._checkpoint = None if checkpoint is None else checkpoint.clone()
                 self._inputs = []
-            # Copies: slices of the projections would keep the whole forward's buffers (a prompt's) alive until a crop.
-            self._inputs.append(tuple(x.clone() for x in rule_inputs))
+            # Copies of a long forward's slices, which would keep its projections (a prompt's) alive until a crop.
+            few = start == 0 and rule_inputs[0].shape[1] <= FEW_TOKENS  # the whole forward is a few tokens
+            self._inputs.append(rule_inputs if few else tuple(x.clone() for x in rule_inputs))
         self.recurrent_states[state_idx] = _store(self.recurrent_states[state_idx], recurrent_states)
         return self.recurrent_states[state_idx]
 
