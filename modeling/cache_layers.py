@@ -382,8 +382,8 @@ class IndexPoolLayerCache(_LayerCache):
         """The windows new tokens touch: each row's open window followed by its new real tokens, by position. Takes
         `raw_index_keys [batch, new, index_head_dim]` (before norm and RoPE), `gate_logits [batch, new, gate_width]`
         (float32, without the slot bias) or None, `token_is_real [batch, new]` (padding takes no place) and
-        `rope_positions [streams, batch, new]`. A decode step (one token) gives one window per row, complete where
-        the token completes it, and reads nothing on the host. Changes nothing: `update` stores."""
+        `rope_positions [streams, batch, new]`. A few tokens (a decode step, a verify forward) are placed with fixed
+        shapes, reading nothing on the host. Changes nothing: `update` stores."""
         batch_size, num_new, index_head_dim = raw_index_keys.shape
         r, device = self.pool_size, raw_index_keys.device
         lengths = raw_index_keys.new_zeros(batch_size, dtype=torch.long) if self.lengths is None else self.lengths
@@ -397,22 +397,21 @@ class IndexPoolLayerCache(_LayerCache):
         num_windows = max(1, -(-(r - 1 + num_new) // r))
         # The new real tokens take the slots after their row's open window's tokens. A few tokens (a decode step, a
         # verify forward: each row's real tokens first, as the model lays them out) go by column, a padding column
-        # past the row's last real token, where nothing is read; more go by count, padding to a spare slot.
-        if num_new <= FEW_TOKENS:
-            spare = num_windows * r - (r - 1) - num_new
+        # past the row's last real token, where nothing is read; more go by count, padding to one spare slot more.
+        few = num_new <= FEW_TOKENS
+        spare = num_windows * r - (r - 1) - num_new + (not few)
+        if few:
             slots = num_open[:, None] if num_new == 1 else num_open[:, None] + torch.arange(num_new, device=device)
         else:
-            spare = num_windows * r - (r - 1) - num_new + 1
             slots = torch.where(token_is_real, num_open[:, None] + token_is_real.long().cumsum(dim=1) - 1,
                                 num_windows * r)
-
         index = slots[..., None]
 
         def with_new(open_part, new_part):  # [batch, windows * r, d], fixed shapes
             new_part = new_part.to(open_part.dtype)
             window = torch.cat([open_part, new_part] + [new_part.new_zeros(batch_size, spare, new_part.shape[-1])] * (
                 spare > 0), dim=1).scatter(1, index.expand(-1, -1, new_part.shape[-1]), new_part)
-            return window if num_new <= FEW_TOKENS else window[:, : num_windows * r]  # without the spare slot
+            return window if few else window[:, : num_windows * r]  # without the spare slot
 
         if num_new == 1:  # decode: one window, the open one, which the token may complete
             first_positions = torch.where((num_open == 0)[None], rope_positions[:, :, 0], open_position.T)[..., None]
