@@ -123,9 +123,8 @@ class HybridIndexPoolCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers' convention: `crop(-n)` removes `n`), after checking
-        every layer. After `activate_past_recording` every layer rolls back the tokens recorded since the last crop, as
-        if never fed, and forgets the recording; without one a linear-attention layer cannot roll back and an IndexPool
-        layer cuts only inside its open window or on a window boundary."""
+        every decoder layer: what they recorded since `activate_past_recording` or the last crop is rolled back, as if
+        never fed (without a recording an IndexPool layer cuts only within its open window or on a window boundary)."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number, crop(-n), to remove the last n tokens (the "

@@ -94,8 +94,6 @@ class _LayerCache:
 
     _batch_tensors: tuple[str, ...] = ()
     is_croppable = True
-    is_sliding = False
-    supports_early_init = False  # storage is allocated when the layer first writes, for what it must hold
     # While `record_past`, every forward records what `crop` needs to remove its tokens again; a long forward records
     # only its last `recurrent_states_to_keep + 1` tokens (any number when None).
     record_past = False
@@ -133,8 +131,7 @@ class _LayerCache:
 
     def _held(self) -> list[torch.Tensor]:
         held = []
-        for name in self._batch_tensors:
-            _map_tensors(getattr(self, name), held.append)
+        _map_tensors(tuple(getattr(self, name) for name in self._batch_tensors), held.append)
         return held
 
     @property
@@ -171,27 +168,19 @@ class _LayerCache:
     def get_max_length(self) -> int:
         return -1 if self.max_cache_len is None else self.max_cache_len
 
-    def _recorded_tokens(self) -> torch.Tensor | None:
-        """`[batch, recorded]` the real tokens recorded since the checkpoint (None when nothing is recorded)."""
-        recording = next(iter(self._windows.values()), None)  # every window records the same columns
-        return None if recording is None else torch.cat(recording.token_is_real, dim=1)
-
     def _kept(self, tokens_to_remove: int) -> torch.Tensor:
-        """`[batch, recorded]` the recorded real tokens a crop of `tokens_to_remove` keeps."""
-        recorded = self._recorded_tokens()
+        """`[batch, recorded]` the recorded real tokens a crop of `tokens_to_remove` keeps; raises if a row recorded
+        fewer (the check `crop` makes of every layer before it cuts any)."""
+        recorded = torch.cat(next(iter(self._windows.values())).token_is_real, dim=1)  # every window's columns
         counts = recorded.long().cumsum(dim=1)
-        return recorded & (counts <= counts[:, -1:] - tokens_to_remove)
-
-    def _check_crop(self, tokens_to_remove: int) -> None:
-        """Raise if `crop(tokens_to_remove)` (a count to remove) goes past what was recorded; change nothing."""
-        fewest = int(self._recorded_tokens().sum(dim=1).min())
-        if tokens_to_remove > fewest:
+        if tokens_to_remove > (fewest := int(counts[:, -1].min())):
             raise ValueError(
                 f"Cannot crop {tokens_to_remove} tokens: a {type(self).__name__} recorded only {fewest} since its "
                 f"last crop (a long forward records its last recurrent_states_to_keep + 1 = "
                 f"{(self.recurrent_states_to_keep or 0) + 1}); activate past recording with a larger "
                 "recurrent_states_to_keep."
             )
+        return recorded & (counts <= counts[:, -1:] - tokens_to_remove)
 
 
 class LinearAttentionLayerCache(_LayerCache):
@@ -201,11 +190,9 @@ class LinearAttentionLayerCache(_LayerCache):
     channels, history]` and 2 the last `ple_ngram_size - 1` token ids. `recurrent_states[0]`: `[batch, heads, key_dim,
     value_dim]`.
 
-    Rollback (`crop(-n)` after `activate_past_recording`) is by checkpoint and replay: the first recorded forward keeps
-    the recurrent state it starts from, and every recorded forward its tokens' delta-rule inputs (query, key, value, log
-    decay, beta) and each window's inputs. A crop rebuilds the windows from the kept inputs and leaves `replay_state`
-    (the checkpoint) and `replay_inputs` (the recorded inputs `[batch, recorded, ...]`, the removed tokens made no-ops:
-    zero beta and log decay), which the layer runs through its rule at its next forward, before the new tokens.
+    Rollback is by checkpoint and replay: a recording keeps the recurrent state it starts from and its tokens' rule and
+    window inputs; a crop rebuilds the windows and leaves `replay_state` (the checkpoint) and `replay_inputs` (`[batch,
+    recorded, ...]`, removed tokens made no-ops), which the layer runs through its rule before its next tokens.
     """
 
     _batch_tensors = ("conv_states", "recurrent_states", "replay_state", "replay_inputs")
@@ -226,9 +213,8 @@ class LinearAttentionLayerCache(_LayerCache):
         self._inputs: list[tuple[torch.Tensor, ...]] = []  # (query, key, value, log_decay, beta) per forward
 
     def recording_start(self, token_is_real: torch.Tensor) -> int | None:
-        """Where the recording of the new tokens `token_is_real [batch, new]` starts: None when not recording, 0 for
-        all of them, or a later column (a forward longer than a crop may remove): the layer then runs its rule to
-        there first, and the state it reaches is the recording's checkpoint."""
+        """The column where the recording of the new tokens `token_is_real [batch, new]` starts (None: not recording);
+        a later column than 0 when the forward is longer than a crop may remove (the checkpoint is the state there)."""
         return self._recording_start(token_is_real) if self.record_past else None
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, checkpoint=None,
@@ -269,7 +255,7 @@ class LinearAttentionLayerCache(_LayerCache):
                 "since cache.activate_past_recording(recurrent_states_to_keep=k) (generate() calls it for assisted "
                 "decoding) and the last crop; activate it before the forward whose tokens may be removed."
             )
-        super()._check_crop(tokens_to_remove)
+        self._kept(tokens_to_remove)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `tokens_to_remove` tokens of every row and forget the recording (`crop(0)` keeps every
@@ -288,9 +274,8 @@ class LinearAttentionLayerCache(_LayerCache):
         self._drop_recording()
 
     def _memory_footprint(self) -> dict[str, tuple[int, int]]:
-        """`{component: (bytes in use, bytes reserved)}`, all in use: the states, what a recording holds (`rollback`:
-        the checkpoint and the recorded tokens' inputs and masks, `recording_bytes` gives it by formula) and what a
-        crop left to replay (`replay`)."""
+        """`{component: (bytes in use, bytes reserved)}`, all in use: the states, what a recording holds (`rollback`;
+        `recording_bytes` gives it by formula) and what a crop left to replay (`replay`)."""
         rollback = _bytes(self._checkpoint, *[x for part in self._inputs for x in part]) + sum(
             recording.nbytes() for recording in self._windows.values())
         sizes = {"conv_state": _bytes(self.conv_states[0]), "recurrent_state": _bytes(self.recurrent_states[0]),
@@ -336,10 +321,10 @@ class IndexPoolLayerCache(_LayerCache):
         open_window_position: `[batch, streams]` rotary position of the open window's first token.
         lengths: `[batch]` int64, real tokens per row.
 
-    The indexer tensors stay None in a layer whose indexer is shared (it is updated without a placement). `update`
-    decides the storage it needs as it writes: reserved once for `max_cache_len` (what `generate()` passes), or grown
-    by at most 1/16 of what it holds, rounded up to `GROWTH_CHUNK` positions. A decode step (one token per row) uses
-    fixed shapes and reads nothing on the host.
+    The indexer tensors stay None in a layer whose indexer is shared. `update` decides the storage it needs as it
+    writes: reserved once for `max_cache_len` (what `generate()` passes), or grown by at most 1/16 of what it holds,
+    rounded up to `GROWTH_CHUNK` positions. A few tokens (a decode step, a verify forward) use fixed shapes and read
+    nothing on the host.
     """
 
     _batch_tensors = ("key_storage", "value_storage", "pooled_storage", "open_index_keys", "open_gate_logits",
@@ -601,7 +586,7 @@ class IndexPoolLayerCache(_LayerCache):
         if tokens_to_remove <= 0 or self.lengths is None:
             return
         if self._windows:
-            super()._check_crop(tokens_to_remove)
+            self._kept(tokens_to_remove)
             return
         remaining = self.lengths - tokens_to_remove
         if bool((remaining < 0).any()):
@@ -618,11 +603,9 @@ class IndexPoolLayerCache(_LayerCache):
             )
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `tokens_to_remove` real tokens of every row (as generated tokens are) and forget the
-        recording (`crop(0)` keeps every token for good). Keys and values are stored by position: nothing moves.
-        Without a recording a cut must fall inside each row's open window or on a window boundary (pooled windows
-        keep no raw keys); with one, a cut anywhere in the recorded tokens puts back the raw keys, gate logits and
-        first rotary position of the window it reopens (its stale pooled key lies beyond the new length, invisible)."""
+        """Drop the last `tokens_to_remove` real tokens of every row and forget the recording (`crop(0)` keeps every
+        token for good). Keys and values stay where they are; a cut into a pooled window puts back the open window it
+        reopens from the recording (its stale pooled key lies beyond the new length, invisible)."""
         self._check_crop(tokens_to_remove)
         if tokens_to_remove > 0 and self.lengths is not None:
             if self._windows:
@@ -643,9 +626,8 @@ class IndexPoolLayerCache(_LayerCache):
         self._drop_recording()
 
     def _memory_footprint(self) -> dict[str, tuple[int, int]]:
-        """`{component: (bytes in use, bytes reserved)}`; `rollback` is what a recording holds (the recorded tokens'
-        raw indexer keys, gate logits and rotary positions, and the window before them; `recording_bytes` gives it by
-        formula)."""
+        """`{component: (bytes in use, bytes reserved)}`; `rollback` is what a recording holds (`recording_bytes` gives
+        it by formula)."""
         if self.lengths is None:
             return dict.fromkeys(("key_value", "pooled_index_keys", "open_window", "bookkeeping", "rollback"), (0, 0))
         tokens, windows = int(self.lengths.sum()), int((self.lengths // self.pool_size).sum())
