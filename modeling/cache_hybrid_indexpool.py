@@ -5,7 +5,7 @@ raises an error that names what to use instead."""
 import torch
 from transformers.cache_utils import Cache
 
-from .cache_layers import IndexPoolLayerCache, LinearAttentionLayerCache, WindowPlacement, _bytes, _mark_static
+from .cache_layers import IndexPoolLayerCache, LinearAttentionLayerCache, _bytes, _mark_static
 
 
 def cache_layout(config) -> dict:
@@ -195,5 +195,4 @@ for _name, (_error, _advice) in _REFUSED.items():
     setattr(HybridIndexPoolCache, _name, _refusal(_name, _error, _advice))
 
 
-__all__ = ["HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache", "WindowPlacement",
-           "cache_layout"]
+__all__ = ["HybridIndexPoolCache", "IndexPoolLayerCache", "LinearAttentionLayerCache", "cache_layout"]

@@ -577,7 +577,7 @@ class IndexPoolLayerCache(_LayerCache):
             if entries is None:
                 continue
             sequence = entries.to(opened.dtype).transpose(1, 2)  # [batch, width, new]
-            if start > 0 or not self._windows.get(name):
+            if start > 0 or name not in self._windows:
                 state = opened.gather(1, slots[..., None].expand(-1, -1, opened.shape[-1])).transpose(1, 2)
                 sequence = torch.cat([state, sequence], dim=-1)
             self._windows[name] = _WindowRecording.resume(self._windows.get(name), sequence, token_is_real, start)
