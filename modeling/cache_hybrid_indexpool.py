@@ -49,8 +49,7 @@ class HybridIndexPoolCache(Cache):
         self.decoder_layers = self.layers[: self.num_decoder_layers]
         self.index_layers = [layer for layer in self.decoder_layers if isinstance(layer, IndexPoolLayerCache)]
         self.mtp_layers = self.layers[self.num_decoder_layers:]
-        self.max_cache_len = max_cache_len
-        self.layout = cache_layout(config)
+        self.max_cache_len, self.layout = max_cache_len, cache_layout(config)
         # Attention-mask columns seen (padding included): a device tensor advanced in place (so a compiled decode step
         # neither reads nor specialises on it), shared with the decoder layers.
         self.seen_tokens: torch.Tensor | None = None

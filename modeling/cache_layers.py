@@ -112,12 +112,14 @@ class _LayerCache:
     def _drop_recording(self) -> None:
         """Forget what was recorded (a crop keeps the tokens before it for good)."""
         self._windows: dict = {}  # a _WindowRecording per recorded window of last entries
+        self._kept_memo: tuple = (None,) * 4
 
-    def _recording_start(self, token_is_real: torch.Tensor) -> int:
-        """The first of the new columns `token_is_real [batch, new]` to record: a forward longer than the
-        `recurrent_states_to_keep + 1` tokens a crop may remove records only the columns that hold each row's last
-        ones (the layers see each row's real tokens first). Reads the device for a long forward (recording forwards
-        run eagerly)."""
+    def recording_start(self, token_is_real: torch.Tensor) -> int | None:
+        """The first of the new columns `token_is_real [batch, new]` to record (None: not recording): a forward longer
+        than the `recurrent_states_to_keep + 1` tokens a crop may remove records only the columns that hold each row's
+        last ones (each row's real tokens come first), from the state there. Reads the device for a long forward."""
+        if not self.record_past:
+            return None
         keep = None if self.recurrent_states_to_keep is None else self.recurrent_states_to_keep + 1
         if keep is None or token_is_real.shape[1] <= keep:
             return 0
@@ -148,8 +150,8 @@ class _LayerCache:
 
     def reset(self) -> None:
         """Forget everything (the next forward starts a new sequence)."""
-        for name in self._batch_tensors:
-            value = getattr(self, name)
+        for name in self._batch_tensors:  # (also what a new layer starts from)
+            value = getattr(self, name, None)
             setattr(self, name, dict.fromkeys(value) if isinstance(value, dict) else None)
         self.seen_tokens = None
         self._drop_recording()
@@ -171,7 +173,10 @@ class _LayerCache:
     def _kept(self, tokens_to_remove: int) -> torch.Tensor:
         """`[batch, recorded]` the recorded real tokens a crop of `tokens_to_remove` keeps; raises if a row recorded
         fewer (the check `crop` makes of every layer before it cuts any)."""
-        recorded = torch.cat(next(iter(self._windows.values())).token_is_real, dim=1)  # every window's columns
+        recording = next(iter(self._windows.values()))  # every window records the same columns
+        if self._kept_memo[:3] == (tokens_to_remove, recording, len(recording.entries)):
+            return self._kept_memo[3]  # the cache's check of every layer, then the cut
+        recorded = torch.cat(recording.token_is_real, dim=1)
         counts = recorded.long().cumsum(dim=1)
         if tokens_to_remove > (fewest := int(counts[:, -1].min())):
             raise ValueError(
@@ -180,7 +185,9 @@ class _LayerCache:
                 f"{(self.recurrent_states_to_keep or 0) + 1}); activate past recording with a larger "
                 "recurrent_states_to_keep."
             )
-        return recorded & (counts <= counts[:, -1:] - tokens_to_remove)
+        kept = recorded & (counts <= counts[:, -1:] - tokens_to_remove)
+        self._kept_memo = (tokens_to_remove, recording, len(recording.entries), kept)
+        return kept
 
 
 class LinearAttentionLayerCache(_LayerCache):
@@ -200,8 +207,7 @@ class LinearAttentionLayerCache(_LayerCache):
     def __init__(self):
         self.conv_states: dict[int, torch.Tensor | None] = {0: None}  # a PLE layer adds 1 and 2 when it first writes
         self.recurrent_states: dict[int, torch.Tensor | None] = {0: None}
-        self.replay_state = self.replay_inputs = None
-        self._drop_recording()
+        self.reset()
 
     @property
     def has_previous_state(self) -> dict[int, bool]:
@@ -211,11 +217,6 @@ class LinearAttentionLayerCache(_LayerCache):
         super()._drop_recording()  # the windows by conv state
         self._checkpoint: torch.Tensor | None = None
         self._inputs: list[tuple[torch.Tensor, ...]] = []  # (query, key, value, log_decay, beta) per forward
-
-    def recording_start(self, token_is_real: torch.Tensor) -> int | None:
-        """The column where the recording of the new tokens `token_is_real [batch, new]` starts (None: not recording);
-        a later column than 0 when the forward is longer than a crop may remove (the checkpoint is the state there)."""
-        return self._recording_start(token_is_real) if self.record_past else None
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, checkpoint=None,
                                rule_inputs: tuple[torch.Tensor, ...] | None = None, start: int | None = None):
@@ -332,12 +333,10 @@ class IndexPoolLayerCache(_LayerCache):
 
     def __init__(self, pool_size: int, max_cache_len: int | None = None, fp8_index_keys: bool = False):
         self.pool_size, self.max_cache_len, self.fp8_index_keys = pool_size, max_cache_len, fp8_index_keys
-        self.key_storage = self.value_storage = self.pooled_storage = None
-        self.open_index_keys = self.open_gate_logits = self.open_window_position = self.lengths = None
         # Host-side upper bound of `lengths.max()`: decides growth without reading the device. Exact after every
-        # multi-token write; a decode step adds one (not maintained inside a compiled step, whose capacity is fixed).
+        # multi-token write; a few tokens add their count (not maintained inside a compiled step, of fixed capacity).
         self._length_bound = 0
-        self._drop_recording()
+        self.reset()  # no tensors yet
 
     @property
     def _fixed_size(self) -> bool:
@@ -568,7 +567,7 @@ class IndexPoolLayerCache(_LayerCache):
         last r - 1 entries (`_WindowRecording`) that starts from the open window: what a crop needs to put back the
         open window it reopens. Called before the new tokens are stored."""
         raw_index_keys, gate_logits, rope_positions, token_is_real = new_tokens
-        r, start = self.pool_size, self._recording_start(token_is_real)
+        r, start = self.pool_size, self.recording_start(token_is_real)
         new = {"keys": (raw_index_keys, self.open_index_keys), "gate_logits": (gate_logits, self.open_gate_logits),
                "positions": (rope_positions.permute(1, 2, 0), self.open_window_position[:, None].expand(-1, r - 1, -1))}
         if start > 0 or not self._windows:  # the open window's entries last, as the window before the new tokens
@@ -576,11 +575,13 @@ class IndexPoolLayerCache(_LayerCache):
         for name, (entries, opened) in new.items():
             if entries is None:
                 continue
-            sequence = entries.to(opened.dtype).transpose(1, 2)  # [batch, width, new]
-            if start > 0 or name not in self._windows:
+            sequence = entries.transpose(1, 2).to(opened.dtype)  # [batch, width, new]
+            recording = self._windows.get(name)
+            if start > 0 or recording is None:
                 state = opened.gather(1, slots[..., None].expand(-1, -1, opened.shape[-1])).transpose(1, 2)
-                sequence = torch.cat([state, sequence], dim=-1)
-            self._windows[name] = _WindowRecording.resume(self._windows.get(name), sequence, token_is_real, start)
+                recording, sequence = (_WindowRecording(state), sequence) if start == 0 else (
+                    None, torch.cat([state, sequence], dim=-1))
+            self._windows[name] = _WindowRecording.resume(recording, sequence, token_is_real, start)
 
     def _check_crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove <= 0 or self.lengths is None:
