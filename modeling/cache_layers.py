@@ -131,16 +131,16 @@ class _LayerCache:
         for name in self._batch_tensors:
             setattr(self, name, _map_tensors(getattr(self, name), fn))
 
-    def _held(self) -> list[torch.Tensor]:
-        held = []
-        _map_tensors(tuple(getattr(self, name) for name in self._batch_tensors), held.append)
-        return held
+    def _held(self):
+        """The tensors the layer holds (lazily), one level into its dicts and tuples."""
+        for value in (getattr(self, name) for name in self._batch_tensors):
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else (value,)
+            yield from (item for item in items if item is not None)
 
     @property
     def batch_size(self) -> int:
         """Rows held, or -1 before the first write."""
-        held = self._held()
-        return held[0].shape[0] if held else -1
+        return next((tensor.shape[0] for tensor in self._held()), -1)
 
     @property
     def is_compileable(self) -> bool:
@@ -248,7 +248,7 @@ class LinearAttentionLayerCache(_LayerCache):
         return self.conv_states[state_idx]
 
     def _check_crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove <= 0 or not self._held():
+        if tokens_to_remove <= 0 or next(self._held(), None) is None:
             return
         if not self._windows:
             raise ValueError(
