@@ -173,11 +173,11 @@ class HybridIndexPoolGenerationMixin(GenerationMixin):
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
         )
         cache, attention_mask = model_inputs.get("cache"), model_inputs.get("attention_mask")
-        recording = isinstance(cache, HybridIndexPoolCache) and cache.decoder_layers[0].record_past
+        recording = isinstance(cache, HybridIndexPoolCache) and cache.is_recording_past(0)
         if recording and next_sequence_length is not None and next_sequence_length > 1:
             # A verify forward, right after the crop of the last one (nothing recorded): transformers' heuristic
             # schedule may have grown its drafts beyond what recording was activated for.
-            keep = cache.decoder_layers[0].recurrent_states_to_keep
+            keep = cache.get_recurrent_states_to_keep(0)
             if keep is not None and keep < next_sequence_length - 1:
                 cache.activate_past_recording(recurrent_states_to_keep=next_sequence_length - 1)
         if isinstance(cache, HybridIndexPoolCache) and cache.is_compileable and attention_mask is not None:
